@@ -1,0 +1,258 @@
+"""The saved-activation meter: what autograd keeps between forward and backward.
+
+Every tensor that autograd saves for backward passes through
+``torch.autograd.graph.saved_tensors_hooks``; the meter records it there (storage identity,
+bytes, shape, dtype, the innermost module running at that moment) and, after the forward, labels
+each record with the autograd node that holds it by walking the graph. Storages are counted once
+(a tensor kept by several ops, or several views of one buffer, cost one storage), and the
+storages of parameters and buffers are excluded: they live whether or not backward happens.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["SavedRecord", "SavedTensorMeter", "saved_bytes"]
+
+
+@dataclass
+class SavedRecord:
+    """One tensor packed for backward."""
+
+    index: int
+    storage_key: int
+    storage_nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    module: str
+    op: str = "?"
+    excluded: str | None = None  # "parameter" / "buffer" / "excluded" when not counted
+    duplicate_of: int | None = None  # index of the record that already counted this storage
+
+    @property
+    def counted_bytes(self) -> int:
+        """Bytes this record adds to the total (0 for excluded or already-counted storages)."""
+        if self.excluded is not None or self.duplicate_of is not None:
+            return 0
+        return self.storage_nbytes
+
+
+class _Packed:
+    """What the pack hook returns: the tensor itself plus the index of its record."""
+
+    __slots__ = ("tensor", "index")
+
+    def __init__(self, tensor: torch.Tensor, index: int):
+        self.tensor = tensor
+        self.index = index
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # Identity of the StorageImpl: equal for all views of one buffer; works for meta/fake tensors.
+    return t.untyped_storage()._cdata
+
+
+class SavedTensorMeter:
+    """Context manager that records every tensor autograd saves during a forward pass.
+
+    >>> meter = SavedTensorMeter(model)
+    >>> with meter:
+    ...     loss = model(x).sum()
+    >>> meter.attribute(loss)          # optional: label records with autograd node names
+    >>> meter.total_bytes, meter.by_module(), meter.by_op()
+
+    ``model`` (one module or several) supplies module names and the parameters/buffers to exclude;
+    ``exclude`` adds tensors whose storages are not counted (e.g. inputs you do not own). Any
+    ``nn.Parameter`` (or view of one) is excluded even when no model is given.
+    """
+
+    def __init__(self, model: nn.Module | Iterable[nn.Module] | None = None, exclude: Iterable[torch.Tensor] = ()):
+        modules = [] if model is None else ([model] if isinstance(model, nn.Module) else list(model))
+        self._names: dict[int, str] = {}
+        self._excluded: dict[int, str] = {}
+        for root in modules:
+            for name, mod in root.named_modules():
+                self._names.setdefault(id(mod), name or type(mod).__name__)
+            for p in root.parameters():
+                self._excluded[_storage_key(p)] = "parameter"
+            for b in root.buffers():
+                self._excluded[_storage_key(b)] = "buffer"
+        for t in exclude:
+            self._excluded[_storage_key(t)] = "excluded"
+        self.records: list[SavedRecord] = []
+        self._first_by_key: dict[int, int] = {}
+        self._stack: list[str] = []
+        self._introspect_log: list[int] | None = None
+        self._exit_stack: contextlib.ExitStack | None = None
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _module_name(self, mod: nn.Module) -> str:
+        return self._names.get(id(mod), type(mod).__name__)
+
+    def _pre_hook(self, mod, args):
+        parent = self._stack[-1] if self._stack else ""
+        name = self._module_name(mod)
+        if id(mod) not in self._names and parent:
+            name = f"{parent}/{name}"
+        self._stack.append(name)
+
+    def _post_hook(self, mod, args, out):
+        if self._stack:
+            self._stack.pop()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = _storage_key(t)
+        index = len(self.records)
+        excluded = self._excluded.get(key)
+        if excluded is None and (isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)):
+            excluded = "parameter"
+        rec = SavedRecord(
+            index=index,
+            storage_key=key,
+            storage_nbytes=t.untyped_storage().nbytes(),
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            device=str(t.device),
+            module=self._stack[-1] if self._stack else "",
+            excluded=excluded,
+        )
+        if excluded is None:
+            first = self._first_by_key.setdefault(key, index)
+            if first != index:
+                rec.duplicate_of = first
+        self.records.append(rec)
+        return _Packed(t, index)
+
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        if self._introspect_log is not None:
+            self._introspect_log.append(packed.index)
+        return packed.tensor
+
+    def __enter__(self) -> "SavedTensorMeter":
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        stack.callback(nn.modules.module.register_module_forward_pre_hook(self._pre_hook).remove)
+        stack.callback(nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True).remove)
+        self._exit_stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._exit_stack is not None
+        self._exit_stack.close()
+        self._exit_stack = None
+        self._stack.clear()
+
+    # -- attribution -----------------------------------------------------------------------
+    def attribute(self, *outputs: Any) -> "SavedTensorMeter":
+        """Label records with the autograd node that keeps them (walks the graph of ``outputs``).
+
+        Must be called before backward frees the graph. Records not reachable stay ``"?"``.
+        """
+        roots = [t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None]
+        seen: set[int] = set()
+        while roots:
+            node = roots.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            label = _node_label(node)
+            self._introspect_log = []
+            try:
+                _touch_saved(node)
+            finally:
+                log, self._introspect_log = self._introspect_log, None
+            for i in log:
+                if 0 <= i < len(self.records) and self.records[i].op == "?":
+                    self.records[i].op = label
+            roots.extend(n for n, _ in node.next_functions if n is not None)
+        return self
+
+    # -- results ---------------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        """Bytes kept for backward: distinct storages, parameters and buffers excluded."""
+        return sum(r.counted_bytes for r in self.records)
+
+    def counted(self) -> list[SavedRecord]:
+        return [r for r in self.records if r.counted_bytes]
+
+    def by_module(self, depth: int | None = None) -> "OrderedDict[str, int]":
+        """Counted bytes per module name (truncated to ``depth`` dotted components if given)."""
+        out: OrderedDict[str, int] = OrderedDict()
+        for r in self.counted():
+            name = r.module
+            if depth is not None and name:
+                name = ".".join(name.split(".")[:depth])
+            out[name] = out.get(name, 0) + r.counted_bytes
+        return out
+
+    def by_op(self) -> "OrderedDict[str, int]":
+        """Counted bytes per autograd node label (call :meth:`attribute` first)."""
+        out: OrderedDict[str, int] = OrderedDict()
+        for r in self.counted():
+            out[r.op] = out.get(r.op, 0) + r.counted_bytes
+        return out
+
+    def table(self, title: str = "Saved for backward"):
+        """A rich Table with one row per counted storage."""
+        from rich.table import Table
+
+        tab = Table(title=title)
+        for col in ("module", "op", "shape", "dtype", "bytes"):
+            tab.add_column(col, justify="right" if col == "bytes" else "left")
+        for r in self.counted():
+            tab.add_row(r.module, r.op, "x".join(map(str, r.shape)), str(r.dtype).replace("torch.", ""), f"{r.counted_bytes:,}")
+        tab.add_row("total", "", "", "", f"{self.total_bytes:,}", style="bold")
+        return tab
+
+
+def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+    elif hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        yield from _tensors_in(obj.to_tuple())
+
+
+def _node_label(node: Any) -> str:
+    name = type(node).__name__ if not hasattr(node, "name") else node.name()
+    for suffix in ("Backward0", "Backward1", "Backward"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] or name
+    return name
+
+
+def _touch_saved(node: Any) -> None:
+    """Unpack every tensor ``node`` saved, so the unpack hook logs which records it holds."""
+    if hasattr(node, "saved_tensors") and isinstance(node, torch.autograd.function.BackwardCFunction):
+        try:
+            node.saved_tensors
+        except RuntimeError:
+            pass
+        return
+    for attr in dir(node):
+        if attr.startswith("_saved_"):
+            try:
+                getattr(node, attr)
+            except RuntimeError:  # freed, or not a tensor
+                pass
+
+
+def saved_bytes(fn: Callable[[], Any], model: nn.Module | None = None, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes autograd keeps for backward while running ``fn()`` (see :class:`SavedTensorMeter`)."""
+    meter = SavedTensorMeter(model, exclude=exclude)
+    with meter:
+        out = fn()
+    del out
+    return meter.total_bytes
