@@ -1,0 +1,101 @@
+"""Per op: bytes kept for backward and forward+backward time, torch vs leanact, side by side.
+
+    python benchmarks/ops.py [--repeats 20] [--markdown]
+
+"kept alone" counts what the op's autograd node keeps (storages deduplicated, parameters
+excluded). "net in a layer" is what the op adds when the next Linear keeps its output anyway
+(the usual Transformer situation): bytes kept by op→Linear minus the Linear's own input.
+Times are medians of interleaved runs in one process, so both see the same machine state.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from leanact import nn as lnn
+from leanact.memory import saved_bytes
+
+
+def cases(rows: int, hidden: int):
+    ffn = 4 * hidden
+    return [
+        ("GELU (erf)", (rows, ffn), lambda: nn.GELU(), lambda: lnn.GELU()),
+        ("GELU (tanh)", (rows, ffn), lambda: nn.GELU("tanh"), lambda: lnn.GELU("tanh")),
+        ("LayerNorm", (rows, hidden), lambda: nn.LayerNorm(hidden), lambda: lnn.LayerNorm(hidden)),
+        ("RMSNorm", (rows, hidden), lambda: nn.RMSNorm(hidden), lambda: lnn.RMSNorm(hidden)),
+        ("Dropout p=0.1", (rows, hidden), lambda: nn.Dropout(0.1), lambda: lnn.Dropout(0.1)),
+    ]
+
+
+def _fill(module: nn.Module) -> nn.Module:
+    with torch.no_grad():  # non-trivial affine parameters, identical for both implementations
+        g = torch.Generator().manual_seed(0)
+        for p in module.parameters():
+            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return module
+
+
+def kept(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    alone = saved_bytes(lambda: module(x), module, exclude=[x])
+    nxt = nn.Linear(x.shape[-1], 8).to(x.dtype)
+    in_layer = saved_bytes(lambda: nxt(module(x)), [module, nxt], exclude=[x])
+    return alone, in_layer - x.numel() * x.element_size()
+
+
+def step(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    module(x).backward(g)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4096, help="tokens s·b (default 4096)")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, shape, make_ref, make_lean in cases(args.rows, args.hidden):
+            ref, lean = _fill(make_ref().to(dtype)), _fill(make_lean().to(dtype))
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
+            g = torch.randn(shape, dtype=dtype)
+            (ref_alone, ref_net), (lean_alone, lean_net) = kept(ref, x), kept(lean, x)
+            times = ([], [])
+            for i in range(args.repeats + 2):
+                for j, m in enumerate((ref, lean)):
+                    t = step(m, x, g)
+                    if i >= 2:
+                        times[j].append(t)
+            t_ref, t_lean = statistics.median(times[0]), statistics.median(times[1])
+            rows.append((name, str(dtype).replace("torch.", ""), "x".join(map(str, shape)), ref_alone, lean_alone,
+                         ref_net, lean_net, t_ref * 1e3, t_lean * 1e3, t_lean / t_ref))
+    header = ("op", "dtype", "shape", "torch kept", "leanact kept", "torch net in layer", "leanact net in layer",
+              "torch ms", "leanact ms", "time ratio")
+    fmt = lambda r: [r[0], r[1], r[2], f"{r[3]:,}", f"{r[4]:,}", f"{r[5]:,}", f"{r[6]:,}", f"{r[7]:.2f}",
+                     f"{r[8]:.2f}", f"{r[9]:.2f}x"]
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for r in rows:
+            print("| " + " | ".join(fmt(r)) + " |")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title=f"leanact ops vs torch (CPU, {torch.get_num_threads()} threads, fwd+bwd median of {args.repeats})")
+    for h in header:
+        tab.add_column(h, justify="left" if h in ("op", "dtype", "shape") else "right")
+    for r in rows:
+        tab.add_row(*fmt(r))
+    Console().print(tab)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Dropout that keeps an 8-byte seed for backward instead of a mask.
+
+``torch.nn.functional.dropout`` keeps a mask of the input's size (1 byte per element on CUDA,
+the input's dtype on the CPU). Here the keep-mask is a pure function of (seed, element index)
+(:mod:`leanact.ops.random`), so backward regenerates it from the seed: the only tensor saved is
+the seed, a 0-dim int64 tensor. Other random calls between forward and backward cannot change
+the regenerated mask, and in-place changes to the input or output after forward cannot corrupt
+the gradient (neither is kept).
+"""
+from __future__ import annotations
+
+import torch
+
+from .random import CHUNK, _as_seed, _cpu_range_blocks, _eager_chunks, _range_words, draw_seed, keep_threshold, seed_keys
+
+__all__ = ["dropout", "dropout_seeded"]
+
+
+def _check_p(p: float) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
+def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+    """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into ``x`` when ``inplace``)."""
+    thr, scale = keep_threshold(p), 1.0 / (1.0 - p)
+    n = x.numel()
+    if not _eager_chunks(x.device, n):
+        keep = (_range_words(*seed_keys(seed), 0, n, x.device) >= thr).view(x.shape)
+        return x.mul_(keep).mul_(scale) if inplace else x * keep * scale
+    # Eager CPU: blocks of CHUNK elements in C order, so the integer temporaries stay in cache.
+    write_back = inplace and not x.is_contiguous()
+    src = x.reshape(-1)
+    out = src if inplace and not write_back else torch.empty(n, dtype=x.dtype)
+    keep = torch.empty(CHUNK, dtype=torch.bool)
+    for j0, j1, words in _cpu_range_blocks(seed, 0, n):
+        k = torch.ge(words, thr, out=keep[: j1 - j0]).view(torch.uint8)  # float * uint8 is faster than * bool
+        torch.mul(src[j0:j1], k, out=out[j0:j1]).mul_(scale)
+    if write_back:
+        return x.copy_(out.view(x.shape))
+    return x if inplace else out.view(x.shape)
+
+
+class _SeededDropout(torch.autograd.Function):
+    """y = x * mask(seed) / (1 - p); saves only ``seed``; backward is the same op on dy."""
+
+    @staticmethod
+    def forward(ctx, x, seed, p, inplace):
+        ctx.p = p
+        ctx.save_for_backward(seed)
+        if inplace:
+            ctx.mark_dirty(x)
+        return _apply(x, seed, p, inplace)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (seed,) = ctx.saved_tensors
+        return _SeededDropout.apply(dy, seed, ctx.p, False), None, None, None
+
+
+def dropout_seeded(x: torch.Tensor, seed: torch.Tensor | int, p: float = 0.5, inplace: bool = False) -> torch.Tensor:
+    """Training-mode dropout with an explicit seed (0-dim int64 tensor or Python int).
+
+    The mask is ``keep_mask_like(seed, x.shape, p, x.device)``: the same seed gives the same mask
+    on every call and device. Saves only the seed for backward (8 bytes).
+    """
+    _check_p(p)
+    if p == 0.0 or x.numel() == 0:
+        return x
+    if p == 1.0:
+        return x.mul_(0.0) if inplace else x * 0.0
+    return _SeededDropout.apply(x, _as_seed(seed, x.device), float(p), bool(inplace))
+
+
+def dropout(
+    x: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.dropout`` that keeps an 8-byte seed, not a mask.
+
+    Each call draws a seed from ``generator`` (default: the default generator of ``x.device``,
+    so ``torch.manual_seed`` makes runs reproducible). Identity (returns ``x``) when
+    ``training=False`` or ``p == 0``; ``p == 1`` gives zeros (``x * 0``) and zero gradient.
+    """
+    _check_p(p)
+    if not training or p == 0.0 or x.numel() == 0:
+        return x
+    if p == 1.0:
+        return x.mul_(0.0) if inplace else x * 0.0
+    return _SeededDropout.apply(x, draw_seed(x.device, generator), float(p), bool(inplace))

@@ -1,0 +1,406 @@
+"""Exact memory-lean GELU: keep the output and one bit per element, rebuild the gradient.
+
+Tempo (arXiv 2210.10246) observed that the layer after a GELU keeps the GELU's output ``y``
+anyway, so a GELU that keeps ``y`` (instead of its input ``x``) costs almost nothing extra. GELU
+is not monotone, so ``y`` alone does not determine ``x``: one bit per element says on which side
+of the minimum ``x*`` (``GELU'(x*) = 0``) the input was. Tempo rebuilt ``GELU'(x)`` from ``y``
+with polynomial fits; this module instead *solves* ``GELU(x) = y`` on the stored branch with a
+fixed number of safeguarded Halley steps (no data-dependent control flow, so it traces under
+``torch.compile``) from an asymptotic initial guess, then evaluates the exact derivative.
+
+Kept for backward: ``y`` (``ctx.save_for_backward``, so modifying it in place afterwards makes
+backward raise) and ``ceil(numel / 8)`` bytes of packed branch bits. ``x`` is not kept.
+
+Precision (see ``docs/gelu_bound.md``). The stored ``y`` is ``GELU(x)`` rounded, so the true
+output lies within half an ulp of it; near the minimum the inverse has a square-root branch
+point and that rounding bounds *any* output-based rebuild (about ``sqrt(2 c ulp(y*)/2)``:
+8e-5 for fp32, 2e-2 for bf16). Elsewhere the rebuilt gradient matches the float64 truth to an
+ulp or two. To get there every step runs in a wider working precision than the storage:
+float32 for 16-bit inputs, float64 for float32 inputs; float64 inputs run in float64 with
+error-free products (Dekker), a compensated ``x/sqrt(2)`` and ``x**2`` in the tail, and an exact
+Taylor expansion of ``GELU`` about ``x*`` for the residual next to the minimum.
+
+The forward also differs from ``torch.nn.functional.gelu`` on purpose: torch evaluates
+``0.5*x*(1+erf(x/sqrt(2)))`` (or ``1+tanh``), which cancels for ``x < -3`` (fp32 at ``x=-5``:
+-1.19e-6 against the true -1.433e-6; ``-0.0`` at ``x=-8``). Here ``Phi(x) = erfc(-x/sqrt(2))/2``
+and the tanh form is ``x*sigmoid(2z)``, both free of cancellation, so leanact's output differs
+from torch's only where torch's has that error, and is the one closer to the float64 truth.
+Special values follow torch's float64 kernel: ``GELU(+inf) = inf``, ``GELU(-inf) = nan``,
+``GELU(nan) = nan``, signed zeros kept; the gradient at ``+-inf`` and ``nan`` is ``nan``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .bitpack import pack_bits, unpack_bits
+
+__all__ = ["gelu", "GeluFunction", "gelu_minimum", "gelu_grad_from_output"]
+
+_APPROXIMATE = ("none", "tanh")
+#: Elements per slice in eager mode: temporaries of the working precision stay small (and in
+#: cache) whatever the tensor size. Under torch.compile the whole tensor is one fused kernel.
+CHUNK = 1 << 16
+_CLAMP = 50.0  # beyond |x| = 50 every Phi/phi/sigmoid term below is exactly 0 or 1 (fp32 and fp64)
+_SQRT1_2 = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
+_HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
+_K1 = 2.0 * math.sqrt(2.0 / math.pi)  # tanh form: GELU(x) = x * sigmoid(v), v = K1 * (x + A x^3)
+_A = 0.044715
+_TAYLOR_TERMS = 32  # f(x*+d) - y* = sum_{n=2}^{31} p_n d^n: below 1e-18 relative for |d| <= 0.5
+_WINDOW = 0.5  # float64 only: |x - x*| below which the residual uses the Taylor expansion
+
+
+@dataclass(frozen=True)
+class _Consts:
+    """Per-mode constants (plain floats, so they trace as literals). ``*_lo``: double-double tails."""
+
+    xs: float
+    xs_lo: float
+    ys: float
+    ys_lo: float
+    c2: float  # GELU''(x*)
+    b1: float  # GELU'''(x*) / (3 GELU''(x*)), for the square-root initial guess
+    y_right: float  # right branch: y >= y_right uses the large-y guess
+    y_left: float  # left branch: y >= y_left uses the tail guess
+    taylor: tuple[float, ...]  # p_2 .. p_{N-1} of f(x* + d) - y*
+
+
+def _dd(v) -> tuple[float, float]:
+    hi = float(v)
+    return hi, float(v - hi)
+
+
+def _mode_constants(approximate: str) -> _Consts:
+    """Minimum, curvature and Taylor coefficients at the minimum, computed with mpmath (50 digits).
+
+    The Taylor coefficients come from the ODEs the functions satisfy (exact power-series
+    recurrences), not from fitting: erf form ``phi' = -x phi``; tanh form ``s' = s(1-s) v'``.
+    """
+    import mpmath as mp
+
+    n = _TAYLOR_TERMS
+    with mp.workdps(50):
+        if approximate == "none":
+            def grad(x):
+                return mp.ncdf(x) + x * mp.npdf(x)
+        else:
+            k1, a = 2 * mp.sqrt(2 / mp.pi), mp.mpf("0.044715")
+
+            def grad(x):
+                v = k1 * (x + a * x**3)
+                s = 1 / (1 + mp.exp(-v))
+                return s + x * s * (1 - s) * k1 * (1 + 3 * a * x**2)
+        xs = mp.findroot(grad, mp.mpf("-0.75"))
+        if approximate == "none":
+            # phi(x*+d) = phi(x*) E(d), E' = (-x* - d) E  ->  (m+1) E_{m+1} = -x* E_m - E_{m-1}
+            e = [mp.mpf(1), -xs]
+            for m in range(1, n):
+                e.append((-xs * e[m] - e[m - 1]) / (m + 1))
+            phis = mp.npdf(xs)
+            h = [mp.ncdf(xs)] + [phis * e[m - 1] / m for m in range(1, n)]  # Phi(x*+d)
+        else:
+            # h(d) = sigmoid(v(x*+d)); h' = h (1-h) v'(x*+d), v' a quadratic in d
+            vp = [k1 * (1 + 3 * a * xs**2), k1 * 6 * a * xs, k1 * 3 * a]
+            h = [1 / (1 + mp.exp(-k1 * (xs + a * xs**3)))]
+            for m in range(n - 1):
+                hh = [h[i] - sum(h[j] * h[i - j] for j in range(i + 1)) for i in range(m + 1)]
+                h.append(sum(hh[i] * vp[m - i] for i in range(m + 1) if m - i < 3) / (m + 1))
+        f = [xs * h[0]] + [xs * h[m] + h[m - 1] for m in range(1, n)]  # f = (x* + d) h(d)
+        xs_hi, xs_lo = _dd(xs)
+        ys_hi, ys_lo = _dd(f[0])
+        return _Consts(
+            xs=xs_hi, xs_lo=xs_lo, ys=ys_hi, ys_lo=ys_lo, c2=float(2 * f[2]), b1=float(f[3] / f[2]),
+            y_right=0.2, y_left=-0.12, taylor=tuple(float(c) for c in f[2:]),
+        )
+
+
+_CONSTS = {mode: _mode_constants(mode) for mode in _APPROXIMATE}
+
+
+def gelu_minimum(approximate: str = "none") -> tuple[float, float]:
+    """``(x*, y*)``: where GELU has its minimum and the minimum value (float64)."""
+    c = _CONSTS[_check(approximate)]
+    return c.xs, c.ys
+
+
+def _check(approximate: str) -> str:
+    if approximate not in _APPROXIMATE:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return approximate
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Working precision: one step wider than the storage (float64 stays float64)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype in (torch.float32, torch.float64):
+        return torch.float64
+    raise TypeError(f"leanact GELU supports floating dtypes float16/bfloat16/float32/float64, got {dtype}")
+
+
+# -- error-free float64 arithmetic (used only when storage and working precision are float64) --
+
+_SPLIT_MASK = -(1 << 27)  # keep the top 26 significant bits of a float64
+
+
+def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a = hi + lo`` exactly, ``hi`` with 26 significant bits (bit mask: immune to reassociation)."""
+    hi = torch.bitwise_and(a.view(torch.int64), _SPLIT_MASK).view(torch.float64)
+    return hi, a - hi
+
+
+def _split_float(c: float) -> tuple[float, float]:
+    t = torch.tensor([c], dtype=torch.float64)
+    hi, lo = _split(t)
+    return hi.item(), lo.item()
+
+
+def _prod_err(a: torch.Tensor, p: torch.Tensor, b, b_parts=None) -> torch.Tensor:
+    """Rounding error of ``p = fl(a*b)`` (Dekker): ``a*b - p``, exact up to 2**-100 relative."""
+    ah, al = _split(a)
+    bh, bl = b_parts if b_parts is not None else _split(b)
+    return ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+class _DDConst:
+    """A real constant as float64 ``hi`` (+ its 26-bit split) and the tail ``lo``."""
+
+    def __init__(self, value):
+        self.hi, self.lo = _dd(value)
+        self.parts = _split_float(self.hi)
+
+    def mul(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a * value = p + e``: ``p`` rounded, ``e`` its error (to ~2**-100 relative)."""
+        p = a * self.hi
+        return p, _prod_err(a, p, None, self.parts) + a * self.lo
+
+
+def _dd_consts():
+    import mpmath as mp
+
+    with mp.workdps(40):
+        k1 = 2 * mp.sqrt(2 / mp.pi)
+        return _DDConst(mp.sqrt(mp.mpf(1) / 2)), _DDConst(k1), _DDConst(k1 * mp.mpf("0.044715"))
+
+
+_C_SQRT1_2, _C_K1, _C_K3 = _dd_consts()
+
+
+# -- GELU and its derivatives in the working precision ----------------------------------------
+
+
+def _phi_cdf(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Phi(x), phi(x), x**2)`` with ``Phi = erfc(-x/sqrt 2)/2`` (no cancellation for x < 0)."""
+    if not precise:
+        x2 = xc * xc
+        return torch.special.erfc(xc * -_SQRT1_2) * 0.5, torch.exp(x2 * -0.5) * _INV_SQRT_2PI, x2
+    # float64: erfc(-(p + e)) with x/sqrt2 = p + e exactly; a 1-ulp error in p would cost x**2/2 ulps
+    p, e = _C_SQRT1_2.mul(xc)
+    cdf = torch.special.erfc(-p) * 0.5 + e * torch.exp(-p * p) * _INV_SQRT_PI
+    x2 = xc * xc
+    r = _prod_err(xc, x2, xc)  # x**2 = x2 + r exactly
+    pdf = torch.exp(x2 * -0.5) * (1.0 - 0.5 * r) * _INV_SQRT_2PI
+    return cdf, pdf, x2
+
+
+def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sigmoid(v), sigmoid(-v), x**2)`` for ``v = K1 (x + A x^3)`` (the tanh form, ``v = 2z``)."""
+    x2 = xc * xc
+    if not precise:
+        v = xc * (1.0 + _A * x2) * _K1
+        return torch.sigmoid(v), torch.sigmoid(-v), x2
+    # float64: v = K1 x + K3 x^3 to ~2**-100 relative: the tail has relative error |v| * err(v)
+    r = _prod_err(xc, x2, xc)  # x^2 = x2 + r
+    x3 = xc * x2
+    e3 = _prod_err(xc, x3, x2) + xc * r  # x^3 = x3 + e3
+    a1, ea1 = _C_K1.mul(xc)
+    a3, ea3 = _C_K3.mul(x3)
+    vh = a1 + a3
+    bb = vh - a1
+    vl = ((a1 - (vh - bb)) + (a3 - bb)) + ea1 + ea3 + e3 * _C_K3.hi
+    s, sm = torch.sigmoid(vh), torch.sigmoid(-vh)
+    t = s * sm * vl  # sigmoid(vh + vl) = s + s (1 - s) vl + O(vl^2)
+    return s + t, sm - t, x2
+
+
+def _derivs(x: torch.Tensor, approximate: str, precise: bool):
+    """``(f, f', f'', f''')`` of GELU at ``x`` (working precision; finite for finite x)."""
+    xc = x.clamp(-_CLAMP, _CLAMP)
+    if approximate == "none":
+        cdf, pdf, x2 = _phi_cdf(xc, precise)
+        return x * cdf, cdf + xc * pdf, pdf * (2.0 - x2), pdf * xc * (x2 - 4.0)
+    s, sm, x2 = _sigmoid_v(xc, precise)
+    p = s * sm
+    v1 = (1.0 + 3.0 * _A * x2) * _K1
+    v2 = xc * (6.0 * _A * _K1)
+    d = sm - s  # 1 - 2s without cancellation
+    s1 = p * v1
+    s2 = p * (d * v1 * v1 + v2)
+    s3 = p * ((1.0 - 6.0 * p) * v1 * v1 * v1 + 3.0 * d * v1 * v2 + 6.0 * _A * _K1)
+    return x * s, s + xc * s1, 2.0 * s1 + xc * s2, 3.0 * s2 + xc * s3
+
+
+def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tensor:
+    """GELU(x) in the working precision."""
+    xc = xw.clamp(-_CLAMP, _CLAMP)
+    if approximate == "none":
+        return xw * _phi_cdf(xc, precise)[0]
+    return xw * _sigmoid_v(xc, precise)[0]
+
+
+# -- the rebuild: solve GELU(x) = y on the stored branch, then GELU'(x) -------------------------
+
+
+def _initial_guess(y: torch.Tensor, right: torch.Tensor, big_y: torch.Tensor, approximate: str, c: _Consts):
+    """Asymptotic initial guess for x on each branch (|relative error| < ~5%).
+
+    Near the minimum ``y - y* = c2/2 d^2 (1 + b1 d + ...)``, so ``d ~ u / sqrt(1 + b1 u)`` with
+    ``u = +-sqrt(2 (y - y*) / c2)`` (the square-root branch point). Left tail: log space. Right,
+    large y: ``x = y + x (1 - cdf(x)) ~ y + y (1 - cdf(y))`` with the tail of ``1 - cdf`` in closed
+    form.
+    """
+    u = torch.sqrt(big_y.clamp_min(0.0) * (2.0 / c.c2))
+    u = torch.where(right, u, -u)
+    x_min = u * torch.rsqrt(1.0 + c.b1 * u) + c.xs
+    tiny = torch.finfo(y.dtype).tiny
+    lam = -torch.log(-y.clamp(max=-tiny))  # -ln(-y) > 0 on the left branch
+    yc = y.clamp(0.0, _CLAMP)
+    if approximate == "none":
+        # -y = phi(x) * |x| R(|x|), Mills ratio R(t) ~ 1/(t + 1/(t + 2/t)): -y ~ phi(x)(x^2+2)/(x^2+3)
+        lam = lam - _HALF_LN_2PI
+        w = 2.0 * lam
+        w = 2.0 * lam - 2.0 * torch.log1p(1.0 / (w + 2.0))
+        x_left = -torch.sqrt(w)
+        y2 = yc * yc
+        x_right = y + torch.exp(y2 * -0.5) * _INV_SQRT_2PI * (y2 + 2.0) / (y2 + 3.0)
+    else:
+        # -y = t sigmoid(-K1 (t + A t^3)), t = -x: K1 A t^3 + K1 t = lam + ln t - log1p(e^v); solve
+        # the cubic A t^3 + t = q by the hyperbolic formula, once with ln t = 0 then refined.
+        k = 1.5 * math.sqrt(3.0 * _A)
+
+        def cubic(q):
+            return torch.sinh(torch.asinh(q * k) * (1.0 / 3.0)) * (2.0 / math.sqrt(3.0 * _A))
+
+        t = cubic(lam * (1.0 / _K1))
+        v = t * (1.0 + _A * t * t) * -_K1
+        t = cubic((lam + torch.log(t) - torch.log1p(torch.exp(v))) * (1.0 / _K1))
+        x_left = -t
+        x_right = y + y * torch.sigmoid(yc * (1.0 + _A * yc * yc) * -_K1)
+    return torch.where(right, torch.where(y < c.y_right, x_min, x_right), torch.where(y < c.y_left, x_min, x_left))
+
+
+def _taylor_residual(d: torch.Tensor, c: _Consts) -> torch.Tensor:
+    """``f(x* + d) - y*`` from the Taylor expansion at the minimum (float64, |d| <= 0.5)."""
+    acc = torch.full_like(d, c.taylor[-1])
+    for coef in c.taylor[-2::-1]:
+        acc = acc * d + coef
+    return acc * d * d
+
+
+def _grad_w(y: torch.Tensor, right: torch.Tensor, approximate: str, precise: bool) -> torch.Tensor:
+    """GELU'(x) for the x with GELU(x) = y on the stored branch (working precision)."""
+    c = _CONSTS[approximate]
+    big_y = (y - c.ys) - c.ys_lo  # y - y*; exact next to the minimum (Sterbenz)
+    x = _initial_guess(y, right, big_y, approximate, c)
+    steps = 3 if precise else 2
+    g = x
+    for i in range(steps):
+        f, g0, f2, f3 = _derivs(x, approximate, precise)
+        r = f - y
+        if precise:  # next to the minimum f - y cancels: use the exact expansion there
+            d = (x - c.xs) - c.xs_lo
+            r = torch.where(d.abs() <= _WINDOW, _taylor_residual(d, c) - big_y, r)
+        gs = torch.where(g0 == 0, 1.0, g0)
+        q = r / gs
+        # Halley: x -= q / (1 - q f''/(2 f')), denominator clamped (safeguard far from the root)
+        step = q / (1.0 - 0.5 * q * f2 / gs).clamp(0.5, 2.0)
+        xn = x - step
+        xn = torch.where(right, xn.clamp_min(c.xs), xn.clamp_max(c.xs))  # stay on the branch
+        if i == steps - 1:  # f'(xn) from the expansion at x: no further erfc/exp evaluation
+            dx = xn - x
+            g = g0 + dx * (f2 + 0.5 * dx * f3)
+        x = xn
+    # y rounded to (or below) the minimum: the interval of possible outputs contains y*, where the
+    # derivative is 0. An underflowed y = 0 on the left branch: the derivative is below x^2 * tiny.
+    g = torch.where((big_y <= 0) | ((y == 0) & ~right), 0.0, g)
+    return torch.where(torch.isfinite(y), g, math.nan)  # +-inf, nan: nan, as torch
+
+
+def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*`` (same dtype as ``y``).
+
+    The rebuild used by backward, exposed for tests and analysis.
+    """
+    w = _work_dtype(y.dtype)
+    out = _grad_w(y.to(w), right, _check(approximate), precise=y.dtype == torch.float64)
+    return out.to(y.dtype)
+
+
+# -- autograd Function -------------------------------------------------------------------------
+
+
+def _slices(n: int):
+    if torch.compiler.is_compiling():
+        return [(0, n)]
+    return [(i, min(i + CHUNK, n)) for i in range(0, n, CHUNK)]
+
+
+def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
+    w = _work_dtype(x.dtype)
+    precise = x.dtype == torch.float64
+    xf = x.reshape(-1)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    yf = y.view(-1)
+    right = torch.empty(xf.shape, dtype=torch.bool, device=x.device) if with_bits else None
+    xs = _CONSTS[approximate].xs
+    for a, b in _slices(xf.numel()):
+        xw = xf[a:b].to(w)
+        yf[a:b] = _forward_w(xw, approximate, precise).to(x.dtype)
+        if right is not None:
+            right[a:b] = xw > xs  # compared in the working precision: the exact side of x*
+    return y, (pack_bits(right) if right is not None else None)
+
+
+class GeluFunction(torch.autograd.Function):
+    """``y = GELU(x)`` keeping ``y`` and one bit per element (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, approximate: str = "none"):
+        y, bits = _forward(x, approximate, with_bits=True)
+        ctx.approximate = approximate
+        ctx.save_for_backward(y, bits)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor):
+        y, bits = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        w = _work_dtype(y.dtype)
+        precise = y.dtype == torch.float64
+        right = unpack_bits(bits, y.numel())
+        yf, gf = y.reshape(-1), grad_y.reshape(-1)
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        of = out.view(-1)
+        for a, b in _slices(yf.numel()):
+            g = _grad_w(yf[a:b].to(w), right[a:b], ctx.approximate, precise)
+            of[a:b] = (gf[a:b].to(w) * g).to(y.dtype)
+        return out, None
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU that keeps only its output and 1 bit per element for backward (exact gradient).
+
+    Same signature and semantics as ``torch.nn.functional.gelu``. Without autograd (no grad mode
+    or ``x`` not requiring grad) nothing is kept and no bits are packed.
+    """
+    _check(approximate)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return GeluFunction.apply(x, approximate)
+    return _forward(x, approximate, with_bits=False)[0]

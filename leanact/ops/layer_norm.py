@@ -1,0 +1,156 @@
+"""LayerNorm whose backward needs only its output y and one rstd per row.
+
+The next Linear keeps y for its weight gradient anyway, so keeping y here costs no new storage
+(the meter and the allocator count one storage): the norm's net cost is one rstd per row, instead
+of torch's input + mean + rstd. Backward rebuilds the normalized input from the output:
+
+    x̂ = (y − β)/γ,  g = dy·γ,  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)),
+    dγ = Σ_rows dy·x̂ = (Σ_rows dy·(y − β))/γ,  dβ = Σ_rows dy,
+
+with g·x̂ = dy·(y − β) (no division there). Means are over the normalized dims. Arithmetic is in
+fp32 for 16-bit inputs and in fp64 for fp64.
+
+When is x̂ = (y − β)/γ exact enough? y is rounded to its dtype (unit roundoff u), with absolute
+error ≤ u·(|y| + tiny) (tiny = smallest normal, the subnormal spacing), so x̂ recovered from y
+is off by ≤ u·(|x̂| + |β/γ| + tiny/|γ|). The |x̂| term is the rounding y carries anyway; the
+others are amplification. The op recovers x̂ from y only if every channel satisfies
+
+    |γ| ≥ tiny                      (no subnormal y, no overflow of 1/γ; tiny/|γ| ≤ 1),
+    |β| ≤ max_ratio·|γ|             (at most max_ratio extra units of y's rounding),
+    |γ|·sqrt(N) + |β| ≤ max         (y cannot overflow: |x̂| ≤ sqrt(N)),
+
+and γ, β are finite; otherwise it falls back to torch's own layer_norm (keeps the input, mean and
+rstd). ``max_ratio`` defaults to 8: the recovered x̂ is then within u·(|x̂| + 9) of the exact one,
+i.e. the worst channel loses about 3 bits of y's precision. Note the rule is per tensor: one bad
+channel moves the whole tensor to the fallback.
+
+The decision reads γ and β on the host (one tiny reduction and one sync) and is cached per weight
+tensor, keyed on (data_ptr, _version) of γ and β, so it runs once per optimizer step (in-place
+updates bump _version; writes through ``.data`` do not, so after ``p.data.copy_(...)`` pass
+``from_output`` explicitly or call :func:`clear_decision_cache`). Callers can skip the check with
+``from_output=True/False``. Under torch.compile the automatic check graph-breaks (it is wrapped
+in ``torch.compiler.disable``); the op itself traces with ``fullgraph=True`` when ``from_output``
+is given.
+
+Caveats: the output is saved for backward, so modifying it in place before backward raises (torch's
+LayerNorm allows it); double backward raises (``once_differentiable``) on the from-output path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO"]
+
+DEFAULT_MAX_RATIO = 8.0
+
+_DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def clear_decision_cache() -> None:
+    """Forget cached from-output decisions (needed only after writes that skip ``_version``)."""
+    _DECISIONS.clear()
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; everything else (fp32, bf16, fp16) is computed in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
+    fi = torch.finfo(dtype)
+    ref = weight if weight is not None else bias
+    ct = torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
+    with torch.no_grad():
+        g = weight.detach().to(ct).abs().reshape(-1) if weight is not None else torch.ones_like(bias, dtype=ct).reshape(-1)
+        ok = torch.isfinite(g) & (g >= fi.tiny)
+        bound = g * math.sqrt(n)
+        if bias is not None:
+            b = bias.detach().to(ct).abs().reshape(-1)
+            ok &= torch.isfinite(b) & (b <= max_ratio * g)
+            bound = bound + b
+        ok &= bound <= fi.max
+        return bool(ok.all())
+
+
+@torch.compiler.disable
+def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = DEFAULT_MAX_RATIO) -> bool:
+    """True when x̂ can be recovered from a ``dtype`` output y = γ·x̂ + β accurately (see module doc).
+
+    ``n`` is the number of normalized elements per row. Cached per weight on (data_ptr, _version).
+    """
+    if weight is None and bias is None:
+        return True
+    ref = weight if weight is not None else bias
+    key = tuple((t.data_ptr(), t._version) if t is not None else None for t in (weight, bias)) + (n, dtype, max_ratio)
+    hit = _DECISIONS.get(ref)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    ok = _check(weight, bias, n, dtype, max_ratio)
+    _DECISIONS[ref] = (key, ok)
+    return ok
+
+
+class LayerNormFromOutput(torch.autograd.Function):
+    """LayerNorm that saves (y, rstd) and recovers x̂ = (y − β)/γ in backward (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps):
+        y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.save_for_backward(y, rstd, weight, bias)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        # Rebuild x − μ = (y − β)/(γ·rstd) in the compute dtype and hand it, with mean 0 and the
+        # saved rstd, to torch's fused LayerNorm backward: it then sees x̂ = (y − β)/γ and computes
+        # exactly dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dγ = Σ dy·x̂, dβ = Σ dy, in one kernel.
+        y, rstd, w, b = ctx.saved_tensors
+        ct = compute_dtype(y.dtype)
+        r = rstd.to(ct)
+        wc = None if w is None else w.to(ct)
+        bc = None if b is None else b.to(ct)
+        xc = y.to(ct, copy=True) if bc is None else torch.sub(y, bc)  # a fresh buffer: y stays intact
+        if wc is not None:
+            xc.div_(wc)
+        xc.div_(r)
+        mask = [ctx.needs_input_grad[0], w is not None and ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]]
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy.to(ct), xc, ctx.normalized_shape, torch.zeros_like(r), r, wc, bc, mask)
+        return (None if dx is None else dx.to(dy.dtype), None if dw is None else dw.to(w.dtype),
+                None if db is None else db.to(b.dtype), None, None)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    from_output: bool | None = None,
+    max_ratio: float = DEFAULT_MAX_RATIO,
+) -> torch.Tensor:
+    """``F.layer_norm`` (identical output) that keeps only y and rstd for backward.
+
+    from_output: True = recover x̂ from y (caller vouches for γ, β); False = torch's layer_norm,
+        which keeps the input; None (default) = decide from γ, β with :func:`from_output_ok`
+        (cached; graph-breaks under torch.compile).
+    max_ratio: largest |β|/|γ| accepted by the automatic decision (see module doc).
+    Without grad (no_grad, eval with frozen inputs) this is plain ``F.layer_norm``, saving nothing.
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not needs_grad:
+        return F.layer_norm(x, shape, weight, bias, eps)
+    if from_output is None:
+        from_output = from_output_ok(weight, bias, math.prod(shape), x.dtype, max_ratio)
+    if not from_output:
+        return F.layer_norm(x, shape, weight, bias, eps)
+    return LayerNormFromOutput.apply(x, weight, bias, shape, eps)
