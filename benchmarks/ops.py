@@ -32,10 +32,16 @@ def cases(rows: int, hidden: int):
 
 
 def _fill(module: nn.Module) -> nn.Module:
-    with torch.no_grad():  # non-trivial affine parameters, identical for both implementations
+    # Non-trivial affine parameters, identical for both implementations, in the range trained
+    # Transformers have (γ in [0.5, 1.5], |β| ≲ 1): leanact's norms fall back to keeping their input
+    # when some |β/γ| > 8 or γ ≈ 0 (see leanact.ops.layer_norm).
+    with torch.no_grad():
         g = torch.Generator().manual_seed(0)
-        for p in module.parameters():
-            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+        for name, p in module.named_parameters():
+            if name == "weight":
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return module
 
 

@@ -139,6 +139,18 @@ def test_matches_torch(op, shape, dtype):
     assert saved_bytes(lambda: fn(x.requires_grad_(), *ps), exclude=ps) == x.numel() * x.element_size() + rows * rstd
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_rms_composite_forward_matches_torch(dtype):
+    from leanact.ops.rms_norm import _composite, _fused
+
+    x, w = torch.randn(3, 5, 4, 6, dtype=dtype), gamma((4, 6), dtype)
+    for weight in (w, None):
+        y, rstd = _composite(x, (4, 6), weight, None)
+        y2, rstd2 = _fused(x, (4, 6), weight, None)
+        assert torch.equal(y, F.rms_norm(x, (4, 6), weight)) and torch.equal(y, y2)
+        torch.testing.assert_close(rstd, rstd2)
+
+
 # --- small γ: exact fallback, no NaN/inf --------------------------------------------------------
 
 def _ln_case(kind, dtype):

@@ -41,6 +41,15 @@ def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torc
     return x if inplace else out.view(x.shape)
 
 
+def _check_inplace(x: torch.Tensor) -> None:
+    # Raise torch's error before anything is written (mark_dirty would raise only afterwards).
+    if torch.is_grad_enabled() and x.requires_grad:
+        if x.is_leaf:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        if x._is_view() and x._base.is_leaf:
+            raise RuntimeError("a view of a leaf Variable that requires grad is being used in an in-place operation.")
+
+
 class _SeededDropout(torch.autograd.Function):
     """y = x * mask(seed) / (1 - p); saves only ``seed``; backward is the same op on dy."""
 
@@ -67,6 +76,8 @@ def dropout_seeded(x: torch.Tensor, seed: torch.Tensor | int, p: float = 0.5, in
     _check_p(p)
     if p == 0.0 or x.numel() == 0:
         return x
+    if inplace:
+        _check_inplace(x)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
     return _SeededDropout.apply(x, _as_seed(seed, x.device), float(p), bool(inplace))
@@ -88,6 +99,8 @@ def dropout(
     _check_p(p)
     if not training or p == 0.0 or x.numel() == 0:
         return x
+    if inplace:
+        _check_inplace(x)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
     return _SeededDropout.apply(x, draw_seed(x.device, generator), float(p), bool(inplace))

@@ -51,8 +51,8 @@ _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 _HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
 _K1 = 2.0 * math.sqrt(2.0 / math.pi)  # tanh form: GELU(x) = x * sigmoid(v), v = K1 * (x + A x^3)
 _A = 0.044715
-_TAYLOR_TERMS = 32  # f(x*+d) - y* = sum_{n=2}^{31} p_n d^n: below 1e-18 relative for |d| <= 0.5
-_WINDOW = 0.5  # float64 only: |x - x*| below which the residual uses the Taylor expansion
+_TAYLOR_TERMS = 40  # f(x*+d) - y* = sum_{n=2}^{39} p_n d^n: truncation below 1e-20 for |d| <= 0.75
+_WINDOW = 0.75  # float64 only: |x - x*| up to which the residual and f' use the Taylor expansion
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class _Consts:
     y_right: float  # right branch: y >= y_right uses the large-y guess
     y_left: float  # left branch: y >= y_left uses the tail guess
     taylor: tuple[float, ...]  # p_2 .. p_{N-1} of f(x* + d) - y*
+    dtaylor: tuple[float, ...]  # n p_n (n = 2 .. N-1): f'(x* + d) = d * sum n p_n d^(n-2)
 
 
 def _dd(v) -> tuple[float, float]:
@@ -116,6 +117,7 @@ def _mode_constants(approximate: str) -> _Consts:
         return _Consts(
             xs=xs_hi, xs_lo=xs_lo, ys=ys_hi, ys_lo=ys_lo, c2=float(2 * f[2]), b1=float(f[3] / f[2]),
             y_right=0.2, y_left=-0.12, taylor=tuple(float(c) for c in f[2:]),
+            dtaylor=tuple(float(m * f[m]) for m in range(2, n)),
         )
 
 
@@ -208,12 +210,21 @@ def _phi_cdf(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tenso
     return cdf, pdf, x2
 
 
+def _sigmoid_pair(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigmoid(v), sigmoid(-v))``, both to full relative precision, subnormal results included
+    (torch.sigmoid flushes to 0 once exp(-v) overflows, i.e. below about 1e-38 in fp32)."""
+    e = torch.exp(-v.abs())
+    big = 1.0 / (1.0 + e)
+    small = e * big
+    neg = v < 0
+    return torch.where(neg, small, big), torch.where(neg, big, small)
+
+
 def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sigmoid(v), sigmoid(-v), x**2)`` for ``v = K1 (x + A x^3)`` (the tanh form, ``v = 2z``)."""
     x2 = xc * xc
     if not precise:
-        v = xc * (1.0 + _A * x2) * _K1
-        return torch.sigmoid(v), torch.sigmoid(-v), x2
+        return (*_sigmoid_pair(xc * (1.0 + _A * x2) * _K1), x2)
     # float64: v = K1 x + K3 x^3 to ~2**-100 relative: the tail has relative error |v| * err(v)
     r = _prod_err(xc, x2, xc)  # x^2 = x2 + r
     x3 = xc * x2
@@ -223,7 +234,7 @@ def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Ten
     vh = a1 + a3
     bb = vh - a1
     vl = ((a1 - (vh - bb)) + (a3 - bb)) + ea1 + ea3 + e3 * _C_K3.hi
-    s, sm = torch.sigmoid(vh), torch.sigmoid(-vh)
+    s, sm = _sigmoid_pair(vh)
     t = s * sm * vl  # sigmoid(vh + vl) = s + s (1 - s) vl + O(vl^2)
     return s + t, sm - t, x2
 
@@ -249,8 +260,15 @@ def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tenso
     """GELU(x) in the working precision."""
     xc = xw.clamp(-_CLAMP, _CLAMP)
     if approximate == "none":
-        return xw * _phi_cdf(xc, precise)[0]
-    return xw * _sigmoid_v(xc, precise)[0]
+        y = xw * _phi_cdf(xc, precise)[0]
+    else:
+        y = xw * _sigmoid_v(xc, precise)[0]
+    if precise:  # float64 next to the minimum: y* + (f - y*) from the expansion, rounded once
+        c = _CONSTS[approximate]
+        d = (xw - c.xs) - c.xs_lo
+        near = (d + 0.15).abs() <= 0.6  # -0.75 <= d <= 0.45, where y* + (f - y*) does not cancel
+        y = torch.where(near, c.ys + (c.ys_lo + _taylor(d, c.taylor, 2)), y)
+    return y
 
 
 # -- the rebuild: solve GELU(x) = y on the stored branch, then GELU'(x) -------------------------
@@ -267,7 +285,7 @@ def _initial_guess(y: torch.Tensor, right: torch.Tensor, big_y: torch.Tensor, ap
     u = torch.sqrt(big_y.clamp_min(0.0) * (2.0 / c.c2))
     u = torch.where(right, u, -u)
     x_min = u * torch.rsqrt(1.0 + c.b1 * u) + c.xs
-    tiny = torch.finfo(y.dtype).tiny
+    tiny = torch.finfo(y.dtype).tiny * torch.finfo(y.dtype).eps  # smallest subnormal
     lam = -torch.log(-y.clamp(max=-tiny))  # -ln(-y) > 0 on the left branch
     yc = y.clamp(0.0, _CLAMP)
     if approximate == "none":
@@ -294,12 +312,12 @@ def _initial_guess(y: torch.Tensor, right: torch.Tensor, big_y: torch.Tensor, ap
     return torch.where(right, torch.where(y < c.y_right, x_min, x_right), torch.where(y < c.y_left, x_min, x_left))
 
 
-def _taylor_residual(d: torch.Tensor, c: _Consts) -> torch.Tensor:
-    """``f(x* + d) - y*`` from the Taylor expansion at the minimum (float64, |d| <= 0.5)."""
-    acc = torch.full_like(d, c.taylor[-1])
-    for coef in c.taylor[-2::-1]:
+def _taylor(d: torch.Tensor, coefs: tuple[float, ...], power: int) -> torch.Tensor:
+    """``d**power * sum_k coefs[k] d**k`` by Horner (float64, |d| <= 0.5)."""
+    acc = torch.full_like(d, coefs[-1])
+    for coef in coefs[-2::-1]:
         acc = acc * d + coef
-    return acc * d * d
+    return acc * d * d if power == 2 else acc * d
 
 
 def _grad_w(y: torch.Tensor, right: torch.Tensor, approximate: str, precise: bool) -> torch.Tensor:
@@ -314,7 +332,7 @@ def _grad_w(y: torch.Tensor, right: torch.Tensor, approximate: str, precise: boo
         r = f - y
         if precise:  # next to the minimum f - y cancels: use the exact expansion there
             d = (x - c.xs) - c.xs_lo
-            r = torch.where(d.abs() <= _WINDOW, _taylor_residual(d, c) - big_y, r)
+            r = torch.where(d.abs() <= _WINDOW, _taylor(d, c.taylor, 2) - big_y, r)
         gs = torch.where(g0 == 0, 1.0, g0)
         q = r / gs
         # Halley: x -= q / (1 - q f''/(2 f')), denominator clamped (safeguard far from the root)
@@ -324,6 +342,9 @@ def _grad_w(y: torch.Tensor, right: torch.Tensor, approximate: str, precise: boo
         if i == steps - 1:  # f'(xn) from the expansion at x: no further erfc/exp evaluation
             dx = xn - x
             g = g0 + dx * (f2 + 0.5 * dx * f3)
+            if precise:  # and f' next to the minimum from the expansion (f' = Phi + x phi cancels)
+                d = (xn - c.xs) - c.xs_lo
+                g = torch.where(d.abs() <= _WINDOW, _taylor(d, c.dtaylor, 1), g)
         x = xn
     # y rounded to (or below) the minimum: the interval of possible outputs contains y*, where the
     # derivative is 0. An underflowed y = 0 on the left branch: the derivative is below x^2 * tiny.

@@ -5,17 +5,20 @@ The next Linear keeps y for its weight gradient anyway, so keeping y here costs 
 of torch's input + mean + rstd. Backward rebuilds the normalized input from the output:
 
     x̂ = (y − β)/γ,  g = dy·γ,  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)),
-    dγ = Σ_rows dy·x̂ = (Σ_rows dy·(y − β))/γ,  dβ = Σ_rows dy,
+    dγ = Σ_rows dy·x̂,  dβ = Σ_rows dy        (means over the normalized dims).
 
-with g·x̂ = dy·(y − β) (no division there). Means are over the normalized dims. Arithmetic is in
-fp32 for 16-bit inputs and in fp64 for fp64.
+Implementation: x − μ = (y − β)/(γ·rstd) is rebuilt in the compute dtype (fp32 for 16-bit
+inputs, fp64 for fp64) and handed, with mean 0 and the saved rstd, to torch's fused
+``native_layer_norm_backward``, which then evaluates exactly the formulas above in one kernel
+(faster in eager than the same formulas as separate tensor ops; under torch.compile it is
+decomposed and fused). Only the backward's temporaries are full-size; nothing extra is kept.
 
 When is x̂ = (y − β)/γ exact enough? y is rounded to its dtype (unit roundoff u), with absolute
 error ≤ u·(|y| + tiny) (tiny = smallest normal, the subnormal spacing), so x̂ recovered from y
 is off by ≤ u·(|x̂| + |β/γ| + tiny/|γ|). The |x̂| term is the rounding y carries anyway; the
 others are amplification. The op recovers x̂ from y only if every channel satisfies
 
-    |γ| ≥ tiny                      (no subnormal y, no overflow of 1/γ; tiny/|γ| ≤ 1),
+    |γ| ≥ tiny                      (y not subnormal, (y − β)/γ finite; tiny/|γ| ≤ 1),
     |β| ≤ max_ratio·|γ|             (at most max_ratio extra units of y's rounding),
     |γ|·sqrt(N) + |β| ≤ max         (y cannot overflow: |x̂| ≤ sqrt(N)),
 

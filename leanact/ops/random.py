@@ -10,17 +10,21 @@ on its own and equals the same block of the full mask.
 
 The hash (our own design; constants drawn at random, 31-bit odd multipliers)::
 
-    k0, k1  = mixed from the seed's two 32-bit words (0-dim work, done once per call)
+    mix(x, r, M) = ((x ^ x >> r) * M) mod 2^32
+    k0 = mix(mix(mix(((lo(s) ^ K0) * M1) mod 2^32, 16, M2) ^ hi(s), 15, M3), 16, M4)   # keys from
+    k1 = mix(mix(mix(((hi(s) ^ K1) * M1) mod 2^32, 16, M2) ^ k0,    15, M3), 16, M4)   # the seed s
     x = ((lo(i) ^ k0) * M1) mod 2^32 ^ hi(i)   # lo, hi: bits 0..31 and 32..63 of the index
-    x = ((x ^ x >> 16) * M2) mod 2^32 ^ k1
-    x = ((x ^ x >> 15) * M3) mod 2^32
-    x = ((x ^ x >> 16) * M4) mod 2^32          # the 32-bit random word
+    x = mix(mix(mix(x, 16, M2) ^ k1, 15, M3), 16, M4)   # the 32-bit random word
 
 Lanes are int64 tensors holding values in [0, 2^32); multipliers are below 2^31, so every
 product is below 2^63: no signed overflow anywhere (C++, CUDA, Triton and inductor's C++ all
 agree without relying on wrap-around). ``mod 2^32`` is ``& 0xFFFFFFFF``; shifts of non-negative
-values are logical. The key is injected twice, with two multiply rounds in between, so masks of
-different seeds (even consecutive ones) are not shifted or permuted copies of each other.
+values are logical. (k0, k1) is a bijection of the seed (2^64 distinct key pairs); the key is injected
+twice, with two multiply rounds in between, so masks of different seeds (even consecutive ones)
+are not shifted or permuted copies of each other. For a fixed seed and hi(i), the word is a
+bijection of lo(i): 2^32 consecutive aligned indices get distinct words. Flipping any bit of the
+index or of the seed flips each word bit with probability 1/2 (tests/test_random.py checks this
+and lag / cross-seed correlations of the keep bits).
 
 Keep decision: ``keep = word >= round(p * 2^32)``, so P(keep) = 1 - p to within 2^-33.
 
@@ -67,11 +71,13 @@ def _mix_(x: torch.Tensor, shift: int, mul: int) -> torch.Tensor:
 
 
 def seed_keys(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two 32-bit round keys (0-dim int64 tensors) of a 64-bit ``seed`` tensor."""
+    """The two 32-bit round keys (0-dim int64 tensors) of a 64-bit ``seed`` tensor.
+
+    A bijection of the seed's words (lo, hi): distinct seeds give distinct key pairs.
+    """
     lo, hi = seed & _M32, (seed >> 32) & _M32
-    a = _mix(((lo ^ _K0) * _M1) & _M32, 16, _M2)
-    k0 = _mix(_mix(a ^ hi, 15, _M3), 16, _M4)
-    k1 = _mix(_mix(k0 ^ _K1, 15, _M3), 16, _M4)
+    k0 = _mix(_mix(_mix(((lo ^ _K0) * _M1) & _M32, 16, _M2) ^ hi, 15, _M3), 16, _M4)
+    k1 = _mix(_mix(_mix(((hi ^ _K1) * _M1) & _M32, 16, _M2) ^ k0, 15, _M3), 16, _M4)
     return k0, k1
 
 

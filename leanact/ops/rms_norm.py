@@ -30,16 +30,18 @@ from .layer_norm import compute_dtype, from_output_ok
 __all__ = ["RMSNormFunction", "rms_norm"]
 
 
+def _composite(x, shape, weight, eps):
+    """(y, rstd) for torch builds without ``_fused_rms_norm``: y is F.rms_norm's, rstd recomputed."""
+    xc = x.to(compute_dtype(x.dtype))
+    eps = torch.finfo(xc.dtype).eps if eps is None else eps  # as torch 2.13: eps of the compute dtype
+    rstd = torch.rsqrt(xc.pow(2).mean(tuple(range(-len(shape), 0)), keepdim=True) + eps)
+    return F.rms_norm(x, shape, weight, eps), rstd
+
+
 def _fused(x, shape, weight, eps):
     if hasattr(torch.ops.aten, "_fused_rms_norm"):  # traceable by dynamo, unlike torch._fused_rms_norm
         return torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)
-    # Older torch: the same arithmetic as F.rms_norm's composite implementation.
-    dims = tuple(range(-len(shape), 0))
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
-    xc = x.to(compute_dtype(x.dtype))
-    rstd = torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)
-    y = (xc * rstd).type_as(x)
-    return (y if weight is None else y * weight), rstd
+    return _composite(x, shape, weight, eps)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -90,7 +92,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """``F.rms_norm`` (identical output) that keeps only y and rstd for backward.
 
-    eps None = ``torch.finfo(x.dtype).eps``. from_output: True = recover x̂ = y/γ; False = keep
+    eps None = as torch: ``finfo(compute dtype).eps`` in torch 2.13 (fp32's for 16-bit inputs). from_output: True = recover x̂ = y/γ; False = keep
     the input; None (default) = decide from γ (cached; graph-breaks under torch.compile).
     Without grad this is plain ``F.rms_norm``, saving nothing.
     """
