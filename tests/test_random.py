@@ -122,16 +122,16 @@ def test_kept_fraction(p):
 
 
 def test_neighbour_and_lag_correlations():
-    n = 1 << 21
+    n = 1 << 20
     for seed in (1, -5):
         for p in (0.5, 0.1):
             m = keep_mask_like(seed, (n,), p)
-            for lag in (1, 2, 3, 4, 7, 4096, CHUNK, 1000003):
+            for lag in (1, 2, 3, 4, 7, 4096, CHUNK, 500009):
                 assert abs(_corr_z(m[:-lag], m[lag:])) < 5, (seed, p, lag)
 
 
 def test_consecutive_seeds_uncorrelated():
-    n = 1 << 20
+    n = 1 << 19
     for s in (0, 1, 2**32 - 1, 10**12):
         a = keep_mask_like(s, (n,), 0.5)
         for other in (s + 1, s ^ (1 << 32), s ^ (1 << 63) if s < 2**63 else s):

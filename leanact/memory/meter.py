@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from leanact.saved import SavedTensorObserver
+
 __all__ = ["SavedRecord", "SavedTensorMeter", "saved_bytes"]
 
 
@@ -43,22 +45,12 @@ class SavedRecord:
         return self.storage_nbytes
 
 
-class _Packed:
-    """What the pack hook returns: the tensor itself plus the index of its record."""
-
-    __slots__ = ("tensor", "index")
-
-    def __init__(self, tensor: torch.Tensor, index: int):
-        self.tensor = tensor
-        self.index = index
-
-
 def _storage_key(t: torch.Tensor) -> int:
     # Identity of the StorageImpl: equal for all views of one buffer; works for meta/fake tensors.
     return t.untyped_storage()._cdata
 
 
-class SavedTensorMeter:
+class SavedTensorMeter(SavedTensorObserver):
     """Context manager that records every tensor autograd saves during a forward pass.
 
     >>> meter = SavedTensorMeter(model)
@@ -70,6 +62,10 @@ class SavedTensorMeter:
     ``model`` (one module or several) supplies module names and the parameters/buffers to exclude;
     ``exclude`` adds tensors whose storages are not counted (e.g. inputs you do not own). Any
     ``nn.Parameter`` (or view of one) is excluded even when no model is given.
+
+    The meter is an observer of :mod:`leanact.saved`'s pipeline: when leanact replaces a tensor by
+    something smaller (a recipe to recompute it, a compressed or offloaded copy), the meter counts
+    what is really kept, whichever context was entered first.
     """
 
     def __init__(self, model: nn.Module | Iterable[nn.Module] | None = None, exclude: Iterable[torch.Tensor] = ()):
@@ -106,7 +102,7 @@ class SavedTensorMeter:
         if self._stack:
             self._stack.pop()
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _record(self, t: torch.Tensor) -> int:
         key = _storage_key(t)
         index = len(self.records)
         excluded = self._excluded.get(key)
@@ -127,22 +123,25 @@ class SavedTensorMeter:
             if first != index:
                 rec.duplicate_of = first
         self.records.append(rec)
-        return _Packed(t, index)
+        return index
 
-    def _unpack(self, packed: _Packed) -> torch.Tensor:
+    def on_pack(self, original: torch.Tensor, kept: list[torch.Tensor]) -> list[int]:
+        return [self._record(t) for t in kept]
+
+    def on_unpack(self, token: list[int]) -> None:
         if self._introspect_log is not None:
-            self._introspect_log.append(packed.index)
-        return packed.tensor
+            self._introspect_log.extend(token)
 
     def __enter__(self) -> "SavedTensorMeter":
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         stack.callback(nn.modules.module.register_module_forward_pre_hook(self._pre_hook).remove)
         stack.callback(nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True).remove)
         self._exit_stack = stack
+        super().__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
         assert self._exit_stack is not None
         self._exit_stack.close()
         self._exit_stack = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .random import CHUNK, _as_seed, _cpu_range_blocks, _eager_chunks, _range_words, draw_seed, keep_threshold, seed_keys
+from .random import CHUNK, _as_seed, _at_least, _cpu_range_blocks, _eager_chunks, _range_words, draw_seed, keep_threshold, seed_keys
 
 __all__ = ["dropout", "dropout_seeded"]
 
@@ -25,20 +25,19 @@ def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torc
     """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into ``x`` when ``inplace``)."""
     thr, scale = keep_threshold(p), 1.0 / (1.0 - p)
     n = x.numel()
-    if not _eager_chunks(x.device, n):
-        keep = (_range_words(*seed_keys(seed), 0, n, x.device) >= thr).view(x.shape)
+    if not _eager_chunks(x.device, n, x, seed):
+        keep = _at_least(_range_words(*seed_keys(seed), 0, n, x.device), thr).view(x.shape)
         return x.mul_(keep).mul_(scale) if inplace else x * keep * scale
     # Eager CPU: blocks of CHUNK elements in C order, so the integer temporaries stay in cache.
     write_back = inplace and not x.is_contiguous()
     src = x.reshape(-1)
-    out = src if inplace and not write_back else torch.empty(n, dtype=x.dtype)
+    out = x if inplace and not write_back else torch.empty(x.shape, dtype=x.dtype)
+    flat = out.view(-1)
     keep = torch.empty(CHUNK, dtype=torch.bool)
     for j0, j1, words in _cpu_range_blocks(seed, 0, n):
-        k = torch.ge(words, thr, out=keep[: j1 - j0]).view(torch.uint8)  # float * uint8 is faster than * bool
-        torch.mul(src[j0:j1], k, out=out[j0:j1]).mul_(scale)
-    if write_back:
-        return x.copy_(out.view(x.shape))
-    return x if inplace else out.view(x.shape)
+        k = torch.ge(words, thr, out=keep[: j1 - j0]).view(torch.uint8)  # float * uint8 beats * bool
+        torch.mul(src[j0:j1], k, out=flat[j0:j1]).mul_(scale)
+    return x.copy_(out) if write_back else out
 
 
 def _check_inplace(x: torch.Tensor) -> None:
@@ -64,7 +63,13 @@ class _SeededDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (seed,) = ctx.saved_tensors
-        return _SeededDropout.apply(dy, seed, ctx.p, False), None, None, None
+        return _run(dy, seed, ctx.p, False), None, None, None
+
+
+def _run(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SeededDropout.apply(x, seed, p, inplace)
+    return _apply(x, seed, p, inplace)  # no graph: nothing to save
 
 
 def dropout_seeded(x: torch.Tensor, seed: torch.Tensor | int, p: float = 0.5, inplace: bool = False) -> torch.Tensor:
@@ -80,7 +85,7 @@ def dropout_seeded(x: torch.Tensor, seed: torch.Tensor | int, p: float = 0.5, in
         _check_inplace(x)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    return _SeededDropout.apply(x, _as_seed(seed, x.device), float(p), bool(inplace))
+    return _run(x, _as_seed(seed, x.device), float(p), bool(inplace))
 
 
 def dropout(
@@ -103,4 +108,4 @@ def dropout(
         _check_inplace(x)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    return _SeededDropout.apply(x, draw_seed(x.device, generator), float(p), bool(inplace))
+    return _run(x, draw_seed(x.device, generator), float(p), bool(inplace))

@@ -63,6 +63,8 @@ class _Consts:
     xs_lo: float
     ys: float
     ys_lo: float
+    ys32: float  # y* split for float32 arithmetic: ys32 is a float32 number
+    ys32_lo: float
     c2: float  # GELU''(x*)
     b1: float  # GELU'''(x*) / (3 GELU''(x*)), for the square-root initial guess
     y_right: float  # right branch: y >= y_right uses the large-y guess
@@ -114,8 +116,9 @@ def _mode_constants(approximate: str) -> _Consts:
         f = [xs * h[0]] + [xs * h[m] + h[m - 1] for m in range(1, n)]  # f = (x* + d) h(d)
         xs_hi, xs_lo = _dd(xs)
         ys_hi, ys_lo = _dd(f[0])
+        ys32 = torch.tensor(ys_hi, dtype=torch.float32).item()
         return _Consts(
-            xs=xs_hi, xs_lo=xs_lo, ys=ys_hi, ys_lo=ys_lo, c2=float(2 * f[2]), b1=float(f[3] / f[2]),
+            xs=xs_hi, xs_lo=xs_lo, ys=ys_hi, ys_lo=ys_lo, ys32=ys32, ys32_lo=float(f[0] - ys32), c2=float(2 * f[2]), b1=float(f[3] / f[2]),
             y_right=0.2, y_left=-0.12, taylor=tuple(float(c) for c in f[2:]),
             dtaylor=tuple(float(m * f[m]) for m in range(2, n)),
         )
@@ -194,37 +197,42 @@ _C_SQRT1_2, _C_K1, _C_K3 = _dd_consts()
 
 
 # -- GELU and its derivatives in the working precision ----------------------------------------
+# Few, mostly in-place elementwise ops and no torch.where on the common path: in eager mode every
+# op is a pass over the slice, and on the CPU torch.where costs about ten multiplications.
 
 
-def _phi_cdf(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cdf_pdf(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(Phi(x), phi(x), x**2)`` with ``Phi = erfc(-x/sqrt 2)/2`` (no cancellation for x < 0)."""
+    x2 = xc * xc
     if not precise:
-        x2 = xc * xc
-        return torch.special.erfc(xc * -_SQRT1_2) * 0.5, torch.exp(x2 * -0.5) * _INV_SQRT_2PI, x2
+        cdf = torch.special.erfc(xc * -_SQRT1_2).mul_(0.5)
+        return cdf, (x2 * -0.5).exp_().mul_(_INV_SQRT_2PI), x2
     # float64: erfc(-(p + e)) with x/sqrt2 = p + e exactly; a 1-ulp error in p would cost x**2/2 ulps
     p, e = _C_SQRT1_2.mul(xc)
     cdf = torch.special.erfc(-p) * 0.5 + e * torch.exp(-p * p) * _INV_SQRT_PI
-    x2 = xc * xc
     r = _prod_err(xc, x2, xc)  # x**2 = x2 + r exactly
     pdf = torch.exp(x2 * -0.5) * (1.0 - 0.5 * r) * _INV_SQRT_2PI
     return cdf, pdf, x2
 
 
-def _sigmoid_pair(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sigmoid(v), sigmoid(-v))``, both to full relative precision, subnormal results included
-    (torch.sigmoid flushes to 0 once exp(-v) overflows, i.e. below about 1e-38 in fp32)."""
-    e = torch.exp(-v.abs())
-    big = 1.0 / (1.0 + e)
-    small = e * big
-    neg = v < 0
-    return torch.where(neg, small, big), torch.where(neg, big, small)
+def _sigmoid_pair(v: torch.Tensor, stable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigmoid(v), sigmoid(-v))``. ``stable``: full relative precision down to subnormal results
+    (torch.sigmoid returns 0 once exp(-v) overflows: below ~1e-38 in float32, ~1e-308 in float64)."""
+    if not stable:
+        return torch.sigmoid(v), torch.sigmoid(-v)
+    e = v.abs().neg_().exp_()
+    big = (e + 1.0).reciprocal_()
+    small = e.mul_(big)
+    neg = (v < 0).to(v.dtype)
+    return torch.lerp(big, small, neg), torch.lerp(small, big, neg)  # exact selections (weights 0/1)
 
 
 def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sigmoid(v), sigmoid(-v), x**2)`` for ``v = K1 (x + A x^3)`` (the tanh form, ``v = 2z``)."""
     x2 = xc * xc
     if not precise:
-        return (*_sigmoid_pair(xc * (1.0 + _A * x2) * _K1), x2)
+        v = (x2 * _A).add_(1.0).mul_(xc).mul_(_K1)
+        return (*_sigmoid_pair(v, stable=xc.dtype != torch.float64), x2)
     # float64: v = K1 x + K3 x^3 to ~2**-100 relative: the tail has relative error |v| * err(v)
     r = _prod_err(xc, x2, xc)  # x^2 = x2 + r
     x3 = xc * x2
@@ -234,33 +242,38 @@ def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Ten
     vh = a1 + a3
     bb = vh - a1
     vl = ((a1 - (vh - bb)) + (a3 - bb)) + ea1 + ea3 + e3 * _C_K3.hi
-    s, sm = _sigmoid_pair(vh)
+    s, sm = _sigmoid_pair(vh, stable=True)
     t = s * sm * vl  # sigmoid(vh + vl) = s + s (1 - s) vl + O(vl^2)
     return s + t, sm - t, x2
 
 
-def _derivs(x: torch.Tensor, approximate: str, precise: bool):
-    """``(f, f', f'', f''')`` of GELU at ``x`` (working precision; finite for finite x)."""
+def _derivs(x: torch.Tensor, approximate: str, precise: bool, third: bool):
+    """GELU and its first three derivatives at ``x`` (the third only if asked; else None)."""
     xc = x.clamp(-_CLAMP, _CLAMP)
     if approximate == "none":
-        cdf, pdf, x2 = _phi_cdf(xc, precise)
-        return x * cdf, cdf + xc * pdf, pdf * (2.0 - x2), pdf * xc * (x2 - 4.0)
+        cdf, pdf, x2 = _cdf_pdf(xc, precise)
+        xpdf = xc * pdf
+        f3 = (x2 - 4.0).mul_(xpdf) if third else None  # phi (x^3 - 4x)
+        return x * cdf, cdf + xpdf, x2.neg_().add_(2.0).mul_(pdf), f3
     s, sm, x2 = _sigmoid_v(xc, precise)
-    p = s * sm
-    v1 = (1.0 + 3.0 * _A * x2) * _K1
-    v2 = xc * (6.0 * _A * _K1)
+    p = s * sm  # s' = p v'
+    v1 = (x2 * (3.0 * _A * _K1)).add_(_K1)  # v'
+    v2 = xc * (6.0 * _A * _K1)  # v''
     d = sm - s  # 1 - 2s without cancellation
     s1 = p * v1
-    s2 = p * (d * v1 * v1 + v2)
-    s3 = p * ((1.0 - 6.0 * p) * v1 * v1 * v1 + 3.0 * d * v1 * v2 + 6.0 * _A * _K1)
-    return x * s, s + xc * s1, 2.0 * s1 + xc * s2, 3.0 * s2 + xc * s3
+    s2 = (d * v1).mul_(v1).add_(v2).mul_(p)
+    f3 = None
+    if third:
+        s3 = (1.0 - 6.0 * p).mul_(v1).mul_(v1).mul_(v1).add_((3.0 * d).mul_(v1).mul_(v2))
+        f3 = (xc * s3.add_(6.0 * _A * _K1).mul_(p)).add_(s2, alpha=3.0)
+    return x * s, (xc * s1).add_(s), (xc * s2).add_(s1, alpha=2.0), f3
 
 
 def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tensor:
     """GELU(x) in the working precision."""
     xc = xw.clamp(-_CLAMP, _CLAMP)
     if approximate == "none":
-        y = xw * _phi_cdf(xc, precise)[0]
+        y = xw * (_cdf_pdf(xc, True)[0] if precise else torch.special.erfc(xc * -_SQRT1_2).mul_(0.5))
     else:
         y = xw * _sigmoid_v(xc, precise)[0]
     if precise:  # float64 next to the minimum: y* + (f - y*) from the expansion, rounded once
@@ -274,92 +287,126 @@ def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tenso
 # -- the rebuild: solve GELU(x) = y on the stored branch, then GELU'(x) -------------------------
 
 
-def _initial_guess(y: torch.Tensor, right: torch.Tensor, big_y: torch.Tensor, approximate: str, c: _Consts):
-    """Asymptotic initial guess for x on each branch (|relative error| < ~5%).
+def _initial_guess(y, rf, sign, big_y, approximate: str, c: _Consts) -> torch.Tensor:
+    """Asymptotic initial guess for x on each branch (relative error below ~15%, mostly far less).
 
     Near the minimum ``y - y* = c2/2 d^2 (1 + b1 d + ...)``, so ``d ~ u / sqrt(1 + b1 u)`` with
     ``u = +-sqrt(2 (y - y*) / c2)`` (the square-root branch point). Left tail: log space. Right,
-    large y: ``x = y + x (1 - cdf(x)) ~ y + y (1 - cdf(y))`` with the tail of ``1 - cdf`` in closed
-    form.
+    large y: ``x = y + x (1 - cdf(x)) ~ y + y (1 - cdf(y))`` with ``1 - cdf`` in closed form.
+    ``rf``: 1. on the right branch, 0. on the left; ``sign = 2 rf - 1``; ``big_y = y - y* > 0``.
     """
-    u = torch.sqrt(big_y.clamp_min(0.0) * (2.0 / c.c2))
-    u = torch.where(right, u, -u)
-    x_min = u * torch.rsqrt(1.0 + c.b1 * u) + c.xs
+    u = (big_y * (2.0 / c.c2)).sqrt_().mul_(sign)
+    x_min = (u / (u * c.b1).add_(1.0).sqrt_()).add_(c.xs)
     tiny = torch.finfo(y.dtype).tiny * torch.finfo(y.dtype).eps  # smallest subnormal
-    lam = -torch.log(-y.clamp(max=-tiny))  # -ln(-y) > 0 on the left branch
+    lam = (-y).clamp_min_(tiny).log_().neg_()  # -ln(-y) > 0 on the left branch (finite everywhere)
     yc = y.clamp(0.0, _CLAMP)
     if approximate == "none":
-        # -y = phi(x) * |x| R(|x|), Mills ratio R(t) ~ 1/(t + 1/(t + 2/t)): -y ~ phi(x)(x^2+2)/(x^2+3)
-        lam = lam - _HALF_LN_2PI
-        w = 2.0 * lam
-        w = 2.0 * lam - 2.0 * torch.log1p(1.0 / (w + 2.0))
-        x_left = -torch.sqrt(w)
+        # -y = phi(x) |x| R(|x|), Mills ratio R(t) ~ 1/(t + 1/(t + 2/t)): -y ~ phi(x)(x^2+2)/(x^2+3)
+        w = lam.mul_(2.0).sub_(2.0 * _HALF_LN_2PI)
+        w += ((w + 2.0) / (w + 3.0)).log_().mul_(2.0)
+        x_left = w.sqrt_().neg_()
         y2 = yc * yc
-        x_right = y + torch.exp(y2 * -0.5) * _INV_SQRT_2PI * (y2 + 2.0) / (y2 + 3.0)
+        x_right = (y2 * -0.5).exp_().mul_(_INV_SQRT_2PI).mul_(y2 + 2.0).div_(y2 + 3.0).add_(y)
     else:
-        # -y = t sigmoid(-K1 (t + A t^3)), t = -x: K1 A t^3 + K1 t = lam + ln t - log1p(e^v); solve
-        # the cubic A t^3 + t = q by the hyperbolic formula, once with ln t = 0 then refined.
-        k = 1.5 * math.sqrt(3.0 * _A)
-
-        def cubic(q):
-            return torch.sinh(torch.asinh(q * k) * (1.0 / 3.0)) * (2.0 / math.sqrt(3.0 * _A))
-
-        t = cubic(lam * (1.0 / _K1))
-        v = t * (1.0 + _A * t * t) * -_K1
-        t = cubic((lam + torch.log(t) - torch.log1p(torch.exp(v))) * (1.0 / _K1))
-        x_left = -t
-        x_right = y + y * torch.sigmoid(yc * (1.0 + _A * yc * yc) * -_K1)
-    return torch.where(right, torch.where(y < c.y_right, x_min, x_right), torch.where(y < c.y_left, x_min, x_left))
+        # -y = t sigmoid(-K1 (t + A t^3)), t = -x: K1 (t + A t^3) ~ lam + ln t. The cubic
+        # A t^3 + t = q by the hyperbolic formula (ln t dropped), then one Newton step with ln t.
+        z = lam * (1.5 * math.sqrt(3.0 * _A) / _K1)
+        e = (z * z).add_(1.0).sqrt_().add_(z).log_().mul_(1.0 / 3.0).exp_()
+        t = (e - e.reciprocal()).mul_(1.0 / math.sqrt(3.0 * _A))
+        for _ in range(2):  # Newton on K1 (t + A t^3) - ln t = lam
+            t2 = t * t
+            h = (t2 * _A).add_(1.0).mul_(t).mul_(-_K1).add_(t.log()).add_(lam)
+            t += h.div_(t2.mul_(3.0 * _A * _K1).add_(_K1).sub_(t.reciprocal()))
+        x_left = t.neg_()
+        x_right = (yc * yc).mul_(_A).add_(1.0).mul_(yc).mul_(-_K1).sigmoid_().mul_(y).add_(y)
+    thr = torch.lerp(torch.full_like(y, c.y_left), torch.full_like(y, c.y_right), rf)
+    return torch.lerp(x_min, torch.lerp(x_left, x_right, rf), (y >= thr).to(y.dtype))
 
 
 def _taylor(d: torch.Tensor, coefs: tuple[float, ...], power: int) -> torch.Tensor:
-    """``d**power * sum_k coefs[k] d**k`` by Horner (float64, |d| <= 0.5)."""
+    """``d**power * sum_k coefs[k] d**k`` by Horner (float64, |d| <= 0.75)."""
     acc = torch.full_like(d, coefs[-1])
     for coef in coefs[-2::-1]:
-        acc = acc * d + coef
-    return acc * d * d if power == 2 else acc * d
+        acc = acc.mul_(d).add_(coef)
+    return acc.mul_(d).mul_(d) if power == 2 else acc.mul_(d)
 
 
-def _grad_w(y: torch.Tensor, right: torch.Tensor, approximate: str, precise: bool) -> torch.Tensor:
-    """GELU'(x) for the x with GELU(x) = y on the stored branch (working precision)."""
+def _halley(x, ye, approximate: str, c: _Consts, precise: bool, third: bool, big_y=None):
+    """One Halley step for ``f(x) = ye``: ``(step, f', f'', f''')`` at ``x`` (``x - step`` is next).
+
+    ``step = q / (1 - q f''/(2 f'))`` with ``q = (f - ye) / f'`` (normalized: values ~1e-300 fine).
+    """
+    f, g0, f2, f3 = _derivs(x, approximate, precise, third)
+    r = f.sub_(ye)
+    if precise:  # next to the minimum f - y cancels: use the exact expansion there
+        d = (x - c.xs) - c.xs_lo
+        r = torch.where(d.abs() <= _WINDOW, _taylor(d, c.taylor, 2) - big_y, r)
+    q = r.div_(g0)
+    return q / (q * f2).div_(g0).mul_(-0.5).add_(1.0), g0, f2, f3
+
+
+def _to_branch(x, sign, sx):
+    """Safeguard: clamp ``x`` to its branch (``sign`` = +-1, ``sx = sign * x*``), exactly."""
+    return torch.maximum(x.mul_(sign), sx).mul_(sign)
+
+
+def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) -> torch.Tensor:
+    """GELU'(x) for the x with GELU(x) = y (storage dtype) on the branch ``right`` (x > x*).
+
+    Returns the derivative in the working precision (float64 for float32/float64 storage, float32
+    for 16-bit). Steps: initial guess and one masked Halley step in float32 (cheap), then the last
+    Halley step in the working precision, whose own expansion gives f' at the solution (no further
+    erfc/exp). float64 storage: three float64 steps with the compensated evaluations.
+    """
     c = _CONSTS[approximate]
-    big_y = (y - c.ys) - c.ys_lo  # y - y*; exact next to the minimum (Sterbenz)
-    x = _initial_guess(y, right, big_y, approximate, c)
-    steps = 3 if precise else 2
+    storage = y.dtype
+    precise = storage == torch.float64
+    wa = torch.float64 if precise else torch.float32  # stage A: guess (+ first step)
+    ya, rfa = y.to(wa), right.to(wa)
+    sign = rfa * 2.0 - 1.0
+    ys_hi, ys_lo = (c.ys, c.ys_lo) if precise else (c.ys32, c.ys32_lo)
+    big = (ya - ys_hi) - ys_lo  # y - y*, exact next to the minimum (Sterbenz)
+    x = _initial_guess(ya, rfa, sign, big.clamp_min(1e-30), approximate, c)
+    if precise:
+        steps, wb = 3, torch.float64
+    else:
+        # First Halley step in float32, skipped where float32 cannot improve the guess: next to the
+        # minimum (f - y is float32 noise there; the square-root guess is already accurate) and in
+        # the deep left tail (float32 f, f' subnormal; the log-space guess is already accurate).
+        use = ((big > 1e-4) & ((ya < -1e-37) | (rfa > 0))).to(wa)
+        step = _halley(x, ya, approximate, c, False, False)[0]
+        x = _to_branch(x - step.nan_to_num_(0.0, 0.0, 0.0).mul_(use), sign, sign * c.xs)
+        steps, wb = 1, _work_dtype(storage)
+        x, sign, big = x.to(wb), sign.to(wb), None
+    yb = y.to(wb)
+    sx = sign * c.xs
+    big_y = (yb - c.ys) - c.ys_lo if wb == torch.float64 else (yb - c.ys32) - c.ys32_lo
     g = x
     for i in range(steps):
-        f, g0, f2, f3 = _derivs(x, approximate, precise)
-        r = f - y
-        if precise:  # next to the minimum f - y cancels: use the exact expansion there
-            d = (x - c.xs) - c.xs_lo
-            r = torch.where(d.abs() <= _WINDOW, _taylor(d, c.taylor, 2) - big_y, r)
-        gs = torch.where(g0 == 0, 1.0, g0)
-        q = r / gs
-        # Halley: x -= q / (1 - q f''/(2 f')), denominator clamped (safeguard far from the root)
-        step = q / (1.0 - 0.5 * q * f2 / gs).clamp(0.5, 2.0)
-        xn = x - step
-        xn = torch.where(right, xn.clamp_min(c.xs), xn.clamp_max(c.xs))  # stay on the branch
-        if i == steps - 1:  # f'(xn) from the expansion at x: no further erfc/exp evaluation
+        last = i == steps - 1
+        step, g0, f2, f3 = _halley(x, yb, approximate, c, precise, last, big_y)
+        xn = _to_branch(x - step, sign, sx)
+        if last:  # f'(xn) from the expansion at x
             dx = xn - x
-            g = g0 + dx * (f2 + 0.5 * dx * f3)
-            if precise:  # and f' next to the minimum from the expansion (f' = Phi + x phi cancels)
+            g = (dx * f3).mul_(0.5).add_(f2).mul_(dx).add_(g0)
+            if precise:  # next to the minimum f' = Phi + x phi cancels: from the expansion
                 d = (xn - c.xs) - c.xs_lo
                 g = torch.where(d.abs() <= _WINDOW, _taylor(d, c.dtaylor, 1), g)
         x = xn
-    # y rounded to (or below) the minimum: the interval of possible outputs contains y*, where the
-    # derivative is 0. An underflowed y = 0 on the left branch: the derivative is below x^2 * tiny.
-    g = torch.where((big_y <= 0) | ((y == 0) & ~right), 0.0, g)
-    return torch.where(torch.isfinite(y), g, math.nan)  # +-inf, nan: nan, as torch
+    # y rounded to (or below) the minimum: the outputs that round to y include y*, where f' = 0.
+    # y = 0 on the left branch (underflow): f' lies between 0 and f'(x(-ulp/2)) (|.| < |x| ulp/2);
+    # 0, as torch. Iterates of these elements may be anything: sanitized, then masked.
+    # y * 0 is nan exactly for y = +-inf or nan: their gradient is nan, as torch's.
+    keep = (big_y > 0) & ((yb < 0) | (sign > 0))
+    return g.nan_to_num_(0.0, 0.0, 0.0).mul_(keep).add_(yb * 0.0)
 
 
 def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*`` (same dtype as ``y``).
+    """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*``, in ``y``'s dtype.
 
     The rebuild used by backward, exposed for tests and analysis.
     """
-    w = _work_dtype(y.dtype)
-    out = _grad_w(y.to(w), right, _check(approximate), precise=y.dtype == torch.float64)
-    return out.to(y.dtype)
+    return _grad_from_output(y, right, _check(approximate)).to(y.dtype)
 
 
 # -- autograd Function -------------------------------------------------------------------------
@@ -403,15 +450,13 @@ class GeluFunction(torch.autograd.Function):
         y, bits = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None
-        w = _work_dtype(y.dtype)
-        precise = y.dtype == torch.float64
         right = unpack_bits(bits, y.numel())
         yf, gf = y.reshape(-1), grad_y.reshape(-1)
         out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
         of = out.view(-1)
         for a, b in _slices(yf.numel()):
-            g = _grad_w(yf[a:b].to(w), right[a:b], ctx.approximate, precise)
-            of[a:b] = (gf[a:b].to(w) * g).to(y.dtype)
+            g = _grad_from_output(yf[a:b], right[a:b], ctx.approximate)
+            of[a:b] = g.mul_(gf[a:b]).to(y.dtype)  # product in the working precision, rounded once
         return out, None
 
 

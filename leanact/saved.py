@@ -1,0 +1,133 @@
+"""One composable pipeline over ``torch.autograd.graph.saved_tensors_hooks``.
+
+torch applies only the innermost saved-tensor hooks, so two features built on them (a memory
+meter, recompute-from-recipe, offloading, compression) would shadow each other. leanact routes all
+of them through this module instead:
+
+* a **transform** (:class:`SavedTensorTransform`) may replace a tensor about to be kept by
+  something smaller (a recipe to recompute it, a CPU copy, a compressed copy). The innermost
+  active transform that claims a tensor wins; unclaimed tensors are kept as they are.
+* an **observer** (:class:`SavedTensorObserver`, e.g. the meter) sees what is finally kept,
+  whatever the nesting order, and every unpack.
+
+Every ``with`` of a transform or observer pushes the same pair of torch hooks, so the pipeline
+also works when entered inside someone else's hooks (e.g. inside a checkpointed region).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms"]
+
+_state = threading.local()
+
+
+def _stacks() -> tuple[list["SavedTensorTransform"], list["SavedTensorObserver"]]:
+    if not hasattr(_state, "transforms"):
+        _state.transforms, _state.observers = [], []
+    return _state.transforms, _state.observers
+
+
+def active_transforms() -> list["SavedTensorTransform"]:
+    """Transforms active on this thread, outermost first."""
+    return list(_stacks()[0])
+
+
+class _Packed:
+    __slots__ = ("value", "transform", "tokens")
+
+    def __init__(self, value: Any, transform: "SavedTensorTransform | None", tokens: list[tuple[Any, Any]]):
+        self.value = value  # the tensor itself, or what the transform returned
+        self.transform = transform
+        self.tokens = tokens  # (observer, token) pairs
+
+
+def _pack(t: torch.Tensor) -> _Packed:
+    transforms, observers = _stacks()
+    value, owner = t, None
+    for tr in reversed(transforms):  # innermost first
+        packed = tr.pack(t)
+        if packed is not None:
+            value, owner = packed, tr
+            break
+    kept = [t] if owner is None else owner.kept_tensors(value)
+    tokens = [(ob, ob.on_pack(t, kept)) for ob in observers]
+    return _Packed(value, owner, tokens)
+
+
+def _unpack(p: _Packed) -> torch.Tensor:
+    for ob, token in p.tokens:
+        ob.on_unpack(token)
+    return p.value if p.transform is None else p.transform.unpack(p.value)
+
+
+class _PipelineMember:
+    """Context-manager plumbing shared by transforms and observers."""
+
+    def _pipeline_stack(self) -> list:
+        raise NotImplementedError
+
+    def __enter__(self):
+        cm = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        cm.__enter__()
+        self._pipeline_stack().append(self)
+        self.__dict__.setdefault("_hook_cms", []).append(cm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = self._pipeline_stack()
+        # remove the most recent occurrence of self (contexts are properly nested)
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is self:
+                del stack[i]
+                break
+        self._hook_cms.pop().__exit__(*exc)
+
+
+class SavedTensorTransform(_PipelineMember):
+    """Replaces some tensors about to be saved for backward by a smaller representation."""
+
+    def _pipeline_stack(self) -> list:
+        return _stacks()[0]
+
+    def pack(self, t: torch.Tensor) -> Any | None:
+        """Return a packed representation of ``t``, or None to leave ``t`` to others."""
+        raise NotImplementedError
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """Rebuild the tensor from what :meth:`pack` returned."""
+        raise NotImplementedError
+
+    def kept_tensors(self, packed: Any) -> list[torch.Tensor]:
+        """Tensors (on any device) that ``packed`` keeps alive, for the meter."""
+        return []
+
+
+class SavedTensorObserver(_PipelineMember):
+    """Sees every saved tensor and what is finally kept for it."""
+
+    def _pipeline_stack(self) -> list:
+        return _stacks()[1]
+
+    def on_pack(self, original: torch.Tensor, kept: list[torch.Tensor]) -> Any:
+        """Called at pack time; the return value is handed back to :meth:`on_unpack`."""
+        return None
+
+    def on_unpack(self, token: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def disabled():
+    """Temporarily run with no leanact transforms (observers still see packs)."""
+    transforms, _ = _stacks()
+    saved = list(transforms)
+    transforms.clear()
+    try:
+        yield
+    finally:
+        transforms[:] = saved
