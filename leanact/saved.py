@@ -62,7 +62,23 @@ def _pack(t: torch.Tensor) -> _Packed:
 def _unpack(p: _Packed) -> torch.Tensor:
     for ob, token in p.tokens:
         ob.on_unpack(token)
-    return p.value if p.transform is None else p.transform.unpack(p.value)
+    if p.transform is None:
+        return p.value
+    if getattr(_state, "introspecting", False):
+        return torch.empty(0)  # an observer is only looking: do not rebuild (recompute, copy back)
+    return p.transform.unpack(p.value)
+
+
+@contextlib.contextmanager
+def introspecting():
+    """While active, unpacking a transformed tensor returns an empty placeholder instead of
+    rebuilding it (the meter walks the graph this way without triggering recomputation)."""
+    before = getattr(_state, "introspecting", False)
+    _state.introspecting = True
+    try:
+        yield
+    finally:
+        _state.introspecting = before
 
 
 class _PipelineMember:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from leanact.saved import SavedTensorObserver
+from leanact.saved import SavedTensorObserver, introspecting
 
 __all__ = ["SavedRecord", "SavedTensorMeter", "saved_bytes"]
 
@@ -163,7 +163,8 @@ class SavedTensorMeter(SavedTensorObserver):
             label = _node_label(node)
             self._introspect_log = []
             try:
-                _touch_saved(node)
+                with introspecting():
+                    _touch_saved(node)
             finally:
                 log, self._introspect_log = self._introspect_log, None
             for i in log:
