@@ -49,7 +49,8 @@ def test_non_contiguous_inputs(dtype):
 
 def test_inplace_non_contiguous_large():
     p, seed = 0.25, torch.tensor(5)
-    x = torch.randn(400, 300).t()  # non-contiguous, > CHUNK elements
+    x = torch.randn(600, 300).t()  # non-contiguous, > CHUNK elements (the chunked path)
+    assert x.numel() > CHUNK
     ref = x * keep_mask_like(seed, x.shape, p) / (1 - p)
     out = dropout_seeded(x, seed, p, inplace=True)
     assert out is x and torch.allclose(x, ref, rtol=1e-6, atol=0)

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from .random import CHUNK, _as_seed, _at_least, _cpu_range_blocks, _eager_chunks, _range_words, draw_seed, keep_threshold, seed_keys
+from .random import (
+    CHUNK,
+    _as_seed,
+    _at_least,
+    _cpu_range_blocks,
+    _eager_chunks,
+    _range_words,
+    draw_seed,
+    keep_threshold,
+    seed_keys,
+)
 
 __all__ = ["dropout", "dropout_seeded"]
 

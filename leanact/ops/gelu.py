@@ -4,29 +4,33 @@ Tempo (arXiv 2210.10246) observed that the layer after a GELU keeps the GELU's o
 anyway, so a GELU that keeps ``y`` (instead of its input ``x``) costs almost nothing extra. GELU
 is not monotone, so ``y`` alone does not determine ``x``: one bit per element says on which side
 of the minimum ``x*`` (``GELU'(x*) = 0``) the input was. Tempo rebuilt ``GELU'(x)`` from ``y``
-with polynomial fits; this module instead *solves* ``GELU(x) = y`` on the stored branch with a
-fixed number of safeguarded Halley steps (no data-dependent control flow, so it traces under
-``torch.compile``) from an asymptotic initial guess, then evaluates the exact derivative.
+with polynomial fits; here backward *solves* ``GELU(x) = y`` on the stored branch with a fixed
+number of safeguarded Halley steps (no data-dependent control flow, so it traces under
+``torch.compile``) from asymptotic initial guesses, then evaluates the exact derivative.
 
 Kept for backward: ``y`` (``ctx.save_for_backward``, so modifying it in place afterwards makes
 backward raise) and ``ceil(numel / 8)`` bytes of packed branch bits. ``x`` is not kept.
 
-Precision (see ``docs/gelu_bound.md``). The stored ``y`` is ``GELU(x)`` rounded, so the true
-output lies within half an ulp of it; near the minimum the inverse has a square-root branch
-point and that rounding bounds *any* output-based rebuild (about ``sqrt(2 c ulp(y*)/2)``:
-8e-5 for fp32, 2e-2 for bf16). Elsewhere the rebuilt gradient matches the float64 truth to an
-ulp or two. To get there every step runs in a wider working precision than the storage:
-float32 for 16-bit inputs, float64 for float32 inputs; float64 inputs run in float64 with
-error-free products (Dekker), a compensated ``x/sqrt(2)`` and ``x**2`` in the tail, and an exact
-Taylor expansion of ``GELU`` about ``x*`` for the residual next to the minimum.
+Precision (derivation in ``docs/gelu_bound.md``). The stored ``y`` is ``GELU(x)`` rounded, so
+the true output lies within half an ulp of it and the best any output-based rebuild can return is
+a derivative between the extremes of ``GELU'`` over those outputs. Next to the minimum the
+inverse has a square-root branch point and that interval is wide: about
+``sqrt(2 GELU''(x*) ulp(y*)/2)``, 8e-5 for float32, 2e-2 for bfloat16. This rebuild stays within
+that interval plus the final rounding (float64: plus ~4 ulps) everywhere. To get there it works
+in a wider precision than the storage: float32 for 16-bit storage, float64 for float32 (guess
+and first step in float32, last step in float64); float64 storage runs in float64 with
+error-free products (Dekker), compensated ``x/sqrt 2``, ``x**2`` and tanh argument in the tail,
+and the exact Taylor expansion of GELU about ``x*`` next to the minimum.
 
-The forward also differs from ``torch.nn.functional.gelu`` on purpose: torch evaluates
-``0.5*x*(1+erf(x/sqrt(2)))`` (or ``1+tanh``), which cancels for ``x < -3`` (fp32 at ``x=-5``:
--1.19e-6 against the true -1.433e-6; ``-0.0`` at ``x=-8``). Here ``Phi(x) = erfc(-x/sqrt(2))/2``
-and the tanh form is ``x*sigmoid(2z)``, both free of cancellation, so leanact's output differs
-from torch's only where torch's has that error, and is the one closer to the float64 truth.
-Special values follow torch's float64 kernel: ``GELU(+inf) = inf``, ``GELU(-inf) = nan``,
-``GELU(nan) = nan``, signed zeros kept; the gradient at ``+-inf`` and ``nan`` is ``nan``.
+The forward differs from ``torch.nn.functional.gelu`` on purpose: torch evaluates
+``0.5*x*(1+erf(x/sqrt 2))`` (or ``1+tanh``), which cancels for ``x < -3`` (float32 at ``x=-5``:
+-1.19e-6 against the true -1.433e-6; ``-0.0`` at ``x=-8``). Here ``Phi(x) = erfc(-x/sqrt 2)/2``
+and the tanh form is ``x*sigmoid(2z)``, both free of cancellation and computed one precision
+wider than the storage, so leanact's output is the float64 truth rounded (float64: within ~2
+ulps) and differs from torch's only where torch's has that cancellation error. Special values
+follow torch's float64 kernel: ``GELU(+inf) = inf`` (torch's float32/bf16 erf kernel returns nan
+there), ``GELU(-inf) = nan``, ``GELU(nan) = nan``, signed zeros kept; the gradient at ``+-inf``
+and ``nan`` is nan and at ``+-0`` 0.5, as torch's.
 """
 from __future__ import annotations
 
@@ -34,30 +38,29 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .bitpack import pack_bits, unpack_bits
 
 __all__ = ["gelu", "GeluFunction", "gelu_minimum", "gelu_grad_from_output"]
 
 _APPROXIMATE = ("none", "tanh")
-#: Elements per slice in eager mode: temporaries of the working precision stay small (and in
-#: cache) whatever the tensor size. Under torch.compile the whole tensor is one fused kernel.
+#: Elements per slice in eager mode: the temporaries of the working precision stay small (and in
+#: cache) whatever the tensor size. Under torch.compile the whole tensor is one graph.
 CHUNK = 1 << 16
 _CLAMP = 50.0  # beyond |x| = 50 every Phi/phi/sigmoid term below is exactly 0 or 1 (fp32 and fp64)
 _SQRT1_2 = math.sqrt(0.5)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
-_HALF_LN_2PI = 0.5 * math.log(2.0 * math.pi)
-_K1 = 2.0 * math.sqrt(2.0 / math.pi)  # tanh form: GELU(x) = x * sigmoid(v), v = K1 * (x + A x^3)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_LN_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
+_K1 = 2.0 * math.sqrt(2.0 / math.pi)  # tanh form: GELU(x) = x * sigmoid(v), v = K1 (x + A x^3)
 _A = 0.044715
 _TAYLOR_TERMS = 40  # f(x*+d) - y* = sum_{n=2}^{39} p_n d^n: truncation below 1e-20 for |d| <= 0.75
-_WINDOW = 0.75  # float64 only: |x - x*| up to which the residual and f' use the Taylor expansion
+_WINDOW = 0.75  # float64 storage: |x - x*| up to which f - y* and f' come from that expansion
 
 
 @dataclass(frozen=True)
 class _Consts:
-    """Per-mode constants (plain floats, so they trace as literals). ``*_lo``: double-double tails."""
+    """Per-mode constants (plain floats: they trace as literals). ``*_lo``: double-double tails."""
 
     xs: float
     xs_lo: float
@@ -67,10 +70,8 @@ class _Consts:
     ys32_lo: float
     c2: float  # GELU''(x*)
     b1: float  # GELU'''(x*) / (3 GELU''(x*)), for the square-root initial guess
-    y_right: float  # right branch: y >= y_right uses the large-y guess
-    y_left: float  # left branch: y >= y_left uses the tail guess
-    taylor: tuple[float, ...]  # p_2 .. p_{N-1} of f(x* + d) - y*
-    dtaylor: tuple[float, ...]  # n p_n (n = 2 .. N-1): f'(x* + d) = d * sum n p_n d^(n-2)
+    taylor: tuple[float, ...]  # p_2 .. p_{N-1}: f(x* + d) - y* = sum p_n d^n
+    dtaylor: tuple[float, ...]  # n p_n: f'(x* + d) = sum n p_n d^(n-1)
 
 
 def _dd(v) -> tuple[float, float]:
@@ -79,7 +80,7 @@ def _dd(v) -> tuple[float, float]:
 
 
 def _mode_constants(approximate: str) -> _Consts:
-    """Minimum, curvature and Taylor coefficients at the minimum, computed with mpmath (50 digits).
+    """Minimum, curvature and Taylor coefficients at the minimum (mpmath, 50 digits).
 
     The Taylor coefficients come from the ODEs the functions satisfy (exact power-series
     recurrences), not from fitting: erf form ``phi' = -x phi``; tanh form ``s' = s(1-s) v'``.
@@ -95,8 +96,7 @@ def _mode_constants(approximate: str) -> _Consts:
             k1, a = 2 * mp.sqrt(2 / mp.pi), mp.mpf("0.044715")
 
             def grad(x):
-                v = k1 * (x + a * x**3)
-                s = 1 / (1 + mp.exp(-v))
+                s = 1 / (1 + mp.exp(-k1 * (x + a * x**3)))
                 return s + x * s * (1 - s) * k1 * (1 + 3 * a * x**2)
         xs = mp.findroot(grad, mp.mpf("-0.75"))
         if approximate == "none":
@@ -104,10 +104,9 @@ def _mode_constants(approximate: str) -> _Consts:
             e = [mp.mpf(1), -xs]
             for m in range(1, n):
                 e.append((-xs * e[m] - e[m - 1]) / (m + 1))
-            phis = mp.npdf(xs)
-            h = [mp.ncdf(xs)] + [phis * e[m - 1] / m for m in range(1, n)]  # Phi(x*+d)
+            h = [mp.ncdf(xs)] + [mp.npdf(xs) * e[m - 1] / m for m in range(1, n)]  # Phi(x*+d)
         else:
-            # h(d) = sigmoid(v(x*+d)); h' = h (1-h) v'(x*+d), v' a quadratic in d
+            # h(d) = sigmoid(v(x*+d)): h' = h (1-h) v'(x*+d), v' a quadratic in d
             vp = [k1 * (1 + 3 * a * xs**2), k1 * 6 * a * xs, k1 * 3 * a]
             h = [1 / (1 + mp.exp(-k1 * (xs + a * xs**3)))]
             for m in range(n - 1):
@@ -118,19 +117,13 @@ def _mode_constants(approximate: str) -> _Consts:
         ys_hi, ys_lo = _dd(f[0])
         ys32 = torch.tensor(ys_hi, dtype=torch.float32).item()
         return _Consts(
-            xs=xs_hi, xs_lo=xs_lo, ys=ys_hi, ys_lo=ys_lo, ys32=ys32, ys32_lo=float(f[0] - ys32), c2=float(2 * f[2]), b1=float(f[3] / f[2]),
-            y_right=0.2, y_left=-0.12, taylor=tuple(float(c) for c in f[2:]),
-            dtaylor=tuple(float(m * f[m]) for m in range(2, n)),
+            xs=xs_hi, xs_lo=xs_lo, ys=ys_hi, ys_lo=ys_lo, ys32=ys32, ys32_lo=float(f[0] - ys32),
+            c2=float(2 * f[2]), b1=float(f[3] / f[2]),
+            taylor=tuple(float(v) for v in f[2:]), dtaylor=tuple(float(m * f[m]) for m in range(2, n)),
         )
 
 
 _CONSTS = {mode: _mode_constants(mode) for mode in _APPROXIMATE}
-
-
-def gelu_minimum(approximate: str = "none") -> tuple[float, float]:
-    """``(x*, y*)``: where GELU has its minimum and the minimum value (float64)."""
-    c = _CONSTS[_check(approximate)]
-    return c.xs, c.ys
 
 
 def _check(approximate: str) -> str:
@@ -139,50 +132,51 @@ def _check(approximate: str) -> str:
     return approximate
 
 
+def gelu_minimum(approximate: str = "none") -> tuple[float, float]:
+    """``(x*, y*)``: where GELU has its minimum and the minimum value (float64)."""
+    c = _CONSTS[_check(approximate)]
+    return c.xs, c.ys
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Working precision: one step wider than the storage (float64 stays float64)."""
     if dtype in (torch.float16, torch.bfloat16):
         return torch.float32
     if dtype in (torch.float32, torch.float64):
         return torch.float64
-    raise TypeError(f"leanact GELU supports floating dtypes float16/bfloat16/float32/float64, got {dtype}")
+    raise TypeError(f"leanact GELU supports float16, bfloat16, float32 and float64, got {dtype}")
 
 
-# -- error-free float64 arithmetic (used only when storage and working precision are float64) --
+# -- error-free float64 arithmetic (float64 storage only) --------------------------------------
 
-_SPLIT_MASK = -(1 << 27)  # keep the top 26 significant bits of a float64
+_SPLIT_MASK = -(1 << 27)  # keeps the top 26 significant bits of a float64
 
 
 def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a = hi + lo`` exactly, ``hi`` with 26 significant bits (bit mask: immune to reassociation)."""
+    """``a = hi + lo`` exactly, ``hi`` with 26 significant bits (a bit mask: immune to reassociation)."""
     hi = torch.bitwise_and(a.view(torch.int64), _SPLIT_MASK).view(torch.float64)
     return hi, a - hi
 
 
-def _split_float(c: float) -> tuple[float, float]:
-    t = torch.tensor([c], dtype=torch.float64)
-    hi, lo = _split(t)
-    return hi.item(), lo.item()
-
-
-def _prod_err(a: torch.Tensor, p: torch.Tensor, b, b_parts=None) -> torch.Tensor:
-    """Rounding error of ``p = fl(a*b)`` (Dekker): ``a*b - p``, exact up to 2**-100 relative."""
+def _prod_err(a: torch.Tensor, p: torch.Tensor, b=None, b_parts=None) -> torch.Tensor:
+    """``a*b - p`` for ``p = fl(a*b)`` (Dekker), exact up to ~2**-100 relative."""
     ah, al = _split(a)
     bh, bl = b_parts if b_parts is not None else _split(b)
     return ((ah * bh - p) + ah * bl + al * bh) + al * bl
 
 
 class _DDConst:
-    """A real constant as float64 ``hi`` (+ its 26-bit split) and the tail ``lo``."""
+    """A real constant as float64 ``hi`` (plus its 26-bit split) and the tail ``lo``."""
 
     def __init__(self, value):
         self.hi, self.lo = _dd(value)
-        self.parts = _split_float(self.hi)
+        hi, lo = _split(torch.tensor([self.hi], dtype=torch.float64))
+        self.parts = (hi.item(), lo.item())
 
     def mul(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``a * value = p + e``: ``p`` rounded, ``e`` its error (to ~2**-100 relative)."""
         p = a * self.hi
-        return p, _prod_err(a, p, None, self.parts) + a * self.lo
+        return p, _prod_err(a, p, b_parts=self.parts) + a * self.lo
 
 
 def _dd_consts():
@@ -196,23 +190,9 @@ def _dd_consts():
 _C_SQRT1_2, _C_K1, _C_K3 = _dd_consts()
 
 
-# -- GELU and its derivatives in the working precision ----------------------------------------
-# Few, mostly in-place elementwise ops and no torch.where on the common path: in eager mode every
-# op is a pass over the slice, and on the CPU torch.where costs about ten multiplications.
-
-
-def _cdf_pdf(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(Phi(x), phi(x), x**2)`` with ``Phi = erfc(-x/sqrt 2)/2`` (no cancellation for x < 0)."""
-    x2 = xc * xc
-    if not precise:
-        cdf = torch.special.erfc(xc * -_SQRT1_2).mul_(0.5)
-        return cdf, (x2 * -0.5).exp_().mul_(_INV_SQRT_2PI), x2
-    # float64: erfc(-(p + e)) with x/sqrt2 = p + e exactly; a 1-ulp error in p would cost x**2/2 ulps
-    p, e = _C_SQRT1_2.mul(xc)
-    cdf = torch.special.erfc(-p) * 0.5 + e * torch.exp(-p * p) * _INV_SQRT_PI
-    r = _prod_err(xc, x2, xc)  # x**2 = x2 + r exactly
-    pdf = torch.exp(x2 * -0.5) * (1.0 - 0.5 * r) * _INV_SQRT_2PI
-    return cdf, pdf, x2
+# -- GELU and its derivatives ------------------------------------------------------------------
+# Few, mostly in-place elementwise ops and no torch.where on the float32/16-bit path: in eager
+# mode every op is a pass over the slice (and torch.where costs about ten multiplications on CPU).
 
 
 def _sigmoid_pair(v: torch.Tensor, stable: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,13 +207,13 @@ def _sigmoid_pair(v: torch.Tensor, stable: bool) -> tuple[torch.Tensor, torch.Te
     return torch.lerp(big, small, neg), torch.lerp(small, big, neg)  # exact selections (weights 0/1)
 
 
-def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tanh_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sigmoid(v), sigmoid(-v), x**2)`` for ``v = K1 (x + A x^3)`` (the tanh form, ``v = 2z``)."""
     x2 = xc * xc
     if not precise:
         v = (x2 * _A).add_(1.0).mul_(xc).mul_(_K1)
         return (*_sigmoid_pair(v, stable=xc.dtype != torch.float64), x2)
-    # float64: v = K1 x + K3 x^3 to ~2**-100 relative: the tail has relative error |v| * err(v)
+    # v = K1 x + K3 x^3 to ~2**-100 relative: in the tail the output's relative error is |v| err(v)
     r = _prod_err(xc, x2, xc)  # x^2 = x2 + r
     x3 = xc * x2
     e3 = _prod_err(xc, x3, x2) + xc * r  # x^3 = x3 + e3
@@ -247,15 +227,30 @@ def _sigmoid_v(xc: torch.Tensor, precise: bool) -> tuple[torch.Tensor, torch.Ten
     return s + t, sm - t, x2
 
 
-def _derivs(x: torch.Tensor, approximate: str, precise: bool, third: bool):
-    """GELU and its first three derivatives at ``x`` (the third only if asked; else None)."""
+def _erf_cdf2(xc: torch.Tensor, precise: bool) -> torch.Tensor:
+    """``2 Phi(x) = erfc(-x/sqrt 2)`` (no cancellation for x < 0)."""
+    if not precise:
+        return torch.special.erfc(xc * -_SQRT1_2)
+    # x/sqrt2 = p + e exactly: a half-ulp error in p alone would cost x**2/2 ulps of Phi in the tail
+    p, e = _C_SQRT1_2.mul(xc)
+    return torch.special.erfc(-p) + e * torch.exp(-p * p) * (2.0 * _INV_SQRT_PI)
+
+
+def _derivs(x: torch.Tensor, ny: torch.Tensor, approximate: str, precise: bool, third: bool):
+    """``(f(x) - y, f'(x), f''(x), f'''(x) or None)`` for GELU ``f``; ``ny = -y``."""
     xc = x.clamp(-_CLAMP, _CLAMP)
     if approximate == "none":
-        cdf, pdf, x2 = _cdf_pdf(xc, precise)
+        cdf2 = _erf_cdf2(xc, precise)
+        x2 = xc * xc
+        if precise:  # exp(-(x2 + r)/2) with x**2 = x2 + r exactly
+            pdf = (x2 * -0.5).exp_().mul_(_prod_err(xc, x2, xc).mul_(-0.5).add_(1.0)).mul_(_INV_SQRT_2PI)
+        else:
+            pdf = (x2 * -0.5).add_(_LN_INV_SQRT_2PI).exp_()
         xpdf = xc * pdf
-        f3 = (x2 - 4.0).mul_(xpdf) if third else None  # phi (x^3 - 4x)
-        return x * cdf, cdf + xpdf, x2.neg_().add_(2.0).mul_(pdf), f3
-    s, sm, x2 = _sigmoid_v(xc, precise)
+        f3 = x2.sub_(4.0).mul_(xpdf) if third else None  # phi (x^3 - 4x)
+        f2 = torch.addcmul(pdf, xc, xpdf, value=-1.0).add_(pdf)  # phi (2 - x^2)
+        return torch.addcmul(ny, x, cdf2, value=0.5), xpdf.add_(cdf2, alpha=0.5), f2, f3
+    s, sm, x2 = _tanh_v(xc, precise)
     p = s * sm  # s' = p v'
     v1 = (x2 * (3.0 * _A * _K1)).add_(_K1)  # v'
     v2 = xc * (6.0 * _A * _K1)  # v''
@@ -264,19 +259,19 @@ def _derivs(x: torch.Tensor, approximate: str, precise: bool, third: bool):
     s2 = (d * v1).mul_(v1).add_(v2).mul_(p)
     f3 = None
     if third:
-        s3 = (1.0 - 6.0 * p).mul_(v1).mul_(v1).mul_(v1).add_((3.0 * d).mul_(v1).mul_(v2))
+        s3 = (1.0 - 6.0 * p).mul_(v1).mul_(v1).mul_(v1).add_(d.mul_(3.0).mul_(v1).mul_(v2))
         f3 = (xc * s3.add_(6.0 * _A * _K1).mul_(p)).add_(s2, alpha=3.0)
-    return x * s, (xc * s1).add_(s), (xc * s2).add_(s1, alpha=2.0), f3
+    return torch.addcmul(ny, x, s), (xc * s1).add_(s), (xc * s2).add_(s1, alpha=2.0), f3
 
 
 def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tensor:
-    """GELU(x) in the working precision."""
-    xc = xw.clamp(-_CLAMP, _CLAMP)
+    """GELU(x) in the working precision (the clamp only keeps float64's error-free splits finite)."""
+    xc = xw.clamp(-_CLAMP, _CLAMP) if precise else xw
     if approximate == "none":
-        y = xw * (_cdf_pdf(xc, True)[0] if precise else torch.special.erfc(xc * -_SQRT1_2).mul_(0.5))
+        y = _erf_cdf2(xc, precise).mul_(xw).mul_(0.5)
     else:
-        y = xw * _sigmoid_v(xc, precise)[0]
-    if precise:  # float64 next to the minimum: y* + (f - y*) from the expansion, rounded once
+        y = _tanh_v(xc, precise)[0].mul_(xw)
+    if precise:  # next to the minimum: y* + (f - y*) from the expansion, rounded once
         c = _CONSTS[approximate]
         d = (xw - c.xs) - c.xs_lo
         near = (d + 0.15).abs() <= 0.6  # -0.75 <= d <= 0.45, where y* + (f - y*) does not cancel
@@ -288,39 +283,39 @@ def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tenso
 
 
 def _initial_guess(y, rf, sign, big_y, approximate: str, c: _Consts) -> torch.Tensor:
-    """Asymptotic initial guess for x on each branch (relative error below ~15%, mostly far less).
+    """Asymptotic initial guess for x on each branch.
 
     Near the minimum ``y - y* = c2/2 d^2 (1 + b1 d + ...)``, so ``d ~ u / sqrt(1 + b1 u)`` with
     ``u = +-sqrt(2 (y - y*) / c2)`` (the square-root branch point). Left tail: log space. Right,
-    large y: ``x = y + x (1 - cdf(x)) ~ y + y (1 - cdf(y))`` with ``1 - cdf`` in closed form.
+    ``y >= 0.2``: one fixed-point step of ``x = y + x (1 - cdf(x))`` from ``x = y``.
     ``rf``: 1. on the right branch, 0. on the left; ``sign = 2 rf - 1``; ``big_y = y - y* > 0``.
     """
     u = (big_y * (2.0 / c.c2)).sqrt_().mul_(sign)
     x_min = (u / (u * c.b1).add_(1.0).sqrt_()).add_(c.xs)
     tiny = torch.finfo(y.dtype).tiny * torch.finfo(y.dtype).eps  # smallest subnormal
-    lam = (-y).clamp_min_(tiny).log_().neg_()  # -ln(-y) > 0 on the left branch (finite everywhere)
-    yc = y.clamp(0.0, _CLAMP)
+    ln_y = (-y).clamp_min_(tiny).log_()  # ln(-y) on the left branch (finite everywhere)
     if approximate == "none":
         # -y = phi(x) |x| R(|x|), Mills ratio R(t) ~ 1/(t + 1/(t + 2/t)): -y ~ phi(x)(x^2+2)/(x^2+3)
-        w = lam.mul_(2.0).sub_(2.0 * _HALF_LN_2PI)
+        w = ln_y.mul_(-2.0).add_(2.0 * _LN_INV_SQRT_2PI)
         w += ((w + 2.0) / (w + 3.0)).log_().mul_(2.0)
         x_left = w.sqrt_().neg_()
-        y2 = yc * yc
-        x_right = (y2 * -0.5).exp_().mul_(_INV_SQRT_2PI).mul_(y2 + 2.0).div_(y2 + 3.0).add_(y)
+        x_right = torch.special.erfc(y * _SQRT1_2).mul_(0.5).mul_(y).add_(y)
     else:
-        # -y = t sigmoid(-K1 (t + A t^3)), t = -x: K1 (t + A t^3) ~ lam + ln t. The cubic
-        # A t^3 + t = q by the hyperbolic formula (ln t dropped), then one Newton step with ln t.
+        # -y = t sigmoid(-K1 (t + A t^3)), t = -x: K1 (t + A t^3) ~ ln t - ln(-y). The cubic
+        # A t^3 + t = q by the hyperbolic formula (ln t dropped), then Newton steps with ln t.
+        lam = ln_y.neg_()
         z = lam * (1.5 * math.sqrt(3.0 * _A) / _K1)
         e = (z * z).add_(1.0).sqrt_().add_(z).log_().mul_(1.0 / 3.0).exp_()
         t = (e - e.reciprocal()).mul_(1.0 / math.sqrt(3.0 * _A))
-        for _ in range(2):  # Newton on K1 (t + A t^3) - ln t = lam
+        for _ in range(2):
             t2 = t * t
             h = (t2 * _A).add_(1.0).mul_(t).mul_(-_K1).add_(t.log()).add_(lam)
             t += h.div_(t2.mul_(3.0 * _A * _K1).add_(_K1).sub_(t.reciprocal()))
         x_left = t.neg_()
+        yc = y.clamp(0.0, _CLAMP)
         x_right = (yc * yc).mul_(_A).add_(1.0).mul_(yc).mul_(-_K1).sigmoid_().mul_(y).add_(y)
-    thr = torch.lerp(torch.full_like(y, c.y_left), torch.full_like(y, c.y_right), rf)
-    return torch.lerp(x_min, torch.lerp(x_left, x_right, rf), (y >= thr).to(y.dtype))
+    far = (y >= rf * 0.32 - 0.12).to(y.dtype)  # right: y >= 0.2; left: y >= -0.12 (x < -1.3)
+    return torch.lerp(x_min, torch.lerp(x_left, x_right, rf), far)  # exact selections
 
 
 def _taylor(d: torch.Tensor, coefs: tuple[float, ...], power: int) -> torch.Tensor:
@@ -331,80 +326,70 @@ def _taylor(d: torch.Tensor, coefs: tuple[float, ...], power: int) -> torch.Tens
     return acc.mul_(d).mul_(d) if power == 2 else acc.mul_(d)
 
 
-def _halley(x, ye, approximate: str, c: _Consts, precise: bool, third: bool, big_y=None):
-    """One Halley step for ``f(x) = ye``: ``(step, f', f'', f''')`` at ``x`` (``x - step`` is next).
+def _halley(x, ny, approximate: str, c: _Consts, precise: bool, third: bool, big_y=None):
+    """One step for ``f(x) = y``: ``(step, f', f'', f''')`` at ``x``; the next iterate is ``x - step``.
 
-    ``step = q / (1 - q f''/(2 f'))`` with ``q = (f - ye) / f'`` (normalized: values ~1e-300 fine).
+    Chebyshev's form of the cubically convergent step, ``q (1 + q f''/(2 f'))`` with
+    ``q = (f - y)/f'``: normalized (f, f', f'' may be ~1e-300) and free of a second division.
     """
-    f, g0, f2, f3 = _derivs(x, approximate, precise, third)
-    r = f.sub_(ye)
+    r, g0, f2, f3 = _derivs(x, ny, approximate, precise, third)
     if precise:  # next to the minimum f - y cancels: use the exact expansion there
         d = (x - c.xs) - c.xs_lo
         r = torch.where(d.abs() <= _WINDOW, _taylor(d, c.taylor, 2) - big_y, r)
     q = r.div_(g0)
-    return q / (q * f2).div_(g0).mul_(-0.5).add_(1.0), g0, f2, f3
-
-
-def _to_branch(x, sign, sx):
-    """Safeguard: clamp ``x`` to its branch (``sign`` = +-1, ``sx = sign * x*``), exactly."""
-    return torch.maximum(x.mul_(sign), sx).mul_(sign)
+    return (q * f2).div_(g0).mul_(0.5).add_(1.0).mul_(q), g0, f2, f3
 
 
 def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) -> torch.Tensor:
     """GELU'(x) for the x with GELU(x) = y (storage dtype) on the branch ``right`` (x > x*).
 
-    Returns the derivative in the working precision (float64 for float32/float64 storage, float32
-    for 16-bit). Steps: initial guess and one masked Halley step in float32 (cheap), then the last
-    Halley step in the working precision, whose own expansion gives f' at the solution (no further
-    erfc/exp). float64 storage: three float64 steps with the compensated evaluations.
+    Returns the derivative in the working precision. Stage A (float32): initial guess and one
+    safeguarded step, masked where float32 cannot improve the guess. Stage B (working precision):
+    the last step, whose own Taylor expansion gives f' at the solution without another erfc/exp.
+    float64 storage: three float64 steps with the compensated evaluations and Taylor residual.
     """
     c = _CONSTS[approximate]
-    storage = y.dtype
-    precise = storage == torch.float64
-    wa = torch.float64 if precise else torch.float32  # stage A: guess (+ first step)
+    precise = y.dtype == torch.float64
+    wa = torch.float64 if precise else torch.float32
     ya, rfa = y.to(wa), right.to(wa)
     sign = rfa * 2.0 - 1.0
-    ys_hi, ys_lo = (c.ys, c.ys_lo) if precise else (c.ys32, c.ys32_lo)
-    big = (ya - ys_hi) - ys_lo  # y - y*, exact next to the minimum (Sterbenz)
+    sx = sign * c.xs
+    big = (ya - c.ys) - c.ys_lo if precise else (ya - c.ys32) - c.ys32_lo  # y - y* (Sterbenz: exact)
+    # y rounded to (or below) the minimum: the outputs that round to y include y*, where f' = 0.
+    # y = 0 on the left branch (underflow): f' lies between 0 and f'(x(-ulp/2)); returned: 0.
+    keep = (big > 0) & ((ya < 0) | (rfa > 0))
     x = _initial_guess(ya, rfa, sign, big.clamp_min(1e-30), approximate, c)
     if precise:
-        steps, wb = 3, torch.float64
+        steps, yb, big_b = 3, ya, big
     else:
-        # First Halley step in float32, skipped where float32 cannot improve the guess: next to the
-        # minimum (f - y is float32 noise there; the square-root guess is already accurate) and in
-        # the deep left tail (float32 f, f' subnormal; the log-space guess is already accurate).
+        # The first step in float32, skipped next to the minimum (f - y is float32 noise there;
+        # the square-root guess is accurate) and in the deep left tail (float32 f, f' subnormal;
+        # the log-space guess is accurate). Safeguard: the iterate stays on its branch.
         use = ((big > 1e-4) & ((ya < -1e-37) | (rfa > 0))).to(wa)
-        step = _halley(x, ya, approximate, c, False, False)[0]
-        x = _to_branch(x - step.nan_to_num_(0.0, 0.0, 0.0).mul_(use), sign, sign * c.xs)
-        steps, wb = 1, _work_dtype(storage)
-        x, sign, big = x.to(wb), sign.to(wb), None
-    yb = y.to(wb)
-    sx = sign * c.xs
-    big_y = (yb - c.ys) - c.ys_lo if wb == torch.float64 else (yb - c.ys32) - c.ys32_lo
+        step = _halley(x, -ya, approximate, c, False, False)[0]
+        x = torch.maximum(x.sub_(step.nan_to_num_(0.0, 0.0, 0.0).mul_(use)).mul_(sign), sx).mul_(sign)
+        wb = _work_dtype(y.dtype)
+        steps, yb, x, big_b = 1, y.to(wb), x.to(wb), None
     g = x
     for i in range(steps):
         last = i == steps - 1
-        step, g0, f2, f3 = _halley(x, yb, approximate, c, precise, last, big_y)
-        xn = _to_branch(x - step, sign, sx)
-        if last:  # f'(xn) from the expansion at x
-            dx = xn - x
-            g = (dx * f3).mul_(0.5).add_(f2).mul_(dx).add_(g0)
-            if precise:  # next to the minimum f' = Phi + x phi cancels: from the expansion
-                d = (xn - c.xs) - c.xs_lo
-                g = torch.where(d.abs() <= _WINDOW, _taylor(d, c.dtaylor, 1), g)
-        x = xn
-    # y rounded to (or below) the minimum: the outputs that round to y include y*, where f' = 0.
-    # y = 0 on the left branch (underflow): f' lies between 0 and f'(x(-ulp/2)) (|.| < |x| ulp/2);
-    # 0, as torch. Iterates of these elements may be anything: sanitized, then masked.
-    # y * 0 is nan exactly for y = +-inf or nan: their gradient is nan, as torch's.
-    keep = (big_y > 0) & ((yb < 0) | (sign > 0))
+        step, g0, f2, f3 = _halley(x, -yb, approximate, c, precise, last, big_b)
+        if not last:
+            x = torch.maximum(x.sub_(step).mul_(sign), sx).mul_(sign)
+            continue
+        g = (step * f3).mul_(-0.5).add_(f2).mul_(step).neg_().add_(g0)  # f'(x - step), expanded
+        if precise:  # next to the minimum f' = Phi + x phi cancels: from the expansion at x*
+            d = (x - step - c.xs) - c.xs_lo
+            g = torch.where(d.abs() <= _WINDOW, _taylor(d, c.dtaylor, 1), g)
+    # Elements masked by `keep` may have iterated anywhere: sanitized, then zeroed. y * 0 is nan
+    # exactly for y = +-inf or nan: their gradient is nan, as torch's.
     return g.nan_to_num_(0.0, 0.0, 0.0).mul_(keep).add_(yb * 0.0)
 
 
 def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*``, in ``y``'s dtype.
 
-    The rebuild used by backward, exposed for tests and analysis.
+    The rebuild backward uses, exposed for tests and analysis.
     """
     return _grad_from_output(y, right, _check(approximate)).to(y.dtype)
 
@@ -419,6 +404,8 @@ def _slices(n: int):
 
 
 def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
+    """``(GELU(x), packed bits of x > x* or None)``; ``y`` contiguous, rounded once from the wider
+    working precision."""
     w = _work_dtype(x.dtype)
     precise = x.dtype == torch.float64
     xf = x.reshape(-1)
@@ -428,14 +415,24 @@ def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
     xs = _CONSTS[approximate].xs
     for a, b in _slices(xf.numel()):
         xw = xf[a:b].to(w)
-        yf[a:b] = _forward_w(xw, approximate, precise).to(x.dtype)
         if right is not None:
-            right[a:b] = xw > xs  # compared in the working precision: the exact side of x*
+            torch.gt(xw, xs, out=right[a:b])  # in the working precision: the exact side of x*
+        yf[a:b] = _forward_w(xw, approximate, precise)
     return y, (pack_bits(right) if right is not None else None)
 
 
+_NO_DOUBLE_BACKWARD = (
+    b"leanact GELU does not support double backward: its gradient is rebuilt from the saved output "
+    b"without autograd. Use torch.nn.functional.gelu where second derivatives are needed."
+)
+
+
 class GeluFunction(torch.autograd.Function):
-    """``y = GELU(x)`` keeping ``y`` and one bit per element (see the module docstring)."""
+    """``y = GELU(x)`` keeping ``y`` and one bit per element (see the module docstring).
+
+    Double backward is not supported: with ``create_graph=True`` the first-order gradient is
+    returned as usual, and differentiating it raises a RuntimeError that says so.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, approximate: str = "none"):
@@ -445,18 +442,20 @@ class GeluFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
         y, bits = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None
-        right = unpack_bits(bits, y.numel())
-        yf, gf = y.reshape(-1), grad_y.reshape(-1)
-        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-        of = out.view(-1)
-        for a, b in _slices(yf.numel()):
-            g = _grad_from_output(yf[a:b], right[a:b], ctx.approximate)
-            of[a:b] = g.mul_(gf[a:b]).to(y.dtype)  # product in the working precision, rounded once
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            right = unpack_bits(bits, y.numel())
+            yf, gf = y.reshape(-1), grad_y.reshape(-1)
+            out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+            of = out.view(-1)
+            for a, b in _slices(yf.numel()):
+                # product in the working precision, rounded once on the copy
+                of[a:b] = _grad_from_output(yf[a:b], right[a:b], ctx.approximate).mul_(gf[a:b])
+        if create_graph and not torch.compiler.is_compiling():
+            # Like once_differentiable, but also when grad_y itself does not require grad.
+            out = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, 1)(out.requires_grad_())
         return out, None
 
 

@@ -1,0 +1,156 @@
+"""Scaled dot-product attention that keeps nothing of size s² for backward (exact gradients).
+
+``attention(q, k, v, ...)`` has the semantics of ``torch.nn.functional.scaled_dot_product_attention``
+(bool mask True = attend, or an additive float mask; ``is_causal`` is the top-left triangle;
+``enable_gqa``; default scale 1/sqrt(d); rows with every key masked give output 0 and gradient 0,
+as torch's math and CPU flash paths do). Dropout masks come from :mod:`leanact.ops.random`:
+element (n, h, i, j) of the (b, H, s_q, s_k) probability matrix is kept iff
+``keep_mask(seed, ((n*H + h)*s_q + i)*s_k + j, p)``, so they are reproducible and regenerated,
+never stored.
+
+What is kept for backward, by path (per call; "mask" = the caller's own mask tensor, if given,
+shared by all layers that use it):
+
+* ``mode="recompute"`` (default, flash-style, :class:`~leanact.ops.attention_core.RecomputeAttention`):
+  q, k, v (the caller's tensors: views of one fused QKV buffer count once), the output, the fp32
+  (fp64 for fp64 inputs) log-sum-exp per row (b·H·s_q·4 bytes), the 8-byte seed, the mask.
+  Backward recomputes the scores per query block (one extra QK^T matmul), P = exp(S - lse), the
+  block's dropout mask, and uses D = rowsum(dO * O): the s x s matrix never exists whole.
+* ``mode="tempo"`` (dropout > 0 only): q, k, v, the softmax output P (input dtype) and the seed;
+  backward recomputes the dropout output P * mask / (1 - p). No mask, no dropout output kept.
+* dropout 0 (``dropout_p=0`` or ``training=False``), either mode: the cheapest exact path.
+  Without autograd it is ``F.scaled_dot_product_attention``. With autograd it is also SDPA when
+  its fused kernel is known to keep only q, k, v, out, lse (see :func:`_sdpa_is_lean`: CPU flash
+  kernel for q laid out as (b, s, H, d), no mask / a float mask of q's dtype / a bool mask without
+  a query dimension, which SDPA converts to a small float copy), else the recompute path.
+* CUDA, dropout > 0, ``mode="recompute"``, no explicit ``seed``/``generator``, eager: SDPA's fused
+  kernels (flash / memory-efficient / cuDNN keep q, k, v, out, lse and an RNG state), falling back
+  to the recompute path when SDPA picks its math kernel. Masks then come from torch's RNG.
+
+Output layout: the result is a (b, H, s_q, d) view of a (b, s_q, H, d) buffer, so
+``out.transpose(1, 2).reshape(b, s_q, H * d)`` (the output projection's input) is a view of the
+storage the attention keeps: the projection's saved input costs nothing more. The SDPA dispatch
+is restricted to q layouts for which SDPA's output has that layout too.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .attention_core import RecomputeAttention, TempoAttention
+from .random import _as_seed, draw_seed
+
+__all__ = ["attention", "default_block_size", "MODES", "BLOCK_ELEMENTS"]
+
+MODES = ("recompute", "tempo")
+#: Default query block: about this many score elements (4 MiB in fp32) per block.
+BLOCK_ELEMENTS = 1 << 20
+_SDPA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# Autograd nodes of SDPA kernels that keep q, k, v, out, lse (+ an RNG state): no s² tensor.
+_LEAN_NODES = frozenset(
+    f"ScaledDotProduct{n}Backward0"
+    for n in ("FlashAttentionForCpu", "FlashAttention", "EfficientAttention", "CudnnAttention")
+)
+
+
+def default_block_size(b: int, h: int, s_q: int, s_k: int) -> int:
+    """Query rows per block so that one block of scores has about :data:`BLOCK_ELEMENTS` elements."""
+    return max(1, min(s_q, BLOCK_ELEMENTS // max(1, b * h * s_k)))
+
+
+def _as4d(mask: torch.Tensor | None) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims, got {mask.dim()}")
+    return mask[(None,) * (4 - mask.dim())] if mask.dim() < 4 else mask
+
+
+def _sdpa_is_lean(q, k, v, mask4) -> bool:
+    """Whether SDPA (with autograd, dropout 0) keeps no s² tensor and returns a (b, s, H, d)-layout
+    output. Measured (tests/test_attention.py): the CPU flash kernel keeps q, k, v, out, lse (the
+    caller's q, k, v, no copies; GQA included); a float mask of q's dtype is kept as is, a bool
+    mask is converted to a float copy (kept), hence only bool masks without a query dimension."""
+    if q.dtype not in _SDPA_DTYPES or not (q.dtype == k.dtype == v.dtype) or not torch.backends.cuda.flash_sdp_enabled():
+        return False
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    if mask4 is not None:
+        if mask4.requires_grad:
+            return False
+        if mask4.dtype == torch.bool:
+            if mask4.size(2) > 1:
+                return False
+        elif mask4.dtype != q.dtype:
+            return False
+    if q.device.type == "cpu":
+        return q.stride(1) <= q.stride(2)  # the output follows q's layout: (b, s, H, d) needed
+    return q.device.type == "cuda" and q.dtype != torch.float64  # no fused fp64 kernels; checked after the call
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    mode: str = "recompute",
+    training: bool = True,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+    seed: torch.Tensor | int | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) -> dropout -> @ v`` keeping no s² tensor (mode "recompute").
+
+    q (b, H, s_q, d), k (b, Hkv, s_k, d), v (b, Hkv, s_k, dv); returns (b, H, s_q, dv), a view of a
+    (b, s_q, H, dv) buffer. ``mode``: "recompute" or "tempo" (see the module docstring for what each
+    keeps). ``training=False`` disables dropout. ``block_size``: query rows per block (default
+    :func:`default_block_size`). The dropout seed is drawn from ``generator`` (default: the default
+    generator of q's device) unless ``seed`` (int or 0-dim int64 tensor) is given: the same seed
+    gives the same mask. Double backward is not supported.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention expects 4-D q, k, v: (batch, heads, seq, head_dim)")
+    b, h, s_q, d = q.shape
+    if k.shape[:3] != v.shape[:3] or k.size(0) != b or k.size(-1) != d:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.size(1) != h and not (enable_gqa and h % k.size(1) == 0):
+        raise ValueError(f"{h} query heads and {k.size(1)} key/value heads need enable_gqa=True and divisibility")
+    if is_causal and attn_mask is not None:
+        raise ValueError("Explicit attn_mask should not be set when is_causal=True")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    p = float(dropout_p) if training else 0.0
+    mask4 = _as4d(attn_mask)
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (mask4 is not None and mask4.requires_grad)
+    )
+    eager = not torch.compiler.is_compiling()
+    if p == 0.0 and (not grad or _sdpa_is_lean(q, k, v, mask4)):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if not grad or not eager or out.grad_fn.name() in _LEAN_NODES:
+            return out
+    elif p > 0.0 and eager and q.is_cuda and mode == "recompute" and seed is None and generator is None:
+        if _sdpa_is_lean(q, k, v, mask4):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            if not grad or out.grad_fn.name() in _LEAN_NODES:
+                return out
+    if p > 0.0:
+        seed = draw_seed(q.device, generator) if seed is None else _as_seed(seed, q.device)
+    else:
+        seed = None
+    if mode == "tempo" and p > 0.0:
+        out = TempoAttention.apply(q, k, v, mask4, seed, p, is_causal, scale)
+    else:
+        block = int(block_size) if block_size else default_block_size(b, h, s_q, k.size(2))
+        out = RecomputeAttention.apply(q, k, v, mask4, seed, p, is_causal, scale, block)
+    return out.transpose(1, 2)

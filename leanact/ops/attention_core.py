@@ -1,0 +1,209 @@
+"""Blocked kernels behind :func:`leanact.ops.attention.attention`: two autograd Functions.
+
+Layout used throughout: q (b, H, s_q, d), k/v (b, Hkv, s_k, d) with H = Hkv * G (grouped-query
+attention when G > 1). A query block of rows i0:i1 is copied to a contiguous (b*Hkv, G*bs, d)
+tensor, so ``bmm`` against k (b*Hkv, s_k, d) serves all G query heads of a key head at once
+(K/V are never repeated) and ``bmm`` with a transposed score block sums dK/dV over the group.
+The score block (b*Hkv, G*bs, kend) is then the same memory as (b, H, bs, kend), which is how
+masks, the causal triangle and the dropout indices address it. Work runs in float32 for 16-bit
+inputs and float64 for float64 inputs.
+
+Dropout: element (n, h, i, j) of the virtual (b, H, s_q, s_k) probability matrix is kept iff
+``keep_mask(seed, ((n*H + h)*s_q + i)*s_k + j, p)``; every block regenerates its own part, so
+forward and backward use the same mask whatever the block sizes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .random import keep_mask, keep_mask_like
+
+_INF = math.inf
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _contig(x: torch.Tensor, c: torch.dtype) -> torch.Tensor:
+    """x as a contiguous tensor of dtype c, in one copy (none when it already is: may alias x)."""
+    return x.contiguous() if x.dtype == c else x.to(c, memory_format=torch.contiguous_format)
+
+
+def _rows(x: torch.Tensor, i0: int, i1: int, c: torch.dtype, bk: int) -> torch.Tensor:
+    """Rows i0:i1 of x (b, H, s, e) as a contiguous (b*Hkv, G*bs, e) tensor of dtype c (may alias x)."""
+    return _contig(x[:, :, i0:i1], c).view(bk, -1, x.size(-1))
+
+
+def _kv(x: torch.Tensor, c: torch.dtype) -> torch.Tensor:
+    """k or v (b, Hkv, s_k, e) as contiguous (b*Hkv, s_k, e) of dtype c (may alias x)."""
+    return _contig(x, c).flatten(0, 1)
+
+
+def _logits(qs, kc, mask, causal, i0, i1, kend, b, h):
+    """Scores of query rows i0:i1 against keys 0:kend: S (b*Hkv, G*bs, kend) and its (b, H, bs, kend) view.
+
+    Masked entries are -inf (bool mask False, the causal triangle j > i); a float mask is added.
+    """
+    s = torch.bmm(qs, kc[:, :kend].transpose(1, 2))
+    s4 = s.view(b, h, i1 - i0, kend)
+    if mask is not None:
+        mb = mask[:, :, i0:i1] if mask.size(2) > 1 else mask
+        if mask.dtype == torch.bool:
+            s4.masked_fill_(mb.logical_not(), -_INF)
+        else:
+            s4.add_(mb)
+    if causal:
+        s4.masked_fill_(torch.ones(i1 - i0, kend, dtype=torch.bool, device=s.device).triu_(i0 + 1), -_INF)
+    return s, s4
+
+
+def _keep(seed, p, b, h, s_q, s_k, i0, i1, kend, device) -> torch.Tensor:
+    """Keep-mask (b, H, i1-i0, kend) of rows i0:i1, columns 0:kend of the (b, H, s_q, s_k) matrix."""
+    if i0 == 0 and i1 == s_q and kend == s_k:  # the whole matrix: one contiguous index range
+        return keep_mask_like(seed, (b, h, s_q, s_k), p, device)
+    rows = torch.arange(b * h, device=device).mul_(s_q).unsqueeze(1) + torch.arange(i0, i1, device=device)
+    idx = rows.mul_(s_k).unsqueeze(2) + torch.arange(kend, device=device)
+    return keep_mask(seed, idx.view(b, h, i1 - i0, kend), p)
+
+
+def _scaled_keep(seed, p, inv, c, shape_info, shape) -> torch.Tensor:
+    z = _keep(seed, p, *shape_info).view(shape).to(c)
+    return z.mul_(inv) if inv != 1.0 else z
+
+
+def _mask_grad(dmask, ds4, mask_shape, i0, i1):
+    """Add the score gradient of rows i0:i1 into the mask gradient (summed over broadcast dims)."""
+    mb, mh, mq, mk = mask_shape
+    if mq > 1:
+        dmask[:, :, i0:i1] = ds4.sum_to_size(mb, mh, i1 - i0, mk)
+    else:
+        dmask.add_(ds4.sum_to_size(mb, mh, 1, mk))
+
+
+def _safe_softmax_(s4):
+    """In place: s4 <- exp(s4 - m) per row; returns (rowmax m, rowsum l, empty rows). Masked rows give 0."""
+    m = s4.amax(-1, keepdim=True)
+    m = m.masked_fill(m == -_INF, 0.0)
+    s4.sub_(m).exp_()
+    l = s4.sum(-1, keepdim=True)
+    return m, l, l == 0
+
+
+class RecomputeAttention(torch.autograd.Function):
+    """Flash-style attention. Saves q, k, v (the caller's tensors), the output, the per-row
+    log-sum-exp (b, H, s_q) and the seed (plus the caller's mask, if any): nothing of size s².
+    Backward recomputes each query block's probabilities as exp(S - lse) and its dropout mask."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, seed, p, causal, scale, block):
+        b, h, s_q, _ = q.shape
+        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
+        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        kc, vc = _kv(k, c), _kv(v, c)
+        out = q.new_empty((b, s_q, h, dv))  # (b, s, H, dv): out.transpose(1, 2) is what we return
+        o4 = out.transpose(1, 2)
+        lse = q.new_empty((b, h, s_q), dtype=c)
+        for i0 in range(0, s_q, block):
+            i1 = min(i0 + block, s_q)
+            kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
+            qs = _rows(q, i0, i1, c, bk).mul(scale)
+            s, s4 = _logits(qs, kc, mask, causal, i0, i1, kend, b, h)
+            m, l, empty = _safe_softmax_(s4)
+            lse[:, :, i0:i1] = (m + l.log()).masked_fill_(empty, _INF).squeeze(-1)
+            r = l.reciprocal().masked_fill_(empty, 0.0)
+            if p > 0:
+                s.mul_(_keep(seed, p, b, h, s_q, s_k, i0, i1, kend, q.device).view(s.shape))
+                r.mul_(inv)
+            o4[:, :, i0:i1] = torch.bmm(s, vc[:, :kend]).view(b, h, i1 - i0, dv).mul_(r)
+        ctx.save_for_backward(q, k, v, out, lse, mask, seed)
+        ctx.args = (p, causal, scale, block)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask, seed = ctx.saved_tensors
+        p, causal, scale, block = ctx.args
+        b, h, s_q, d = q.shape
+        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
+        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        kc, vc = _kv(k, c), _kv(v, c)
+        do4, o4 = dout.transpose(1, 2), out.transpose(1, 2)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.zeros((bk, s_k, d), dtype=c, device=q.device)
+        dvv = torch.zeros((bk, s_k, dv), dtype=c, device=q.device)
+        dmask = torch.zeros(mask.shape, dtype=c, device=q.device) if ctx.needs_input_grad[3] else None
+        for i0 in range(0, s_q, block):
+            i1 = min(i0 + block, s_q)
+            kend = min(s_k, i1) if causal else s_k
+            qs = _rows(q, i0, i1, c, bk).mul(scale)
+            s, s4 = _logits(qs, kc, mask, causal, i0, i1, kend, b, h)
+            s4.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P; rows with lse = +inf (fully masked) give 0
+            dob = _rows(do4, i0, i1, c, bk)
+            dd = (dob.view(b, h, i1 - i0, dv) * o4[:, :, i0:i1]).sum(-1).view(bk, -1, 1)  # D = rowsum(dO * O)
+            dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropped-out probabilities
+            if p > 0:
+                z = _scaled_keep(seed, p, inv, c, (b, h, s_q, s_k, i0, i1, kend, q.device), s.shape)
+                dp.mul_(z)  # gradient of P
+                pd = z.mul_(s)  # dropout output P * mask / (1 - p)
+            else:
+                pd = s
+            dvv[:, :kend].baddbmm_(pd.transpose(1, 2), dob)
+            ds = dp.sub_(dd).mul_(s)  # dS = P * (dP - D)
+            if dmask is not None:
+                _mask_grad(dmask, ds.view(b, h, i1 - i0, kend), dmask.shape, i0, i1)
+            dq[:, :, i0:i1] = torch.bmm(ds, kc[:, :kend]).mul_(scale).view(b, h, i1 - i0, d)
+            dk[:, :kend].baddbmm_(ds.transpose(1, 2), qs)
+        dk, dvv = dk.view(k.shape).to(k.dtype), dvv.view(v.shape).to(v.dtype)
+        return dq, dk, dvv, (dmask.to(mask.dtype) if dmask is not None else None), None, None, None, None, None
+
+
+class TempoAttention(torch.autograd.Function):
+    """Tempo's attention: saves q, k, v, the softmax output P (input dtype, (b, H, s_q, s_k)) and
+    the seed; backward regenerates the dropout mask and recomputes P * mask / (1 - p) from P.
+    Neither the mask nor the dropout output nor the attention output is kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, seed, p, causal, scale):
+        b, h, s_q, _ = q.shape
+        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
+        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        s, s4 = _logits(_rows(q, 0, s_q, c, bk).mul(scale), _kv(k, c), mask, causal, 0, s_q, s_k, b, h)
+        _, l, empty = _safe_softmax_(s4)
+        s4.mul_(l.reciprocal().masked_fill_(empty, 0.0))
+        pk = s.to(q.dtype)  # kept: P rounded to the input dtype; the forward uses the rounded values too
+        pd = _scaled_keep(seed, p, inv, c, (b, h, s_q, s_k, 0, s_q, s_k, q.device), s.shape).mul_(pk)
+        out = q.new_empty((b, s_q, h, dv))
+        out.transpose(1, 2)[:] = torch.bmm(pd, _kv(v, c)).view(b, h, s_q, dv)
+        ctx.save_for_backward(q, k, v, pk.view(b, h, s_q, s_k), seed)
+        ctx.args = (p, causal, scale)
+        ctx.mask_meta = None if mask is None else (mask.shape, mask.dtype)  # the mask itself is not needed
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, pk, seed = ctx.saved_tensors
+        p, causal, scale = ctx.args
+        b, h, s_q, d = q.shape
+        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
+        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        pc = pk.to(c).view(bk, -1, s_k)  # may alias the saved P: only read from here on
+        dob = _rows(dout.transpose(1, 2), 0, s_q, c, bk)
+        dp = torch.bmm(dob, _kv(v, c).transpose(1, 2))
+        z = _scaled_keep(seed, p, inv, c, (b, h, s_q, s_k, 0, s_q, s_k, q.device), pc.shape)
+        dp.mul_(z)
+        ddv = torch.bmm(z.mul_(pc).transpose(1, 2), dob)
+        ds = dp.mul_(pc)
+        ds.addcmul_(pc, ds.sum(-1, keepdim=True), value=-1.0)  # dS = P * (dP - rowsum(P * dP))
+        dmask = None
+        if ctx.needs_input_grad[3]:
+            mshape, mdtype = ctx.mask_meta
+            dmask = ds.view(b, h, s_q, s_k).sum_to_size(mshape).to(mdtype)
+        dq = torch.bmm(ds, _kv(k, c)).mul_(scale).view(q.shape).to(q.dtype)
+        dk = torch.bmm(ds.transpose(1, 2), _rows(q, 0, s_q, c, bk).mul(scale)).view(k.shape).to(k.dtype)
+        return dq, dk, ddv.view(v.shape).to(v.dtype), dmask, None, None, None, None

@@ -1,0 +1,373 @@
+"""Keep a recipe instead of a cheap producer's output.
+
+A *producer* (:mod:`leanact.recompute.producers`: a norm, an activation, a seeded dropout) keeps
+its own input for its own exact backward anyway. Its output ``y`` is usually kept a second time
+by the next op (a Linear keeps its input for the weight gradient; Q, K and V keep it three times,
+one storage). While a :class:`RecipeTransform` is active, a producer registers a :class:`Recipe`
+for ``y``: weak references to the tensors ``y`` is rebuilt from (the producer's input, a seed, γ
+and β) with their ``_version`` at that moment, and a function rebuilding ``y`` with the very same
+kernel (so the rebuilt tensor is bitwise equal to ``y``). When a later op saves ``y`` or any view
+of it (same storage, same dtype, ``y`` not modified in place since), the transform keeps, instead
+of ``y``:
+
+    the recipe + strong references to its input tensors ("pins")
+
+and the meter counts the pins, which are the very storages the producer keeps for itself: the
+consumer's copy of ``y`` costs nothing. In backward, the first unpack rebuilds ``y`` once; every
+other consumer of the same recipe (Q, K, V) is served the cached tensor (views are rebuilt with
+``as_strided``); when every live consumer has been served (or the producer's own backward runs,
+or the graph is freed), the cache is dropped. A second backward (``retain_graph=True``) simply
+rebuilds again. If the original ``y`` is still alive and unmodified at unpack time, it is served
+directly (no recompute).
+
+Chains: a recipe input that is itself a registered output (or a view of one) is referenced
+lazily through that output's recipe. Linear → GELU → Dropout → Linear therefore keeps the GELU
+input (kept by the GELU for its own backward) and two seeds: the second Linear's copy of the
+dropout output is rebuilt as dropout(gelu(u), seed).
+
+Policy: a tensor is replaced by its recipe only when every tensor the recipe pins is kept for
+backward anyway (it went through this pipeline kept as is, e.g. saved by the producer itself, or
+is an ``nn.Parameter``), so the transform never keeps more than without it. Example: a dropout
+applied to a plain Linear output (kept by nobody) leaves the next Linear keeping the dropout
+output as usual; so does a dropout of a tensor that is alive but not saved (a model input).
+
+Safety: every pinned tensor's ``_version`` is compared at unpack time; a change raises torch's
+"modified by an inplace operation" error naming the leanact recipe. The registry holds only weak
+references to outputs and recipe inputs (a recipe pins nothing until a consumer claims it), and
+entries vanish with the output; nothing survives the graph. Gradients of gradients work: under
+``create_graph=True`` the rebuild runs with grad mode on, from the original inputs.
+
+Not covered: inside ``torch.compile`` regions producers do not register recipes (the compiled
+graph's saved tensors pass through the pipeline as ordinary tensors; AOTAutograd's partitioner
+decides what is kept there). The registry is process-wide (not per thread).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from leanact.saved import SavedTensorTransform, active_transforms, disabled
+
+__all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "scope", "counters", "reset_counters",
+           "cached_bytes", "live_recipes"]
+
+_REGISTRY: dict[int, "Recipe"] = {}  # storage key of a live produced output -> its recipe
+_KEPT: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # kept as-is
+_CACHED: "weakref.WeakSet[Recipe]" = weakref.WeakSet()  # recipes holding a rebuilt tensor
+_ALL: "weakref.WeakSet[Recipe]" = weakref.WeakSet()
+_COUNTS: Counter = Counter()
+
+
+def counters() -> dict[str, int]:
+    """Event counts: ``registered``, ``claimed`` (saves replaced by a recipe), ``recompute`` and
+    ``recompute:<producer>`` (outputs rebuilt), ``served_alive`` (original output still alive)."""
+    return dict(_COUNTS)
+
+
+def reset_counters() -> None:
+    _COUNTS.clear()
+
+
+def cached_bytes() -> int:
+    """Bytes of rebuilt outputs currently cached (0 between steps)."""
+    return sum(r._cache.untyped_storage().nbytes() for r in list(_CACHED) if r._cache is not None)
+
+
+def live_recipes() -> int:
+    """Recipes still alive (referenced by a live output or a not-yet-freed graph)."""
+    return len(_ALL)
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # sparse, nested, some subclasses
+        return None
+
+
+def is_active() -> bool:
+    """Whether a :class:`RecipeTransform` is active on this thread (outside compiled regions)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(isinstance(tr, RecipeTransform) for tr in active_transforms())
+
+
+class _Leaf:
+    """A recipe input tensor: weak reference + version when the recipe was made."""
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref, self.version = weakref.ref(t), t._version
+
+
+class _Link:
+    """A recipe input that is (a view of) another recipe's output: rebuilt lazily."""
+
+    __slots__ = ("recipe", "size", "stride", "offset")
+
+    def __init__(self, recipe: "Recipe", t: torch.Tensor):
+        self.recipe, self.size, self.stride, self.offset = recipe, t.size(), t.stride(), t.storage_offset()
+
+
+def _find(t: torch.Tensor) -> "Recipe | None":
+    """The recipe of the live, unmodified output that ``t`` is (a view of), if any."""
+    if not _REGISTRY or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
+        return None
+    key = _key(t)
+    r = _REGISTRY.get(key)
+    if r is None:
+        return None
+    y = r.out_ref()
+    if y is None or _key(y) != key or t.dtype != r.dtype or t._version != r.out_version:
+        return None
+    return r
+
+
+class Recipe:
+    """How to rebuild one producer output: ``fn(*inputs)`` (see module doc).
+
+    ``inputs`` may hold tensors (kept weakly here, pinned by consumers that claim the output),
+    outputs of other recipes (referenced lazily) and constants (passed through).
+    """
+
+    __slots__ = ("name", "fn", "inputs", "out_ref", "out_version", "dtype", "shape", "device_type", "_cache", "_users",
+                 "_served", "_activated", "__weakref__")
+
+    def __init__(self, name: str, fn: Callable[..., torch.Tensor], inputs: tuple, y: torch.Tensor):
+        self.name, self.fn = name, fn
+        self.inputs = tuple(self._entry(a) for a in inputs)
+        self.out_version, self.dtype, self.shape, self.device_type = y._version, y.dtype, y.shape, y.device.type
+        self._cache: torch.Tensor | None = None
+        self._users: weakref.WeakSet = weakref.WeakSet()  # who will unpack: claims and parent recipes
+        self._served: weakref.WeakSet = weakref.WeakSet()
+        self._activated = False
+        key = _key(y)
+
+        def _gone(_ref, key=key):
+            r = _REGISTRY.get(key)
+            if r is not None and r.out_ref() is None:
+                del _REGISTRY[key]
+
+        self.out_ref = weakref.ref(y, _gone)
+        _REGISTRY[key] = self
+        _ALL.add(self)
+
+    @staticmethod
+    def _entry(a: Any):
+        if not isinstance(a, torch.Tensor):
+            return a
+        r = _find(a)
+        return _Link(r, a) if r is not None else _Leaf(a)
+
+    # -- pack side ---------------------------------------------------------------------------
+    def pins(self, out: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor] | None:
+        """Input tensors (this recipe's and its links', by id) if all are alive, unmodified and
+        kept for backward anyway; else None."""
+        out = {} if out is None else out
+        for e in self.inputs:
+            if isinstance(e, _Leaf):
+                t = e.ref()
+                if t is None or t._version != e.version:
+                    return None
+                if not isinstance(t, nn.Parameter):
+                    k = _key(t)
+                    if k is None or _KEPT.get(k) is None:
+                        return None
+                out[id(t)] = t
+            elif isinstance(e, _Link) and e.recipe.pins(out) is None:
+                return None
+        return out
+
+    def add_user(self, user: Any) -> None:
+        self._users.add(user)
+        if not self._activated:  # first claim: linked recipes will be asked for by this one
+            self._activated = True
+            for e in self.inputs:
+                if isinstance(e, _Link):
+                    e.recipe.add_user(self)
+
+    # -- unpack side -------------------------------------------------------------------------
+    def _alive_output(self) -> torch.Tensor | None:
+        y = self.out_ref()
+        return y if y is not None and y._version == self.out_version else None
+
+    def _arg(self, e: Any) -> Any:
+        if isinstance(e, _Leaf):
+            t = e.ref()
+            if t is None:  # cannot happen while a claim pins it; defensive
+                raise RuntimeError(f"leanact recipe for {self.name}: an input was freed before backward")
+            if t._version != e.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: [{t.type()} {list(t.shape)}], which is an input of the leanact recipe for "
+                    f"{self.name}, is at version {t._version}; expected version {e.version} instead. Hint: the "
+                    f"{self.name} output was not saved; leanact keeps this tensor to rebuild it in backward.")
+            return t
+        if isinstance(e, _Link):
+            full = e.recipe.materialize(self)
+            return full.as_strided(e.size, e.stride, e.offset)
+        return e
+
+    def materialize(self, requester: Any) -> torch.Tensor:
+        """The full output (contiguous, offset 0), rebuilt at most once per backward."""
+        y = self._alive_output()
+        if y is not None:
+            _COUNTS["served_alive"] += 1
+            return y
+        if self._cache is None:
+            args = [self._arg(e) for e in self.inputs]
+            with disabled(), _no_autocast(self.device_type):  # plain saves (create_graph only); kernels as in forward
+                full = self.fn(*args)
+            if full.shape != self.shape or full.dtype != self.dtype:
+                raise RuntimeError(f"leanact recipe for {self.name} rebuilt {full.dtype}{list(full.shape)}, "
+                                   f"expected {self.dtype}{list(self.shape)}")
+            if not full.is_contiguous() or full.storage_offset() != 0:
+                full = full.clone(memory_format=torch.contiguous_format)
+            self._cache = full
+            _CACHED.add(self)
+            _COUNTS["recompute"] += 1
+            _COUNTS[f"recompute:{self.name}"] += 1
+        full = self._cache
+        self._served.add(requester)
+        if all(u in self._served for u in list(self._users)):
+            self.drop_cache()
+        return full
+
+    def drop_cache(self) -> None:
+        self._cache = None
+        self._served = weakref.WeakSet()
+        _CACHED.discard(self)
+
+    def __repr__(self) -> str:
+        return f"Recipe({self.name}, {self.dtype}{list(self.shape)})"
+
+
+def _no_autocast(device_type: str):
+    """Producers run their kernels outside autocast policies (they cast explicitly), so does the rebuild."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.autocast(device_type, enabled=False)
+    except (RuntimeError, ValueError):
+        pass
+    return contextlib.nullcontext()
+
+
+def register(y: torch.Tensor, name: str, fn: Callable[..., torch.Tensor], *inputs: Any) -> Recipe | None:
+    """Register ``fn(*inputs)`` as the recipe of the fresh output ``y`` (no-op unless a
+    :class:`RecipeTransform` is active, ``y`` needs grad and is a plain contiguous tensor owning
+    its storage). ``fn`` must rebuild ``y`` bitwise (same kernels). Returns the recipe or None."""
+    if not y.requires_grad or not is_active() or type(y) is not torch.Tensor or y.layout != torch.strided:
+        return None
+    if not y.is_contiguous() or y.storage_offset() != 0 or y.untyped_storage().nbytes() != y.numel() * y.element_size():
+        return None
+    r = Recipe(name, fn, inputs, y)
+    if y.grad_fn is not None:  # the producer's backward drops the cache (safety net)
+        try:
+            y.grad_fn._leanact_recipe = weakref.ref(r)
+        except (AttributeError, TypeError):
+            pass
+    _COUNTS["registered"] += 1
+    return r
+
+
+def release(ctx: Any) -> None:
+    """Call at the start of a producer's backward: nobody downstream needs the rebuilt output now."""
+    ref = getattr(ctx, "_leanact_recipe", None)
+    r = ref() if ref is not None else None
+    if r is not None and r._cache is not None:
+        r.drop_cache()
+
+
+class _Claim:
+    """What the transform keeps for a claimed tensor: recipe, view geometry, pinned inputs."""
+
+    __slots__ = ("recipe", "size", "stride", "offset", "pins", "__weakref__")
+
+    def __init__(self, recipe: Recipe, t: torch.Tensor, pins: tuple[torch.Tensor, ...]):
+        self.recipe, self.size, self.stride, self.offset, self.pins = recipe, t.size(), t.stride(), t.storage_offset(), pins
+
+
+class RecipeTransform(SavedTensorTransform):
+    """Saved-tensor transform keeping producers' recipes instead of their outputs (module doc).
+
+    Use as a context manager around a forward (or :func:`scope` on a module). Kept for a claimed
+    tensor: the recipe's input tensors (already kept by the producer: the meter counts them once).
+    ``claimed`` counts the saves this instance replaced.
+    """
+
+    def __init__(self):
+        self.claimed = 0
+
+    def pack(self, t: torch.Tensor) -> _Claim | None:
+        if torch.compiler.is_compiling():
+            return None
+        r = _find(t)
+        if r is not None:
+            pins = r.pins()
+            if pins is not None:
+                claim = _Claim(r, t, tuple(pins.values()))
+                r.add_user(claim)
+                for p in claim.pins:
+                    k = _key(p)
+                    if k is not None:
+                        _KEPT[k] = p
+                self.claimed += 1
+                _COUNTS["claimed"] += 1
+                return claim
+        k = _key(t)
+        if k is not None:
+            try:
+                _KEPT[k] = t
+            except TypeError:  # not weak-referenceable
+                pass
+        return None
+
+    def unpack(self, claim: _Claim) -> torch.Tensor:
+        full = claim.recipe.materialize(claim)
+        return full.as_strided(claim.size, claim.stride, claim.offset)
+
+    def kept_tensors(self, claim: _Claim) -> list[torch.Tensor]:
+        return list(claim.pins)
+
+
+class _ScopeHandle:
+    """Returned by :func:`scope`: ``remove()`` (or leaving a ``with`` block) removes the hooks."""
+
+    def __init__(self, transform: RecipeTransform, handles: list):
+        self.transform, self._handles = transform, handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "_ScopeHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def scope(module: nn.Module, transform: RecipeTransform | None = None) -> _ScopeHandle:
+    """Activate a :class:`RecipeTransform` around every forward of ``module`` (forward pre-hook
+    enters it, an always-called forward hook leaves it); no change to the forward or state_dict.
+
+    Recipes matter only where producers run (leanact.nn.fused's ``Recipe*`` modules, LeanMLP,
+    LayerNormLinears or the functions of :mod:`leanact.recompute.producers`).
+    """
+    tr = transform if transform is not None else RecipeTransform()
+
+    def pre(mod, args):
+        tr.__enter__()
+
+    def post(mod, args, out):
+        tr.__exit__(None, None, None)
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+    return _ScopeHandle(tr, handles)
