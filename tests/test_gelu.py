@@ -10,6 +10,7 @@ in the interval of reals that round to y, and no rebuild from y can do better th
 derivative between the extremes of GELU' over that interval. Each element is checked against its
 own interval, computed in float64 (mpmath for float64), plus a few ulps of the gradient's dtype.
 """
+import importlib
 import math
 
 import mpmath as mp
@@ -20,9 +21,10 @@ from torch import nn
 
 from leanact.memory import saved_bytes
 from leanact.nn.activation import GELU
-from leanact.ops import gelu as G
 from leanact.ops.bitpack import packed_nbytes
 from leanact.ops.gelu import GeluFunction, gelu, gelu_grad_from_output, gelu_minimum
+
+G = importlib.import_module("leanact.ops.gelu")  # the module, even if leanact.ops re-exports gelu()
 
 MODES = ["none", "tanh"]
 K1, A = 2.0 * math.sqrt(2.0 / math.pi), 0.044715
@@ -51,11 +53,18 @@ def g64(x, mode):
     return s + x * s * sm * K1 * (1 + 3 * A * x * x)
 
 
-def inv64(t, right, mode, iters=110):
-    """x on the branch with f64(x) = t, by bisection (float64)."""
+def inv64(t, right, mode, near=None, iters=64):
+    """x on the branch with f64(x) = t, by bisection (float64). ``near``: a point the root is
+    within 0.3 (+1%) of, to start from a short bracket (checked; else the whole branch)."""
     xs = gelu_minimum(mode)[0]
     lo = torch.where(right, torch.full_like(t, xs), torch.full_like(t, -45.0))
     hi = torch.where(right, t.clamp_min(0) + 3.0, torch.full_like(t, xs))
+    if near is not None:
+        r = 0.3 + 0.01 * near.abs()
+        a, b = torch.maximum(lo, near - r), torch.minimum(hi, near + r)
+        fa, fb = f64(a, mode), f64(b, mode)
+        ok = torch.where(right, (fa <= t) & (fb >= t), (fa >= t) & (fb <= t))
+        lo, hi = torch.where(ok, a, lo), torch.where(ok, b, hi)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
         go_right = torch.where(right, f64(mid, mode) < t, f64(mid, mode) > t)
@@ -76,12 +85,13 @@ def rounding_interval(y):
     return (y.double() + lo) / 2, (y.double() + hi) / 2
 
 
-def grad_interval(y, right, mode):
-    """[min, max] of the exact GELU' over the outputs that round to y (16-bit and float32 y)."""
+def grad_interval(y, right, mode, x=None):
+    """[min, max] of the exact GELU' over the outputs that round to y (16-bit and float32 y);
+    ``x``: the inputs, only to shorten the bisection brackets."""
     ys = gelu_minimum(mode)[1]
     gs = []
     for t in rounding_interval(y):
-        g = g64(inv64(t, right, mode), mode)
+        g = g64(inv64(t, right, mode, near=None if x is None else x.double()), mode)
         g = torch.where(t <= ys, 0.0, g)  # below the minimum: clamped to y*, where GELU' = 0
         g = torch.where(~right & (t >= 0), 0.0, g)  # left branch, y -> 0-: x -> -inf, GELU' -> 0
         gs.append(g)
@@ -153,7 +163,8 @@ def test_matches_torch_random_shapes_and_strides(mode, dtype):
     torch.manual_seed(1)
     atol = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]  # the bound next to x* (8e-5, 2e-2)
     for shape in [(7,), (5, 33), (2, 3, 4, 65)]:
-        base = (torch.randn(shape, dtype=torch.float64) * 2.5).to(dtype)
+        # above -5.5 torch's float64 kernel is exact to float32 precision (below it cancels too)
+        base = (torch.randn(shape, dtype=torch.float64) * 2.5).clamp_min(-5.5).to(dtype)
         base = torch.where(base == 0, torch.ones_like(base), base)  # never zeros
         views = [base, base.transpose(0, -1), base[..., ::2]]
         for v in views:
@@ -168,14 +179,15 @@ def test_matches_torch_random_shapes_and_strides(mode, dtype):
             y64 = F.gelu(x64, approximate=mode)
             y64.backward(go.double())
             assert y.shape == yt.shape and x.grad.shape == x.shape
-            # forward: torch's float64 result rounded (inputs here are > -11: torch float64 is exact
-            # enough); and close to torch's own float32/bf16 kernel
-            torch.testing.assert_close(y, y64.detach().to(dtype), rtol=0, atol=0) if dtype == torch.float32 else \
-                torch.testing.assert_close(y.double(), y64.detach(), rtol=2 ** -8, atol=1e-30)
+            # forward: torch's float64 result rounded once (16-bit: within an ulp, the float32
+            # working value may round differently at a tie); close to torch's own low-precision kernel
+            tol = 0 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(y.double(), y64.detach().to(dtype).double(), rtol=tol, atol=0)
             torch.testing.assert_close(y, yt.detach(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
-            # gradient: torch's float64 gradient, up to the bound next to the minimum
-            torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2 * torch.finfo(dtype).eps, atol=atol)
-            torch.testing.assert_close(x.grad, xt.grad, rtol=2 * torch.finfo(dtype).eps, atol=atol)
+            # gradient: torch's float64 gradient, up to the bound next to the minimum (times |dy|)
+            tol = 2 * torch.finfo(dtype).eps * x64.grad.abs() + atol * go.double().abs()
+            assert ((x.grad.double() - x64.grad).abs() <= tol).all()
+            assert ((x.grad.double() - xt.grad.double()).abs() <= tol + 1e-6).all()  # torch's own kernel
 
 
 def test_torch_float32_gradient_cancels_in_the_left_tail():
@@ -188,7 +200,9 @@ def test_torch_float32_gradient_cancels_in_the_left_tail():
     torch_err = ((xt.grad.double() - truth).abs() / ulp(truth, torch.float32))
     assert torch_err.max() > 100  # many ulps (torch forward at -5: -1.19e-6 vs true -1.433e-6)
     y, g = leanact_grad(x, "none")
-    assert ((g.double() - truth).abs() / ulp(truth, torch.float32)).max() <= 0.5
+    # within an ulp: half from y's own rounding (relative errors of y pass 1:1 to GELU' in the
+    # tail), half from rounding the gradient
+    assert ((g.double() - truth).abs() / ulp(truth, torch.float32)).max() <= 1.0
     assert torch.equal(y, f64(x.double(), "none").float())
 
 
@@ -201,7 +215,7 @@ def test_gradient_within_output_rounding_bound(mode, dtype):
     y, g = leanact_grad(x, mode)
     xs, ys = gelu_minimum(mode)
     right = x.double() > xs
-    gmin, gmax = grad_interval(y, right, mode)
+    gmin, gmax = grad_interval(y, right, mode, x)
     u = ulp(torch.maximum(gmin.abs(), gmax.abs()), dtype)
     g = g.double()
     # 1. the rebuild returns a derivative the stored output allows, plus its final rounding
@@ -217,14 +231,15 @@ def test_gradient_within_output_rounding_bound(mode, dtype):
     #    plus one ulp; away from the minimum that is an ulp of the gradient
     ref = gt.to(dtype).double()
     assert ((g - ref).abs() <= (gmax - gmin) + u).all()
-    far = (x.double() - xs).abs() > 0.5
+    far = x.double() > xs + 0.5  # right branch: insensitive to y's rounding, so within an ulp
     assert ((g - ref).abs()[far] <= u[far]).all()
     # 4. next to the minimum the width is sqrt(2 c ulp(y*)/2) (derived in docs/gelu_bound.md) and
     #    the rebuild reaches it: its error is at most the width
     c2 = G._CONSTS[mode].c2
     width = math.sqrt(2 * c2 * ulp(torch.tensor([ys]), dtype).item() / 2)
-    near = (x.double() - xs).abs() < 1e-3
-    assert (gmax - gmin)[near].max() <= 1.01 * 2 * width
+    near = (x.double() - xs).abs() < 4 * width / c2  # where |GELU'| is within a few widths of 0
+    assert near.sum() >= 3
+    assert (gmax - gmin)[near].max() <= 1.01 * math.sqrt(2) * width
     assert (g - gt).abs()[near].max() <= 1.01 * width + u[near].max()
 
 
@@ -255,12 +270,12 @@ def test_float64_bound(mode):
     ])
     y, g = leanact_grad(x, mode)
     right = x > xs_f
-    f, gp = _mp_funcs(mode)
     lo, hi = rounding_interval(y)  # float64 midpoints are not float64 numbers: use mpmath below
     ylo = torch.nextafter(y, torch.full_like(y, -math.inf))
     yhi = torch.nextafter(y, torch.full_like(y, math.inf))
-    guess_lo, guess_hi = inv64(lo, right, mode), inv64(hi, right, mode)
+    guess_lo, guess_hi = inv64(lo, right, mode, x), inv64(hi, right, mode, x)
     with mp.workdps(30):
+        f, gp = _mp_funcs(mode)  # constants at 30 digits: |v| err(K1) would be ~40 ulps at x=-20
         xs = mp.findroot(gp, mp.mpf(-0.75))
         ys, c2 = f(xs), mp.diff(f, xs, 2)
 
@@ -271,7 +286,10 @@ def test_float64_bound(mode):
             if abs(x - xs) < 1e-2:  # square-root start next to the minimum
                 x = xs + (1 if r else -1) * mp.sqrt(2 * (t - ys) / c2)
             for _ in range(8):
-                x = x - (f(x) - t) / gp(x)
+                gx = gp(x)
+                if gx == 0:  # at x* itself (t within 1e-30 of y*)
+                    break
+                x = x - (f(x) - t) / gx
                 x = max(x, xs) if r else min(x, xs)
             return gp(x)
 
@@ -285,8 +303,8 @@ def test_float64_bound(mode):
             if abs(float(x[i]) - xs_f) > 0.1:  # truth at x (the float64 forward is within ~2 ulps)
                 gt = gp(mp.mpf(float(x[i])))
                 worst_truth = max(worst_truth, float(max(abs(gi - gt) - abs(ga - gb), 0)) / u)
-    assert worst <= 5.0, worst  # measured: <= ~3.7 ulps beyond the interval
-    assert worst_truth <= 8.0, worst_truth
+    assert worst <= 4.0, worst  # measured: 2.7 (erf), 1.9 (tanh) ulps beyond the interval
+    assert worst_truth <= 4.0, worst_truth  # measured: the same
 
 
 # -- special values, underflow ------------------------------------------------------------------
@@ -301,7 +319,8 @@ def test_special_values_like_torch(mode, dtype):
     y64 = F.gelu(x64, approximate=mode)  # torch's float64 kernel (its fp32 erf kernel maps +inf to nan)
     y64.backward(torch.ones_like(y64))
     torch.testing.assert_close(y, y64.detach().to(dtype), equal_nan=True, rtol=0, atol=0)
-    assert torch.equal(torch.signbit(y), torch.signbit(y64.detach().to(dtype)))  # -0 stays -0
+    num = ~torch.isnan(y)  # -0 stays -0 (a nan's sign bit means nothing)
+    assert torch.equal(torch.signbit(y)[num], torch.signbit(y64.detach().to(dtype))[num])
     torch.testing.assert_close(g, x64.grad.to(dtype), equal_nan=True, rtol=0, atol=0)
 
 
@@ -316,7 +335,7 @@ def test_underflow_tail(mode):
     # y subnormal: the gradient is still what the output allows (covered densely by the bound test)
     xs = torch.linspace(-14.4 if mode == "none" else -10.9, -13.0 if mode == "none" else -10.0, 200)
     y, g = leanact_grad(xs, mode)
-    gmin, gmax = grad_interval(y, torch.zeros_like(y, dtype=torch.bool), mode)
+    gmin, gmax = grad_interval(y, torch.zeros_like(y, dtype=torch.bool), mode, xs)
     u = ulp(torch.maximum(gmin.abs(), gmax.abs()), torch.float32)
     assert ((g.double() >= gmin - u / 2) & (g.double() <= gmax + u / 2)).all()
 
@@ -409,8 +428,8 @@ def test_module_is_a_drop_in():
         x = torch.randn(4, 50)
         torch.testing.assert_close(lean(x), ref(x), rtol=1e-6, atol=1e-6)
     assert repr(GELU()) == "GELU(approximate='none')"
-    m = torch.jit.script(GELU("tanh")) if False else None  # not scripted: forward calls an autograd.Function
-    assert m is None
+    y = GELU()(torch.randn(3, requires_grad=True))
+    assert y.grad_fn.name() == GeluFunction.__name__ + "Backward"
 
 
 # -- torch.compile ------------------------------------------------------------------------------

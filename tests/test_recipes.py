@@ -2,8 +2,8 @@
 
 Equality: LayerNorm, activations, SwiGLU and dropout run torch's own kernels in forward, backward
 and rebuild, so outputs and gradients are bitwise equal to the plain torch composition (fp32 and
-bf16). RMSNorm's backward is torch's fused kernel while F.rms_norm differentiates its CPU
-composite: compared with a tolerance there.
+bf16). RMSNorm's backward evaluates the standard formulas in fp32 while F.rms_norm differentiates
+its CPU composite op by op: compared with a tolerance there (outputs still bitwise).
 """
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def _assert_same(got, ref, exact=True):
         if exact:
             assert torch.equal(a, r), (a - r).abs().max()
         else:
-            torch.testing.assert_close(a, r, rtol=1e-5 if a.dtype == torch.float32 else 2e-2, atol=1e-5 if a.dtype == torch.float32 else 2e-2)
+            tol = 1e-5 if a.dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(a, r, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,7 +115,10 @@ def test_norm_linears_equal_torch(dtype, norm):
             m.norm.bias.normal_()
 
     def ref(x):
-        n = F.layer_norm(x, (H,), m.norm.weight, m.norm.bias, 1e-5) if norm == "layer" else F.rms_norm(x, (H,), m.norm.weight, 1e-5)
+        if norm == "layer":
+            n = F.layer_norm(x, (H,), m.norm.weight, m.norm.bias, 1e-5)
+        else:
+            n = F.rms_norm(x, (H,), m.norm.weight, 1e-5)
         return tuple(l(n) for l in m.linears)
 
     x = torch.randn(B, S, H).to(dtype)
@@ -130,7 +134,8 @@ def _ref_mlp(m: LeanMLP, x, p):
         g, up = u.chunk(2, -1)
         a = F.silu(g) * up
     else:
-        a = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "relu": F.relu}[m.activation](u)
+        acts = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "relu": F.relu}
+        a = acts[m.activation](u)
     return m.fc2(seeded_dropout(a, p, True))  # same generator draws as LeanMLP's seeded dropout
 
 
@@ -151,7 +156,8 @@ def test_lean_mlp_equal_torch(dtype, act, p):
 
 def test_autocast_cpu_equal_torch_and_lean():
     """Under autocast the Linears would save their own bf16 copies of the norm output: LayerNormLinears
-    casts once through a recipe producer, so they keep nothing; the MLP's activations run in bf16."""
+    casts through recipe producers (one per Linear, as autocast), so they keep nothing; the MLP's
+    activations run in bf16."""
     torch.manual_seed(0)
     m, mlp = LayerNormLinears(H, [H, H, H]), LeanMLP(H, 4 * H, "gelu", dropout=0.1)
     x = torch.randn(B, S, H)
@@ -169,16 +175,23 @@ def test_autocast_cpu_equal_torch_and_lean():
     reset_counters()
     _assert_same(_grads(m, ac(m), x), _grads(m, ac(ref), x))
     _assert_same(_grads(mlp, ac(mlp), x), _grads(mlp, ac(lambda x: _ref_mlp(mlp, x, 0.1)), x))
-    assert counters()["claimed"] == 4
+    c = counters()
+    assert c["claimed"] == 4 and c["recompute:layer_norm"] == 1 and c["recompute:cast"] == 3
     xr = x.clone().requires_grad_()
     weight_copies = 3 * nbytes(H, H, dtype=torch.bfloat16)  # autocast's bf16 weight copies, kept by the mms
-    assert saved_bytes(ac(m), m, exclude=[xr]) == 2 * nbytes(B, S, 1) + weight_copies
+    assert saved_bytes(lambda: ac(m)(xr), m, exclude=[xr]) == 2 * nbytes(B, S, 1) + weight_copies
 
 
 def test_dropout_producer_mask_is_keep_mask_like():
     x = torch.randn(4, 64, requires_grad=True)
     seed = torch.tensor(1234)
     torch.testing.assert_close(P.dropout(x, 0.25, seed=seed), dropout_seeded(x, seed, 0.25), rtol=0, atol=0)
+    w = torch.randn(64, 64, requires_grad=True)
+    for s in (seed, torch.tensor([1234]), 1234):  # user seeds (tensor, 1-element, int) are pinned too
+        reset_counters()
+        with RecipeTransform():
+            lin(P.dropout(P.gelu(x), 0.25, seed=s), w)
+        assert counters()["claimed"] == 1
 
 
 # --- saved bytes --------------------------------------------------------------------------------
@@ -369,3 +382,37 @@ def test_compile_aot_eager_gradients():
         _assert_same(_grads(m, cf, x), ref)
     assert counters().get("registered", 0) == 0
     torch._dynamo.reset()
+
+
+def test_no_pin_when_another_transform_may_replace_inputs():
+    from leanact.saved import SavedTensorTransform
+
+    class Offload(SavedTensorTransform):  # toy: keeps nothing special, but could have
+        def pack(self, t):
+            return None
+
+    m = LeanMLP(H, 4 * H, "gelu")
+    x = torch.randn(B, S, H, requires_grad=True)
+    reset_counters()
+    with Offload():
+        m(x)
+    assert counters().get("claimed", 0) == 0
+    with RecipeTransform(), Offload():  # a recipe transform outside all others knows what stays kept
+        m(x)
+    assert counters()["claimed"] == 1
+
+
+def test_checkpointed_region_keeps_checkpoint_behaviour():
+    from torch.utils.checkpoint import checkpoint
+
+    m = LeanMLP(H, 4 * H, "gelu", dropout=0.1)
+    x = torch.randn(B, S, H, requires_grad=True)
+    handle = scope(m)
+    assert saved_bytes(lambda: checkpoint(m, x, use_reentrant=False), m) == nbytes(B, S, H)  # only the input
+    handle.remove()
+    torch.manual_seed(0)
+    checkpoint(m, x, use_reentrant=False).sum().backward()
+    g, x.grad = x.grad, None
+    torch.manual_seed(0)
+    m(x).sum().backward()
+    assert torch.equal(g, x.grad)

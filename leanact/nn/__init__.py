@@ -1,2 +1,6 @@
-"""Drop-in torch.nn modules built on leanact.ops."""
-__all__: list[str] = []
+"""Drop-in torch.nn modules built on leanact.ops (same arguments, attributes, state_dict keys)."""
+from .activation import GELU
+from .dropout import Dropout
+from .normalization import LayerNorm, RMSNorm
+
+__all__ = ["Dropout", "GELU", "LayerNorm", "RMSNorm"]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from leanact.recompute import producers
-from leanact.recompute.recipes import RecipeTransform
+from leanact.recompute.recipes import RecipeTransform, foreign_hooks
 
 __all__ = ["RecipeLayerNorm", "RecipeRMSNorm", "RecipeGELU", "RecipeSiLU", "RecipeReLU", "RecipeDropout",
            "LayerNormLinears", "LeanMLP", "MLP_ACTIVATIONS"]
@@ -70,14 +70,15 @@ class RecipeDropout(nn.Dropout):
 
 
 class _Scoped(nn.Module):
-    """Runs ``_forward`` inside this module's own :class:`RecipeTransform` when grad is on."""
+    """Runs ``_forward`` inside this module's own :class:`RecipeTransform` when grad is on (not
+    while compiling, nor under foreign saved-tensor hooks such as a checkpointed region's)."""
 
     def __init__(self):
         super().__init__()
         self.recipes = RecipeTransform()
 
     def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or foreign_hooks():
             return self._forward(*args, **kwargs)
         with self.recipes:
             return self._forward(*args, **kwargs)
@@ -87,8 +88,9 @@ class LayerNormLinears(_Scoped):
     """``norm(x)`` followed by ``len(out_features)`` Linears of it; returns a tuple of outputs.
 
     Kept for backward: x and the norm statistics (once), the Linears' weights; not the normalized
-    input (torch keeps it in addition: one more tensor of x's size). Under autocast the normalized
-    input is cast once to the autocast dtype (what each Linear would do) by a recipe producer.
+    input (torch keeps it in addition: one more tensor of x's size). Under autocast each Linear gets
+    its own cast of the normalized input (as autocast does: gradients summed in fp32), made by
+    ``producers.cast`` so it is a recipe too (autocast's internal cast would be kept).
     """
 
     def __init__(self, normalized_shape: int, out_features: list[int] | tuple[int, ...], bias: bool = True,
@@ -107,8 +109,9 @@ class LayerNormLinears(_Scoped):
 
     def _forward(self, x):
         h = self.norm(x)
-        if torch.is_autocast_enabled(h.device.type):  # cast once, as a recipe (see producers.cast)
-            h = producers.cast(h, torch.get_autocast_dtype(h.device.type))
+        if torch.is_autocast_enabled(h.device.type):  # cast per Linear (as autocast would), as recipes
+            dt = torch.get_autocast_dtype(h.device.type)
+            return tuple(lin(producers.cast(h, dt)) for lin in self.linears)
         return tuple(lin(h) for lin in self.linears)
 
 

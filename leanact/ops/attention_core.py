@@ -10,7 +10,8 @@ inputs and float64 for float64 inputs.
 
 Dropout: element (n, h, i, j) of the virtual (b, H, s_q, s_k) probability matrix is kept iff
 ``keep_mask(seed, ((n*H + h)*s_q + i)*s_k + j, p)``; every block regenerates its own part, so
-forward and backward use the same mask whatever the block sizes.
+forward and backward use the same mask whatever the block sizes. The factor 1/(1-p) is applied
+to the small (rows x d) products, not to the score blocks.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .random import keep_mask, keep_mask_like
+from torch._subclasses.fake_tensor import is_fake
+
+from .random import CHUNK, _rounds_, keep_mask, keep_threshold, seed_keys
 
 _INF = math.inf
 
@@ -61,23 +64,49 @@ def _logits(qs, kc, mask, causal, i0, i1, kend, b, h):
     return s, s4
 
 
-def _keep(seed, p, b, h, s_q, s_k, i0, i1, kend, device) -> torch.Tensor:
-    """Keep-mask (b, H, i1-i0, kend) of rows i0:i1, columns 0:kend of the (b, H, s_q, s_k) matrix."""
-    if i0 == 0 and i1 == s_q and kend == s_k:  # the whole matrix: one contiguous index range
-        return keep_mask_like(seed, (b, h, s_q, s_k), p, device)
-    rows = torch.arange(b * h, device=device).mul_(s_q).unsqueeze(1) + torch.arange(i0, i1, device=device)
-    idx = rows.mul_(s_k).unsqueeze(2) + torch.arange(kend, device=device)
-    return keep_mask(seed, idx.view(b, h, i1 - i0, kend), p)
+class _Dropper:
+    """Dropped-element masks (bool, True = dropped) of blocks of the virtual (b, H, s_q, s_k) matrix.
+
+    Block rows i0:i1, columns 0:kend are ranges of consecutive indices: one per (n, h) of length
+    (i1-i0)*s_k when kend == s_k, else one per row of length kend. Eager on the CPU they are
+    hashed in cache-sized chunks from Python-int seed keys (the high index word is 0 when the
+    matrix has at most 2^32 elements); elsewhere through :func:`keep_mask` on the explicit indices.
+    Both give ``~keep_mask(seed, index, p)`` exactly (tests check it).
+    """
+
+    def __init__(self, seed, p, b, h, s_q, s_k, device):
+        self.seed, self.p, self.thr, self.dims, self.device = seed, p, keep_threshold(p), (b * h, s_q, s_k), device
+        self.fast = device.type == "cpu" and b * h * s_q * s_k <= 1 << 32 and not torch.compiler.is_compiling() and not is_fake(seed)
+        if self.fast:
+            self.keys = tuple(int(x) for x in seed_keys(seed))
+
+    def __call__(self, i0: int, i1: int, kend: int) -> torch.Tensor:
+        bh, s_q, s_k = self.dims
+        dev, rows = self.device, i1 - i0
+        starts = (torch.arange(bh, device=dev).mul_(s_q).unsqueeze(1) + torch.arange(i0, i1, device=dev)).mul_(s_k)
+        if kend == s_k:
+            starts, length = starts[:, 0], rows * s_k
+        else:
+            starts, length = starts.view(-1), kend
+        if not self.fast:
+            keep = keep_mask(self.seed, starts.unsqueeze(1) + torch.arange(length, device=dev), self.p)
+            return keep.logical_not().view(-1, rows, kend)
+        k0, k1 = self.keys
+        out = torch.empty((starts.numel(), length), dtype=torch.bool)
+        col = torch.arange(min(length, CHUNK))
+        step_r, step_c = max(1, CHUNK // length), min(length, CHUNK)
+        for r0 in range(0, starts.numel(), step_r):
+            r1 = min(r0 + step_r, starts.numel())
+            for c0 in range(0, length, step_c):
+                c1 = min(c0 + step_c, length)
+                x = (starts[r0:r1].unsqueeze(1) + (col[: c1 - c0] + c0)).bitwise_xor_(k0)
+                torch.lt(_rounds_(x, None, k1), self.thr, out=out[r0:r1, c0:c1])
+        return out.view(-1, rows, kend)
 
 
-def _scaled_keep(seed, p, inv, c, shape_info, shape) -> torch.Tensor:
-    z = _keep(seed, p, *shape_info).view(shape).to(c)
-    return z.mul_(inv) if inv != 1.0 else z
-
-
-def _mask_grad(dmask, ds4, mask_shape, i0, i1):
+def _mask_grad(dmask, ds4, i0, i1):
     """Add the score gradient of rows i0:i1 into the mask gradient (summed over broadcast dims)."""
-    mb, mh, mq, mk = mask_shape
+    mb, mh, mq, mk = dmask.shape
     if mq > 1:
         dmask[:, :, i0:i1] = ds4.sum_to_size(mb, mh, i1 - i0, mk)
     else:
@@ -93,6 +122,12 @@ def _safe_softmax_(s4):
     return m, l, l == 0
 
 
+def _setup(q, k, v, p):
+    b, h, s_q, d = q.shape
+    c = compute_dtype(q.dtype)
+    return b, h, s_q, d, k.size(1), k.size(2), v.size(-1), b * k.size(1), c, (1.0 / (1.0 - p) if p < 1 else 0.0)
+
+
 class RecomputeAttention(torch.autograd.Function):
     """Flash-style attention. Saves q, k, v (the caller's tensors), the output, the per-row
     log-sum-exp (b, H, s_q) and the seed (plus the caller's mask, if any): nothing of size s².
@@ -100,23 +135,21 @@ class RecomputeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, seed, p, causal, scale, block):
-        b, h, s_q, _ = q.shape
-        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
-        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         kc, vc = _kv(k, c), _kv(v, c)
+        dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
         out = q.new_empty((b, s_q, h, dv))  # (b, s, H, dv): out.transpose(1, 2) is what we return
         o4 = out.transpose(1, 2)
         lse = q.new_empty((b, h, s_q), dtype=c)
         for i0 in range(0, s_q, block):
             i1 = min(i0 + block, s_q)
             kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
-            qs = _rows(q, i0, i1, c, bk).mul(scale)
-            s, s4 = _logits(qs, kc, mask, causal, i0, i1, kend, b, h)
+            s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, mask, causal, i0, i1, kend, b, h)
             m, l, empty = _safe_softmax_(s4)
             lse[:, :, i0:i1] = (m + l.log()).masked_fill_(empty, _INF).squeeze(-1)
             r = l.reciprocal().masked_fill_(empty, 0.0)
-            if p > 0:
-                s.mul_(_keep(seed, p, b, h, s_q, s_k, i0, i1, kend, q.device).view(s.shape))
+            if dropper is not None:
+                s4.masked_fill_(dropper(i0, i1, kend).view(s4.shape), 0.0)
                 r.mul_(inv)
             o4[:, :, i0:i1] = torch.bmm(s, vc[:, :kend]).view(b, h, i1 - i0, dv).mul_(r)
         ctx.save_for_backward(q, k, v, out, lse, mask, seed)
@@ -128,15 +161,17 @@ class RecomputeAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, mask, seed = ctx.saved_tensors
         p, causal, scale, block = ctx.args
-        b, h, s_q, d = q.shape
-        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
-        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         kc, vc = _kv(k, c), _kv(v, c)
+        dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
         do4, o4 = dout.transpose(1, 2), out.transpose(1, 2)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros((bk, s_k, d), dtype=c, device=q.device)
         dvv = torch.zeros((bk, s_k, dv), dtype=c, device=q.device)
         dmask = torch.zeros(mask.shape, dtype=c, device=q.device) if ctx.needs_input_grad[3] else None
+        # With dropout, dS = P * (inv * dP' - D) = inv * P * (dP' - D / inv), dP' = (dO V^T) * keep:
+        # the factor inv goes on the (rows x d) products. p = 1 (inv = 0): everything but dV is 0.
+        dscale = inv if dropper is not None else 1.0
         for i0 in range(0, s_q, block):
             i1 = min(i0 + block, s_q)
             kend = min(s_k, i1) if causal else s_k
@@ -145,19 +180,19 @@ class RecomputeAttention(torch.autograd.Function):
             s4.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P; rows with lse = +inf (fully masked) give 0
             dob = _rows(do4, i0, i1, c, bk)
             dd = (dob.view(b, h, i1 - i0, dv) * o4[:, :, i0:i1]).sum(-1).view(bk, -1, 1)  # D = rowsum(dO * O)
-            dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropped-out probabilities
-            if p > 0:
-                z = _scaled_keep(seed, p, inv, c, (b, h, s_q, s_k, i0, i1, kend, q.device), s.shape)
-                dp.mul_(z)  # gradient of P
-                pd = z.mul_(s)  # dropout output P * mask / (1 - p)
+            dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropout output
+            if dropper is not None:
+                drop = dropper(i0, i1, kend).view(s.shape)
+                dvv[:, :kend].baddbmm_(s.masked_fill(drop, 0.0).transpose(1, 2), dob, alpha=inv)
+                dp.masked_fill_(drop, 0.0)
+                dd = dd.div_(inv) if inv else dd.zero_()
             else:
-                pd = s
-            dvv[:, :kend].baddbmm_(pd.transpose(1, 2), dob)
-            ds = dp.sub_(dd).mul_(s)  # dS = P * (dP - D)
+                dvv[:, :kend].baddbmm_(s.transpose(1, 2), dob)
+            ds = dp.sub_(dd).mul_(s)  # dS / dscale
             if dmask is not None:
-                _mask_grad(dmask, ds.view(b, h, i1 - i0, kend), dmask.shape, i0, i1)
-            dq[:, :, i0:i1] = torch.bmm(ds, kc[:, :kend]).mul_(scale).view(b, h, i1 - i0, d)
-            dk[:, :kend].baddbmm_(ds.transpose(1, 2), qs)
+                _mask_grad(dmask, ds.view(b, h, i1 - i0, kend).mul(dscale), i0, i1)
+            dq[:, :, i0:i1] = torch.bmm(ds, kc[:, :kend]).mul_(scale * dscale).view(b, h, i1 - i0, d)
+            dk[:, :kend].baddbmm_(ds.transpose(1, 2), qs, alpha=dscale)
         dk, dvv = dk.view(k.shape).to(k.dtype), dvv.view(v.shape).to(v.dtype)
         return dq, dk, dvv, (dmask.to(mask.dtype) if dmask is not None else None), None, None, None, None, None
 
@@ -169,16 +204,15 @@ class TempoAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, seed, p, causal, scale):
-        b, h, s_q, _ = q.shape
-        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
-        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         s, s4 = _logits(_rows(q, 0, s_q, c, bk).mul(scale), _kv(k, c), mask, causal, 0, s_q, s_k, b, h)
         _, l, empty = _safe_softmax_(s4)
         s4.mul_(l.reciprocal().masked_fill_(empty, 0.0))
         pk = s.to(q.dtype)  # kept: P rounded to the input dtype; the forward uses the rounded values too
-        pd = _scaled_keep(seed, p, inv, c, (b, h, s_q, s_k, 0, s_q, s_k, q.device), s.shape).mul_(pk)
+        drop = _Dropper(seed, p, b, h, s_q, s_k, q.device)(0, s_q, s_k).view(s.shape)
+        o = torch.bmm(pk.masked_fill(drop, 0.0).to(c), _kv(v, c)).mul_(inv)
         out = q.new_empty((b, s_q, h, dv))
-        out.transpose(1, 2)[:] = torch.bmm(pd, _kv(v, c)).view(b, h, s_q, dv)
+        out.transpose(1, 2)[:] = o.view(b, h, s_q, dv)
         ctx.save_for_backward(q, k, v, pk.view(b, h, s_q, s_k), seed)
         ctx.args = (p, causal, scale)
         ctx.mask_meta = None if mask is None else (mask.shape, mask.dtype)  # the mask itself is not needed
@@ -189,21 +223,17 @@ class TempoAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, pk, seed = ctx.saved_tensors
         p, causal, scale = ctx.args
-        b, h, s_q, d = q.shape
-        hkv, s_k, dv = k.size(1), k.size(2), v.size(-1)
-        bk, c, inv = b * hkv, compute_dtype(q.dtype), (1.0 / (1.0 - p) if p < 1 else 0.0)
+        b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         pc = pk.to(c).view(bk, -1, s_k)  # may alias the saved P: only read from here on
+        drop = _Dropper(seed, p, b, h, s_q, s_k, q.device)(0, s_q, s_k).view(pc.shape)
         dob = _rows(dout.transpose(1, 2), 0, s_q, c, bk)
-        dp = torch.bmm(dob, _kv(v, c).transpose(1, 2))
-        z = _scaled_keep(seed, p, inv, c, (b, h, s_q, s_k, 0, s_q, s_k, q.device), pc.shape)
-        dp.mul_(z)
-        ddv = torch.bmm(z.mul_(pc).transpose(1, 2), dob)
-        ds = dp.mul_(pc)
-        ds.addcmul_(pc, ds.sum(-1, keepdim=True), value=-1.0)  # dS = P * (dP - rowsum(P * dP))
+        ddv = torch.bmm(pc.masked_fill(drop, 0.0).transpose(1, 2), dob).mul_(inv)
+        ds = torch.bmm(dob, _kv(v, c).transpose(1, 2)).masked_fill_(drop, 0.0).mul_(pc)
+        ds.addcmul_(pc, ds.sum(-1, keepdim=True), value=-1.0)  # dS / inv = P * (dP' - rowsum(P * dP'))
         dmask = None
         if ctx.needs_input_grad[3]:
             mshape, mdtype = ctx.mask_meta
-            dmask = ds.view(b, h, s_q, s_k).sum_to_size(mshape).to(mdtype)
-        dq = torch.bmm(ds, _kv(k, c)).mul_(scale).view(q.shape).to(q.dtype)
-        dk = torch.bmm(ds.transpose(1, 2), _rows(q, 0, s_q, c, bk).mul(scale)).view(k.shape).to(k.dtype)
+            dmask = ds.view(b, h, s_q, s_k).sum_to_size(mshape).mul(inv).to(mdtype)
+        dq = torch.bmm(ds, _kv(k, c)).mul_(scale * inv).view(q.shape).to(q.dtype)
+        dk = torch.bmm(ds.transpose(1, 2), _rows(q, 0, s_q, c, bk)).mul_(scale * inv).view(k.shape).to(k.dtype)
         return dq, dk, ddv.view(v.shape).to(v.dtype), dmask, None, None, None, None

@@ -55,7 +55,14 @@ _LN_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
 _K1 = 2.0 * math.sqrt(2.0 / math.pi)  # tanh form: GELU(x) = x * sigmoid(v), v = K1 (x + A x^3)
 _A = 0.044715
 _TAYLOR_TERMS = 40  # f(x*+d) - y* = sum_{n=2}^{39} p_n d^n: truncation below 1e-20 for |d| <= 0.75
-_WINDOW = 0.75  # float64 storage: |x - x*| up to which f - y* and f' come from that expansion
+# float64 storage: where f - y* and f' come from that expansion: -0.75 <= x - x* <= 0.45. Left of
+# x* the direct f' = Phi + x phi cancels (by up to 3x); right of x* + 0.45 it does not, and there
+# y* + (f - y*) would cancel instead (f -> 0 as x -> 0).
+_WINDOW = (-0.75, 0.45)
+
+
+def _near(d: torch.Tensor) -> torch.Tensor:
+    return (d - 0.5 * (_WINDOW[0] + _WINDOW[1])).abs() <= 0.5 * (_WINDOW[1] - _WINDOW[0])
 
 
 @dataclass(frozen=True)
@@ -274,8 +281,7 @@ def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tenso
     if precise:  # next to the minimum: y* + (f - y*) from the expansion, rounded once
         c = _CONSTS[approximate]
         d = (xw - c.xs) - c.xs_lo
-        near = (d + 0.15).abs() <= 0.6  # -0.75 <= d <= 0.45, where y* + (f - y*) does not cancel
-        y = torch.where(near, c.ys + (c.ys_lo + _taylor(d, c.taylor, 2)), y)
+        y = torch.where(_near(d), c.ys + (c.ys_lo + _taylor(d, c.taylor, 2)), y)
     return y
 
 
@@ -335,7 +341,7 @@ def _halley(x, ny, approximate: str, c: _Consts, precise: bool, third: bool, big
     r, g0, f2, f3 = _derivs(x, ny, approximate, precise, third)
     if precise:  # next to the minimum f - y cancels: use the exact expansion there
         d = (x - c.xs) - c.xs_lo
-        r = torch.where(d.abs() <= _WINDOW, _taylor(d, c.taylor, 2) - big_y, r)
+        r = torch.where(_near(d), _taylor(d, c.taylor, 2) - big_y, r)
     q = r.div_(g0)
     return (q * f2).div_(g0).mul_(0.5).add_(1.0).mul_(q), g0, f2, f3
 
@@ -370,17 +376,17 @@ def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) ->
         x = torch.maximum(x.sub_(step.nan_to_num_(0.0, 0.0, 0.0).mul_(use)).mul_(sign), sx).mul_(sign)
         wb = _work_dtype(y.dtype)
         steps, yb, x, big_b = 1, y.to(wb), x.to(wb), None
-    g = x
     for i in range(steps):
-        last = i == steps - 1
+        last = i == steps - 1 and not precise
         step, g0, f2, f3 = _halley(x, -yb, approximate, c, precise, last, big_b)
         if not last:
             x = torch.maximum(x.sub_(step).mul_(sign), sx).mul_(sign)
-            continue
-        g = (step * f3).mul_(-0.5).add_(f2).mul_(step).neg_().add_(g0)  # f'(x - step), expanded
-        if precise:  # next to the minimum f' = Phi + x phi cancels: from the expansion at x*
-            d = (x - step - c.xs) - c.xs_lo
-            g = torch.where(d.abs() <= _WINDOW, _taylor(d, c.dtaylor, 1), g)
+    if precise:  # f' at the solution, directly; next to the minimum (where it cancels) expanded
+        g = _derivs(x, -yb, approximate, True, False)[1]
+        d = (x - c.xs) - c.xs_lo
+        g = torch.where(_near(d), _taylor(d, c.dtaylor, 1), g)
+    else:  # f'(x - step) from the expansion at x: no further erfc/exp evaluation
+        g = (step * f3).mul_(-0.5).add_(f2).mul_(step).neg_().add_(g0)
     # Elements masked by `keep` may have iterated anywhere: sanitized, then zeroed. y * 0 is nan
     # exactly for y = +-inf or nan: their gradient is nan, as torch's.
     return g.nan_to_num_(0.0, 0.0, 0.0).mul_(keep).add_(yb * 0.0)

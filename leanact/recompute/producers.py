@@ -260,7 +260,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, seed: torch.
         seed = draw_seed(x.device, generator)
     elif isinstance(seed, int):
         seed = torch.tensor(seed, dtype=torch.int64, device=x.device)
-    else:
+    elif seed.dim() != 0 or seed.device != x.device:
         seed = seed.reshape(()).to(x.device)
     p = float(p)
     y = dropout_seeded(x, seed, p)
@@ -273,8 +273,9 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, seed: torch.
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)`` whose output is a recipe (x or x's recipe): e.g. a norm output cast to the
-    autocast dtype before the Linears, so they keep nothing for it (autocast's own cast, done
-    inside the Linear, is a new tensor no recipe describes). Keeps nothing itself."""
+    autocast dtype before a Linear, so the Linear keeps nothing for it (autocast's own cast, done
+    inside the Linear, is a new tensor no recipe describes). Keeps nothing itself. Use one cast per
+    consumer, as autocast does, so their gradients are summed in x's dtype, not the lower one."""
     if x.dtype == dtype:
         return x
     y = x.to(dtype)

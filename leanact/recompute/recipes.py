@@ -37,6 +37,13 @@ references to outputs and recipe inputs (a recipe pins nothing until a consumer 
 entries vanish with the output; nothing survives the graph. Gradients of gradients work: under
 ``create_graph=True`` the rebuild runs with grad mode on, from the original inputs.
 
+Modifying ``y`` itself in place after a consumer saved it does not raise (torch would): the
+consumer gets the value ``y`` had when it was saved, which is what its gradient needs.
+
+With other transforms: a tensor kept as is by this transform but possibly replaced by another
+kind of transform active outside it (offload, compression) does not count as kept, so no recipe
+pins it (a pin would keep the original alive next to the offloaded copy).
+
 Not covered: inside ``torch.compile`` regions producers do not register recipes (the compiled
 graph's saved tensors pass through the pipeline as ordinary tensors; AOTAutograd's partitioner
 decides what is kept there). The registry is process-wide (not per thread).
@@ -52,8 +59,9 @@ import torch
 from torch import nn
 
 from leanact.saved import SavedTensorTransform, active_transforms, disabled
+from leanact.saved import _pack as _pipeline_pack
 
-__all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "scope", "counters", "reset_counters",
+__all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "foreign_hooks", "scope", "counters", "reset_counters",
            "cached_bytes", "live_recipes"]
 
 _REGISTRY: dict[int, "Recipe"] = {}  # storage key of a live produced output -> its recipe
@@ -90,6 +98,15 @@ def _key(t: torch.Tensor) -> int | None:
         return None
 
 
+def foreign_hooks() -> bool:
+    """Whether torch's innermost saved-tensor hooks are someone else's (e.g. inside a
+    ``torch.utils.checkpoint`` region or its recompute). Entering a transform there would shadow
+    them (torch applies only the innermost hooks), so modules and :func:`scope` then stay out."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return hooks is not None and hooks[0] is not _pipeline_pack
+
+
 def is_active() -> bool:
     """Whether a :class:`RecipeTransform` is active on this thread (outside compiled regions)."""
     if torch.compiler.is_compiling():
@@ -98,12 +115,14 @@ def is_active() -> bool:
 
 
 class _Leaf:
-    """A recipe input tensor: weak reference + version when the recipe was made."""
+    """A recipe input tensor: weak reference (strong for tiny ones: seeds, whose aliases saved by
+    the producer may not keep this very object alive) + version when the recipe was made."""
 
     __slots__ = ("ref", "version")
 
     def __init__(self, t: torch.Tensor):
-        self.ref, self.version = weakref.ref(t), t._version
+        self.ref = (lambda: t) if t.numel() <= 8 else weakref.ref(t)
+        self.version = t._version
 
 
 class _Link:
@@ -136,8 +155,8 @@ class Recipe:
     outputs of other recipes (referenced lazily) and constants (passed through).
     """
 
-    __slots__ = ("name", "fn", "inputs", "out_ref", "out_version", "dtype", "shape", "device_type", "_cache", "_users",
-                 "_served", "_activated", "__weakref__")
+    __slots__ = ("name", "fn", "inputs", "out_ref", "out_version", "dtype", "shape", "device_type", "_cache",
+                 "_users", "_served", "_activated", "__weakref__")
 
     def __init__(self, name: str, fn: Callable[..., torch.Tensor], inputs: tuple, y: torch.Tensor):
         self.name, self.fn = name, fn
@@ -222,7 +241,8 @@ class Recipe:
             return y
         if self._cache is None:
             args = [self._arg(e) for e in self.inputs]
-            with disabled(), _no_autocast(self.device_type):  # plain saves (create_graph only); kernels as in forward
+            # the rebuild's own saves (create_graph only) stay plain; kernels run as in forward
+            with disabled(), _no_autocast(self.device_type):
                 full = self.fn(*args)
             if full.shape != self.shape or full.dtype != self.dtype:
                 raise RuntimeError(f"leanact recipe for {self.name} rebuilt {full.dtype}{list(full.shape)}, "
@@ -321,12 +341,16 @@ class RecipeTransform(SavedTensorTransform):
                 _COUNTS["claimed"] += 1
                 return claim
         k = _key(t)
-        if k is not None:
-            try:
-                _KEPT[k] = t
-            except TypeError:  # not weak-referenceable
-                pass
+        if k is not None and not self._outer_others():
+            _KEPT[k] = t
         return None
+
+    def _outer_others(self) -> bool:
+        """Whether another kind of transform is active outside this one: it may still replace
+        ``t`` (offload, compress), so ``t`` is not known to be kept as is."""
+        stack = active_transforms()
+        inner = max((i for i, tr in enumerate(stack) if tr is self), default=0)  # the one packing
+        return any(not isinstance(tr, RecipeTransform) for tr in stack[:inner])
 
     def unpack(self, claim: _Claim) -> torch.Tensor:
         full = claim.recipe.materialize(claim)
@@ -357,17 +381,23 @@ class _ScopeHandle:
 def scope(module: nn.Module, transform: RecipeTransform | None = None) -> _ScopeHandle:
     """Activate a :class:`RecipeTransform` around every forward of ``module`` (forward pre-hook
     enters it, an always-called forward hook leaves it); no change to the forward or state_dict.
+    Not entered without grad, while compiling, or under foreign saved-tensor hooks
+    (:func:`foreign_hooks`: a checkpointed region keeps checkpoint's behaviour).
 
     Recipes matter only where producers run (leanact.nn.fused's ``Recipe*`` modules, LeanMLP,
     LayerNormLinears or the functions of :mod:`leanact.recompute.producers`).
     """
     tr = transform if transform is not None else RecipeTransform()
+    entered: list[bool] = []
 
     def pre(mod, args):
-        tr.__enter__()
+        entered.append(torch.is_grad_enabled() and not torch.compiler.is_compiling() and not foreign_hooks())
+        if entered[-1]:
+            tr.__enter__()
 
     def post(mod, args, out):
-        tr.__exit__(None, None, None)
+        if entered and entered.pop():
+            tr.__exit__(None, None, None)
 
     handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
     return _ScopeHandle(tr, handles)
