@@ -60,7 +60,8 @@ def _logits(qs, kc, mask, causal, i0, i1, kend, b, h):
         else:
             s4.add_(mb)
     if causal:
-        s4.masked_fill_(torch.ones(i1 - i0, kend, dtype=torch.bool, device=s.device).triu_(i0 + 1), -_INF)
+        above = torch.arange(kend, device=s.device) > torch.arange(i0, i1, device=s.device).unsqueeze(1)  # j > i
+        s4.masked_fill_(above, -_INF)
     return s, s4
 
 

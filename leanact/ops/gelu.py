@@ -256,7 +256,8 @@ def _derivs(x: torch.Tensor, ny: torch.Tensor, approximate: str, precise: bool, 
         xpdf = xc * pdf
         f3 = x2.sub_(4.0).mul_(xpdf) if third else None  # phi (x^3 - 4x)
         f2 = torch.addcmul(pdf, xc, xpdf, value=-1.0).add_(pdf)  # phi (2 - x^2)
-        return torch.addcmul(ny, x, cdf2, value=0.5), xpdf.add_(cdf2, alpha=0.5), f2, f3
+        cdf = cdf2.mul_(0.5)  # halved first: x * cdf2 overflows for x ~ max float
+        return torch.addcmul(ny, x, cdf), xpdf.add_(cdf), f2, f3
     s, sm, x2 = _tanh_v(xc, precise)
     p = s * sm  # s' = p v'
     v1 = (x2 * (3.0 * _A * _K1)).add_(_K1)  # v'
@@ -275,7 +276,7 @@ def _forward_w(xw: torch.Tensor, approximate: str, precise: bool) -> torch.Tenso
     """GELU(x) in the working precision (the clamp only keeps float64's error-free splits finite)."""
     xc = xw.clamp(-_CLAMP, _CLAMP) if precise else xw
     if approximate == "none":
-        y = _erf_cdf2(xc, precise).mul_(xw).mul_(0.5)
+        y = _erf_cdf2(xc, precise).mul_(0.5).mul_(xw)  # this order: no overflow at x ~ 3e38
     else:
         y = _tanh_v(xc, precise)[0].mul_(xw)
     if precise:  # next to the minimum: y* + (f - y*) from the expansion, rounded once
@@ -296,7 +297,7 @@ def _initial_guess(y, rf, sign, big_y, approximate: str, c: _Consts) -> torch.Te
     ``y >= 0.2``: one fixed-point step of ``x = y + x (1 - cdf(x))`` from ``x = y``.
     ``rf``: 1. on the right branch, 0. on the left; ``sign = 2 rf - 1``; ``big_y = y - y* > 0``.
     """
-    u = (big_y * (2.0 / c.c2)).sqrt_().mul_(sign)
+    u = big_y.sqrt().mul_(sign * math.sqrt(2.0 / c.c2))  # sqrt first: finite up to max float
     x_min = (u / (u * c.b1).add_(1.0).sqrt_()).add_(c.xs)
     tiny = torch.finfo(y.dtype).tiny * torch.finfo(y.dtype).eps  # smallest subnormal
     ln_y = (-y).clamp_min_(tiny).log_()  # ln(-y) on the left branch (finite everywhere)
@@ -343,7 +344,7 @@ def _halley(x, ny, approximate: str, c: _Consts, precise: bool, third: bool, big
         d = (x - c.xs) - c.xs_lo
         r = torch.where(_near(d), _taylor(d, c.taylor, 2) - big_y, r)
     q = r.div_(g0)
-    return (q * f2).div_(g0).mul_(0.5).add_(1.0).mul_(q), g0, f2, f3
+    return torch.addcmul(q, q, (q * f2).div_(g0), value=0.5), g0, f2, f3
 
 
 def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -363,7 +364,7 @@ def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) ->
     big = (ya - c.ys) - c.ys_lo if precise else (ya - c.ys32) - c.ys32_lo  # y - y* (Sterbenz: exact)
     # y rounded to (or below) the minimum: the outputs that round to y include y*, where f' = 0.
     # y = 0 on the left branch (underflow): f' lies between 0 and f'(x(-ulp/2)); returned: 0.
-    keep = (big > 0) & ((ya < 0) | (rfa > 0))
+    keep = (big > 0) & ((ya < 0) | right)
     x = _initial_guess(ya, rfa, sign, big.clamp_min(1e-30), approximate, c)
     if precise:
         steps, yb, big_b = 3, ya, big
@@ -371,7 +372,7 @@ def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) ->
         # The first step in float32, skipped next to the minimum (f - y is float32 noise there;
         # the square-root guess is accurate) and in the deep left tail (float32 f, f' subnormal;
         # the log-space guess is accurate). Safeguard: the iterate stays on its branch.
-        use = ((big > 1e-4) & ((ya < -1e-37) | (rfa > 0))).to(wa)
+        use = ((big > 1e-4) & ((ya < -1e-37) | right)).to(wa)
         step = _halley(x, -ya, approximate, c, False, False)[0]
         x = torch.maximum(x.sub_(step.nan_to_num_(0.0, 0.0, 0.0).mul_(use)).mul_(sign), sx).mul_(sign)
         wb = _work_dtype(y.dtype)
@@ -386,7 +387,7 @@ def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) ->
         d = (x - c.xs) - c.xs_lo
         g = torch.where(_near(d), _taylor(d, c.dtaylor, 1), g)
     else:  # f'(x - step) from the expansion at x: no further erfc/exp evaluation
-        g = (step * f3).mul_(-0.5).add_(f2).mul_(step).neg_().add_(g0)
+        g = torch.addcmul(g0, step, torch.addcmul(f2, step, f3, value=-0.5), value=-1.0)
     # Elements masked by `keep` may have iterated anywhere: sanitized, then zeroed. y * 0 is nan
     # exactly for y = +-inf or nan: their gradient is nan, as torch's.
     return g.nan_to_num_(0.0, 0.0, 0.0).mul_(keep).add_(yb * 0.0)
