@@ -82,7 +82,10 @@ def rounding_interval(y):
     """The reals that round to y: (lower, upper) midpoints to the neighbours (float64)."""
     lo = torch.nextafter(y, torch.full_like(y, -math.inf)).double()
     hi = torch.nextafter(y, torch.full_like(y, math.inf)).double()
-    return (y.double() + lo) / 2, (y.double() + hi) / 2
+    yd = y.double()
+    hi = torch.where(torch.isinf(hi) & torch.isfinite(yd), 2 * yd - lo, hi)  # y = largest float
+    lo = torch.where(torch.isinf(lo) & torch.isfinite(yd), 2 * yd - hi, lo)
+    return (yd + lo) / 2, (yd + hi) / 2
 
 
 def grad_interval(y, right, mode, x=None):
@@ -106,8 +109,12 @@ def leanact_grad(x, mode):
 
 
 def covering_inputs(mode, dtype):
-    """[-1e4, 1e4] log-spaced both signs, dense around the minimum, and Tempo's bad regions:
-    next to the minimum, x < -2.5 (down to where y underflows), 1.12 < x < 3, y > 3."""
+    """16-bit: every finite value. float32: [-1e4, 1e4] log-spaced both signs, dense around the
+    minimum, and Tempo's bad regions: next to the minimum, x < -2.5 (down to where y underflows),
+    1.12 < x < 3, y > 3."""
+    if dtype in (torch.float16, torch.bfloat16):
+        x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        return x[torch.isfinite(x)]
     xs = gelu_minimum(mode)[0]
     d = torch.float64
     parts = [
@@ -145,11 +152,11 @@ def test_minimum_constants():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_gradcheck_float64(mode):
-    # Random inputs kept 1e-3 away from x*: there the stored y pins x only to about
-    # sqrt(2 ulp(y*)/c) ~ 1e-8, and gradcheck's central differences (eps 1e-6) would straddle the
-    # minimum, where the branch bit says "one side" while the difference quotient averages both.
-    # Both effects are far below gradcheck's tolerances in float64 (the rebuild is within ~4e-9
-    # of GELU' there, see test_float64_bound), so this is caution, not a workaround.
+    # Random inputs kept 1e-3 away from x*. Within ~1e-8 of x* the stored y no longer tells how far
+    # x is from x*, so the rebuilt derivative is only within W = 3.5e-9 of GELU' (the bound), and a
+    # central difference (eps 1e-6) straddling x* averages both branches while the bit names one.
+    # Both are far below gradcheck's atol (1e-5): caution, not need. That neighbourhood is checked
+    # against the bound itself in test_float64_bound.
     torch.manual_seed(0)
     x = torch.randn(64, dtype=torch.float64) * 3
     xs = gelu_minimum(mode)[0]
@@ -221,17 +228,23 @@ def test_gradient_within_output_rounding_bound(mode, dtype):
     # 1. the rebuild returns a derivative the stored output allows, plus its final rounding
     excess = torch.maximum(gmin - g, g - gmax).clamp_min(0) / u
     assert excess.max() <= 0.5 + 1e-9, f"{excess.max()} ulps outside the bound at x={x[excess.argmax()]}"
-    # 2. the forward rounds the true output once, so the truth at x lies in the same interval
+    # 2. the forward rounds the true output once (float32: from float64, always correct; 16-bit:
+    #    from float32, as specified, which misses by one ulp for a few in 10^4 values: double
+    #    rounding at ties, erfc's own float32 error), so the truth at x lies in the same interval
     yt = f64(x.double(), mode)
     lo, hi = rounding_interval(y)
-    assert ((yt >= lo - 1e-300) & (yt <= hi + 1e-300)).all()
+    ok = (yt >= lo) & (yt <= hi)
+    if dtype == torch.float32:
+        assert ok.all()
+    else:
+        assert (~ok).sum() <= 10 and torch.equal(y[~ok], yt[~ok].to(dtype).nextafter(y[~ok]))
     gt = g64(x.double(), mode)
-    assert ((gt >= gmin - 1e-3 * u) & (gt <= gmax + 1e-3 * u)).all()
+    assert ((gt >= gmin - 1e-3 * u) & (gt <= gmax + 1e-3 * u))[ok].all()
     # 3. hence against the reference (torch's gradient in float64, exact, rounded): the bound's width
     #    plus one ulp; away from the minimum that is an ulp of the gradient
     ref = gt.to(dtype).double()
-    assert ((g - ref).abs() <= (gmax - gmin) + u).all()
-    far = x.double() > xs + 0.5  # right branch: insensitive to y's rounding, so within an ulp
+    assert ((g - ref).abs() <= (gmax - gmin) + u)[ok].all()
+    far = ok & (x.double() > xs + 0.5)  # right branch: insensitive to y's rounding: within an ulp
     assert ((g - ref).abs()[far] <= u[far]).all()
     # 4. next to the minimum the width is sqrt(2 c ulp(y*)/2) (derived in docs/gelu_bound.md) and
     #    the rebuild reaches it: its error is at most the width

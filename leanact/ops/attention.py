@@ -73,7 +73,9 @@ def _sdpa_is_lean(q, k, v, mask4) -> bool:
     output. Measured (tests/test_attention.py): the CPU flash kernel keeps q, k, v, out, lse (the
     caller's q, k, v, no copies; GQA included); a float mask of q's dtype is kept as is, a bool
     mask is converted to a float copy (kept), hence only bool masks without a query dimension."""
-    if q.dtype not in _SDPA_DTYPES or not (q.dtype == k.dtype == v.dtype) or not torch.backends.cuda.flash_sdp_enabled():
+    if q.dtype not in _SDPA_DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if not torch.compiler.is_compiling() and not torch.backends.cuda.flash_sdp_enabled():  # e.g. sdpa_kernel(MATH)
         return False
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
@@ -135,13 +137,14 @@ def attention(
         q.requires_grad or k.requires_grad or v.requires_grad or (mask4 is not None and mask4.requires_grad)
     )
     eager = not torch.compiler.is_compiling()
+    gqa = {"enable_gqa": True} if enable_gqa else {}  # (the keyword needs torch >= 2.5)
     if p == 0.0 and (not grad or _sdpa_is_lean(q, k, v, mask4)):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
         if not grad or not eager or out.grad_fn.name() in _LEAN_NODES:
             return out
     elif p > 0.0 and eager and q.is_cuda and mode == "recompute" and seed is None and generator is None:
         if _sdpa_is_lean(q, k, v, mask4):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal, scale=scale, **gqa)
             if not grad or out.grad_fn.name() in _LEAN_NODES:
                 return out
     if p > 0.0:

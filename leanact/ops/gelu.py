@@ -16,7 +16,7 @@ the true output lies within half an ulp of it and the best any output-based rebu
 a derivative between the extremes of ``GELU'`` over those outputs. Next to the minimum the
 inverse has a square-root branch point and that interval is wide: about
 ``sqrt(2 GELU''(x*) ulp(y*)/2)``, 8e-5 for float32, 2e-2 for bfloat16. This rebuild stays within
-that interval plus the final rounding (float64: plus ~4 ulps) everywhere. To get there it works
+that interval plus the final rounding (float64: plus ~3 ulps) everywhere. To get there it works
 in a wider precision than the storage: float32 for 16-bit storage, float64 for float32 (guess
 and first step in float32, last step in float64); float64 storage runs in float64 with
 error-free products (Dekker), compensated ``x/sqrt 2``, ``x**2`` and tanh argument in the tail,
@@ -24,10 +24,12 @@ and the exact Taylor expansion of GELU about ``x*`` next to the minimum.
 
 The forward differs from ``torch.nn.functional.gelu`` on purpose: torch evaluates
 ``0.5*x*(1+erf(x/sqrt 2))`` (or ``1+tanh``), which cancels for ``x < -3`` (float32 at ``x=-5``:
--1.19e-6 against the true -1.433e-6; ``-0.0`` at ``x=-8``). Here ``Phi(x) = erfc(-x/sqrt 2)/2``
+-1.19e-6 against the true -1.433e-6; ``-0.0`` from ``x=-6``). Here ``Phi(x) = erfc(-x/sqrt 2)/2``
 and the tanh form is ``x*sigmoid(2z)``, both free of cancellation and computed one precision
-wider than the storage, so leanact's output is the float64 truth rounded (float64: within ~2
-ulps) and differs from torch's only where torch's has that cancellation error. Special values
+wider than the storage, so leanact's output is the truth rounded once (16-bit: but for a few in
+10^4 values, one ulp off; float64: within ~2 ulps) and differs from torch's only where torch's has
+that cancellation error (and is then the closer to the float64 truth). Output is contiguous (torch
+keeps a transposed input's strides); values are the same. Special values
 follow torch's float64 kernel: ``GELU(+inf) = inf`` (torch's float32/bf16 erf kernel returns nan
 there), ``GELU(-inf) = nan``, ``GELU(nan) = nan``, signed zeros kept; the gradient at ``+-inf``
 and ``nan`` is nan and at ``+-0`` 0.5, as torch's.
@@ -44,9 +46,12 @@ from .bitpack import pack_bits, unpack_bits
 __all__ = ["gelu", "GeluFunction", "gelu_minimum", "gelu_grad_from_output"]
 
 _APPROXIMATE = ("none", "tanh")
-#: Elements per slice in eager mode: the temporaries of the working precision stay small (and in
-#: cache) whatever the tensor size. Under torch.compile the whole tensor is one graph.
+#: Elements per slice in eager mode, so the working-precision temporaries stay small whatever the
+#: tensor size: on the CPU sized for the cache; on accelerators larger, as every op is a kernel
+#: launch (there the op is meant to run under torch.compile, which fuses it). Under torch.compile
+#: the whole tensor is one graph.
 CHUNK = 1 << 16
+CHUNK_ACCELERATOR = 1 << 22
 _CLAMP = 50.0  # beyond |x| = 50 every Phi/phi/sigmoid term below is exactly 0 or 1 (fp32 and fp64)
 _SQRT1_2 = math.sqrt(0.5)
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
@@ -116,9 +121,10 @@ def _mode_constants(approximate: str) -> _Consts:
             # h(d) = sigmoid(v(x*+d)): h' = h (1-h) v'(x*+d), v' a quadratic in d
             vp = [k1 * (1 + 3 * a * xs**2), k1 * 6 * a * xs, k1 * 3 * a]
             h = [1 / (1 + mp.exp(-k1 * (xs + a * xs**3)))]
+            hh = []  # coefficients of h (1 - h)
             for m in range(n - 1):
-                hh = [h[i] - sum(h[j] * h[i - j] for j in range(i + 1)) for i in range(m + 1)]
-                h.append(sum(hh[i] * vp[m - i] for i in range(m + 1) if m - i < 3) / (m + 1))
+                hh.append(h[m] - sum(h[j] * h[m - j] for j in range(m + 1)))
+                h.append(sum(hh[i] * vp[m - i] for i in range(max(0, m - 2), m + 1)) / (m + 1))
         f = [xs * h[0]] + [xs * h[m] + h[m - 1] for m in range(1, n)]  # f = (x* + d) h(d)
         xs_hi, xs_lo = _dd(xs)
         ys_hi, ys_lo = _dd(f[0])
@@ -404,10 +410,11 @@ def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str
 # -- autograd Function -------------------------------------------------------------------------
 
 
-def _slices(n: int):
+def _slices(n: int, device: torch.device):
     if torch.compiler.is_compiling():
         return [(0, n)]
-    return [(i, min(i + CHUNK, n)) for i in range(0, n, CHUNK)]
+    step = CHUNK if device.type == "cpu" else CHUNK_ACCELERATOR
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
@@ -420,7 +427,7 @@ def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
     yf = y.view(-1)
     right = torch.empty(xf.shape, dtype=torch.bool, device=x.device) if with_bits else None
     xs = _CONSTS[approximate].xs
-    for a, b in _slices(xf.numel()):
+    for a, b in _slices(xf.numel(), x.device):
         xw = xf[a:b].to(w)
         if right is not None:
             torch.gt(xw, xs, out=right[a:b])  # in the working precision: the exact side of x*
@@ -457,7 +464,7 @@ class GeluFunction(torch.autograd.Function):
             yf, gf = y.reshape(-1), grad_y.reshape(-1)
             out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
             of = out.view(-1)
-            for a, b in _slices(yf.numel()):
+            for a, b in _slices(yf.numel(), y.device):
                 # product in the working precision, rounded once on the copy
                 of[a:b] = _grad_from_output(yf[a:b], right[a:b], ctx.approximate).mul_(gf[a:b])
         if create_graph and not torch.compiler.is_compiling():
