@@ -1,4 +1,5 @@
 """Functional API of leanact's memory-lean ops (mirrors ``torch.nn.functional``)."""
+from .ops.attention import attention
 from .ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from .ops.dropout import dropout, dropout_seeded
 from .ops.gelu import gelu, gelu_minimum
@@ -7,6 +8,6 @@ from .ops.random import draw_seed, keep_mask, keep_mask_like
 from .ops.rms_norm import rms_norm
 
 __all__ = [
-    "draw_seed", "dropout", "dropout_seeded", "gelu", "gelu_minimum", "keep_mask", "keep_mask_like",
+    "attention", "draw_seed", "dropout", "dropout_seeded", "gelu", "gelu_minimum", "keep_mask", "keep_mask_like",
     "layer_norm", "pack_bits", "packed_nbytes", "rms_norm", "unpack_bits",
 ]
