@@ -38,12 +38,26 @@ def active_transforms() -> list["SavedTensorTransform"]:
 
 
 class _Packed:
-    __slots__ = ("value", "transform", "tokens")
+    __slots__ = ("value", "transform", "tokens", "version")
 
-    def __init__(self, value: Any, transform: "SavedTensorTransform | None", tokens: list[tuple[Any, Any]]):
+    def __init__(self, value: Any, transform: "SavedTensorTransform | None", tokens: list[tuple[Any, Any]],
+                 version: int):
         self.value = value  # the tensor itself, or what the transform returned
         self.transform = transform
         self.tokens = tokens  # (observer, token) pairs
+        self.version = version  # of the tensor kept as is, at pack time
+
+
+def _check_version(t: torch.Tensor, version: int) -> None:
+    # torch skips its own saved-tensor version check when saved_tensors_hooks are active, so the
+    # pipeline does it: a tensor kept for backward and modified in place since must raise.
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead (checked by leanact's saved-tensor pipeline). Hint: do not modify in "
+            "place a tensor that autograd keeps for backward; use an out-of-place op (e.g. x = x + 1)."
+        )
 
 
 def _pack(t: torch.Tensor) -> _Packed:
@@ -56,13 +70,15 @@ def _pack(t: torch.Tensor) -> _Packed:
             break
     kept = [t] if owner is None else owner.kept_tensors(value)
     tokens = [(ob, ob.on_pack(t, kept)) for ob in observers]
-    return _Packed(value, owner, tokens)
+    return _Packed(value, owner, tokens, t._version)
 
 
 def _unpack(p: _Packed) -> torch.Tensor:
     for ob, token in p.tokens:
         ob.on_unpack(token)
     if p.transform is None:
+        if not getattr(_state, "introspecting", False):
+            _check_version(p.value, p.version)
         return p.value
     if getattr(_state, "introspecting", False):
         return torch.empty(0)  # an observer is only looking: do not rebuild (recompute, copy back)

@@ -65,3 +65,15 @@ def test_pipeline_still_applies_inside_foreign_hooks():
         with tr:
             _f(x)
     assert tr.packed == 1
+
+
+@pytest.mark.parametrize("member", [SavedTensorMeter, KeepHalf])
+def test_in_place_modification_of_a_kept_tensor_raises_inside_the_pipeline(member):
+    # torch itself skips this check while saved_tensors_hooks are active; the pipeline must not.
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4) * 1.0
+    with member():
+        y = x @ w
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

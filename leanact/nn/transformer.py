@@ -37,7 +37,8 @@ __all__ = ["TransformerEncoderLayer"]
 _ACTIVATIONS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
 # Converted attention masks, cached per (src_mask, key_padding_mask) so that the layers of a stack
 # share (and keep) one converted mask instead of one each.
-_MASKS: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+# id(anchor mask) -> (weakref to it, key, converted mask); dead entries are dropped on insert.
+_MASKS: dict[int, tuple] = {}
 
 
 def _activation_kind(act) -> str | None:
@@ -91,11 +92,14 @@ def _cached_mask(src_mask, kpm, b, heads, s, dtype):
     if anchor is None:
         return None
     key = (id(src_mask), getattr(src_mask, "_version", None), id(kpm), getattr(kpm, "_version", None), b, heads, s, dtype)
-    per = _MASKS.setdefault(anchor, {})
-    if key not in per:
-        per.clear()
-        per[key] = _convert(src_mask, kpm, b, heads, s, dtype)
-    return per[key]
+    hit = _MASKS.get(id(anchor))
+    if hit is not None and hit[0]() is anchor and hit[1] == key:
+        return hit[2]
+    for k in [k for k, v in _MASKS.items() if v[0]() is None]:
+        del _MASKS[k]
+    converted = _convert(src_mask, kpm, b, heads, s, dtype)
+    _MASKS[id(anchor)] = (weakref.ref(anchor), key, converted)
+    return converted
 
 
 class TransformerEncoderLayer(nn.TransformerEncoderLayer):
