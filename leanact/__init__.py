@@ -1,5 +1,5 @@
 """leanact: train Transformers in far less activation memory, with exact gradients."""
-from . import functional, memory, nn, ops
+from . import functional, memory, nn, ops, recompute
 
 __version__ = "0.1.0"
-__all__ = ["functional", "memory", "nn", "ops", "__version__"]
+__all__ = ["functional", "memory", "nn", "ops", "recompute", "__version__"]
