@@ -21,7 +21,7 @@ from torch import nn
 
 from leanact.memory import saved_bytes
 from leanact.nn.activation import GELU
-from leanact.ops.bitpack import packed_nbytes
+from leanact.ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from leanact.ops.gelu import GeluFunction, gelu, gelu_grad_from_output, gelu_minimum
 
 G = importlib.import_module("leanact.ops.gelu")  # the module, even if leanact.ops re-exports gelu()
@@ -445,10 +445,136 @@ def test_module_is_a_drop_in():
     assert y.grad_fn.name() == GeluFunction.__name__ + "Backward"
 
 
+# -- fast paths: lookup tables (16-bit storage), table guess + one float64 step (float32) -------
+
+def _scatter_eval(fn, n, seed):
+    """Evaluate ``fn(perm)`` on a random permutation of 0..n-1 and put the results back in order,
+    so a result could not come out right merely because of where its element sat in the tensor."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    vals = fn(perm)
+    out = torch.empty_like(vals)
+    out[perm] = vals
+    return out
+
+
+def _same_bits(a, b):
+    """Bitwise equal, except that any NaN matches any NaN (payloads are not part of the contract)."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_tables_are_the_exact_path_bitwise(mode, dtype):
+    """16-bit storage looks up forward and backward; the tables hold what the exact working-precision
+    path computes, so the results are bitwise those of that path, for every input: all 65536
+    patterns (infinities, NaNs, signed zeros, subnormals) forward, and every output pattern on both
+    branches backward, with random incoming gradients."""
+    n = 1 << 16
+    p = torch.arange(n, dtype=torch.int32).to(torch.int16).view(dtype)
+    y, bits = G._forward(p, mode, with_bits=True)
+    ref_y = _scatter_eval(lambda i: G._forward_w(p[i].float(), mode, False).to(dtype), n, 1)
+    assert _same_bits(y, ref_y)
+    # the branch bit: x > x*, decided as the float32 comparison of the forward (NaN: no derivative)
+    xs = gelu_minimum(mode)[0]
+    num = ~torch.isnan(p)
+    assert torch.equal(unpack_bits(bits, n)[num], (p.float() > torch.tensor(xs, dtype=torch.float32))[num])
+    # backward: (y pattern, branch) -> rebuilt derivative (float32) times dy, rounded once
+    yy = p.repeat(2)
+    rr = torch.arange(2 * n) >= n
+    torch.manual_seed(2)
+    dy = (torch.randn(2 * n, dtype=torch.float64) * 4).to(dtype)
+    out = G._backward(yy, pack_bits(rr), dy, mode)
+    ref = _scatter_eval(lambda i: (G._grad_from_output(yy[i], rr[i], mode) * dy[i]).to(dtype), 2 * n, 3)
+    assert _same_bits(out, ref)
+    assert _same_bits(gelu_grad_from_output(yy, rr, mode), G._grad_from_output(yy, rr, mode).to(dtype))
+    # built once per (dtype, mode, device) and cached
+    assert G._table("g16", str(dtype)[6:], mode, "cpu") is G._table("g16", str(dtype)[6:], mode, "cpu")
+
+
+def _float32_samples(mode, n=1 << 16):
+    """x over every region: both tails (down to where y underflows), next to x*, around 0, large."""
+    xs = gelu_minimum(mode)[0]
+    torch.manual_seed(4)
+    d = torch.float64
+    parts = [
+        torch.randn(n, dtype=d) * 3, -torch.logspace(-8, math.log10(15.0), n, dtype=d),
+        torch.logspace(-40, 1, n // 4, dtype=d), xs + torch.randn(n // 4, dtype=d) * 1e-3,
+        xs + (torch.rand(n // 4, dtype=d) - 0.5) * 1e-6, torch.logspace(1, 38, n // 8, dtype=d),
+    ]
+    return torch.cat(parts).float()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_fast_path_agrees_with_the_exact_path(mode):
+    """float32 storage: initial guess from a table (error ~1e-7), one float64 step whose
+    second-order coefficient comes from the table (to ~1e-3 of a term ~1e-14), against the previous
+    rebuild (analytic guess, float32 step, float64 Chebyshev step). Their float64 derivatives differ
+    by far less than an ulp of float32, so the float32 results are equal but where the product
+    lies at a rounding tie within that difference: then they differ by one ulp. That happens
+    mostly next to x*, where both are well inside the (wide) bound; away from it the ties checked
+    (x = 0.0878 tanh, x = 0.2612 erf, against mpmath) are rounded correctly by the new path and
+    not by the previous one, whose float64 value was off by ~1e-12 there."""
+    x = _float32_samples(mode)
+    y, bits = G._forward(x, mode, with_bits=True)
+    right = unpack_bits(bits, x.numel())
+    ref64 = G._grad_from_output(y, right, mode)
+    torch.manual_seed(5)
+    for dy in (torch.ones_like(y), torch.randn(y.shape)):
+        out = G._backward(y, bits, dy, mode)
+        ref = (ref64 * dy).float()
+        fin = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(out), fin)
+        diff = out[fin] != ref[fin]
+        assert diff.float().mean() < 5e-4
+        far = (x[fin].double() - gelu_minimum(mode)[0]).abs() > 0.01
+        assert diff[far].sum() <= 3
+        gap = (out[fin].double() - ref[fin].double()).abs()
+        assert (gap <= ulp(ref[fin].double(), torch.float32) * 1.0001).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_table_guess(mode):
+    """The table guess is within ~3e-7 of the solution relative to |x - x*| (capped at 1), plus its
+    float32 evaluation (a + b t: up to ~1.5 ulp of x), which dominates next to the minimum, where
+    |x - x*| is small: the float64 step
+    converges cubically from there (next to x* to a relative ~((6e-8/|x - x*|)**3, far inside the
+    bound there). Above y = 32 the guess is x = 32 (f is linear there)."""
+    x = _float32_samples(mode, 1 << 15)
+    x = x[x < 30]
+    y, bits = G._forward(x, mode, with_bits=True)
+    keep = (y.double() > gelu_minimum(mode)[1]) & ((y < 0) | (x.double() > gelu_minimum(mode)[0]))
+    x, y = x[keep], y[keep]
+    n = y.numel()
+    right = x.double() > gelu_minimum(mode)[0]
+    ws = G._Workspace(n, "cpu", G._WS32)
+    ab, h = G._guess_tables(mode)
+    G._guess32(y, right.to(torch.uint8), torch.ones(n), ws, ab, h, G._C32[mode])
+    xt = inv64(y.double(), right, mode, near=x.double())
+    xs = gelu_minimum(mode)[0]
+    err = (ws.x - xt).abs() / (3e-7 * (xt - xs).abs().clamp_max(1.0) + 2 * ulp(xt, torch.float32))
+    assert err.max() < 1.0, (err.max(), x[err.argmax()])
+
+
+def test_bit_packing_layout():
+    """The packing and unpacking used on the fast paths give bitpack's layout."""
+    spread = G._table("spread", "uint8", "none", "cpu")
+    every_byte = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().reshape(-1)
+    torch.manual_seed(6)
+    for b in [every_byte] + [torch.rand(n) > 0.5 for n in (1, 7, 8, 9, 64, 1001)]:
+        n = b.numel()
+        r = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8)
+        r[:n] = b
+        packed = G._pack(r, n)
+        assert torch.equal(packed, pack_bits(b))
+        ws = G._Workspace(n, "cpu", {})
+        assert torch.equal(G._unpack_into(packed, spread, ws)[:n].bool(), b)
+
+
 # -- torch.compile ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compile_aot_eager_fullgraph(mode, dtype):
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -458,6 +584,25 @@ def test_compile_aot_eager_fullgraph(mode, dtype):
     xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
     fn(xc).backward(go)
     gelu(xe, mode).backward(go)
+    assert torch.equal(xc.grad, xe.grad)
+
+
+def test_compile_several_gelus_in_one_graph():
+    """Tables enter the graph as constants, one per (table, dtype, mode): several GELUs of mixed
+    dtypes and modes trace together."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(6, 40) * 3
+
+    def f(t):
+        a = gelu(t, "none") + gelu(t * 0.5, "none")
+        b = gelu(t.bfloat16(), "tanh").float() + gelu(t.half(), "none").float()
+        return a * b + gelu(t.bfloat16(), "none").float()
+
+    fn = torch.compile(f, fullgraph=True, backend="aot_eager")
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fn(xc).sum().backward()
+    f(xe).sum().backward()
     assert torch.equal(xc.grad, xe.grad)
 
 

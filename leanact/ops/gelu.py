@@ -4,9 +4,22 @@ Tempo (arXiv 2210.10246) observed that the layer after a GELU keeps the GELU's o
 anyway, so a GELU that keeps ``y`` (instead of its input ``x``) costs almost nothing extra. GELU
 is not monotone, so ``y`` alone does not determine ``x``: one bit per element says on which side
 of the minimum ``x*`` (``GELU'(x*) = 0``) the input was. Tempo rebuilt ``GELU'(x)`` from ``y``
-with polynomial fits; here backward *solves* ``GELU(x) = y`` on the stored branch with a fixed
-number of safeguarded Halley steps (no data-dependent control flow, so it traces under
-``torch.compile``) from asymptotic initial guesses, then evaluates the exact derivative.
+with polynomial fits; here backward *solves* ``GELU(x) = y`` on the stored branch (no
+data-dependent control flow, so it traces under ``torch.compile``), then evaluates the exact
+derivative:
+
+- 16-bit storage (bfloat16, float16): the derivative is a function of the 16-bit pattern of ``y``
+  and the bit, 2 x 65536 values. They are computed once (per dtype, mode and device, lazily, with
+  the exact rebuild below: ``_grad_from_output``) into a 512 KiB float32 table; backward is a
+  gather and the product with the incoming gradient, rounded once, bitwise what the exact rebuild
+  gives for every input. The forward is a 65536-entry table of GELU as well (bitwise the float32
+  working-precision forward).
+- float32 storage: an initial guess for ``x`` from a table (a key computed from ``y`` picks one of
+  2**17 cells; linear interpolation in the cell; error ~1e-7), then one float64 step of third
+  order (``f'(x0 + q) = f' + q f'' + q**2 h``, ``q = (y - f)/f'``, ``h`` from the table), so one
+  float64 ``erfc`` and ``exp`` (tanh: one ``exp``) per element.
+- float64 storage: safeguarded Halley steps from asymptotic initial guesses, with compensated
+  arithmetic (below).
 
 Kept for backward: ``y`` (``ctx.save_for_backward``, so modifying it in place afterwards makes
 backward raise) and ``ceil(numel / 8)`` bytes of packed branch bits. ``x`` is not kept.
@@ -17,10 +30,17 @@ a derivative between the extremes of ``GELU'`` over those outputs. Next to the m
 inverse has a square-root branch point and that interval is wide: about
 ``sqrt(2 GELU''(x*) ulp(y*)/2)``, 8e-5 for float32, 2e-2 for bfloat16. This rebuild stays within
 that interval plus the final rounding (float64: plus ~3 ulps) everywhere. To get there it works
-in a wider precision than the storage: float32 for 16-bit storage, float64 for float32 (guess
-and first step in float32, last step in float64); float64 storage runs in float64 with
-error-free products (Dekker), compensated ``x/sqrt 2``, ``x**2`` and tanh argument in the tail,
-and the exact Taylor expansion of GELU about ``x*`` next to the minimum.
+in a wider precision than the storage: float32 for 16-bit storage (the table entries), float64
+for float32; float64 storage runs in float64 with error-free products (Dekker), compensated
+``x/sqrt 2``, ``x**2`` and tanh argument in the tail, and the exact Taylor expansion of GELU about
+``x*`` next to the minimum.
+
+Cost (``docs/gelu_bound.md``, "Speed"; one CPU thread, fwd+bwd): 16-bit storage is a table
+gather each way, about 2x torch's fused erf kernel and on par with its tanh form (9-15x faster
+than rebuilding every element); float32 storage is about 40 elementwise passes over 64k-element
+slices, 10x torch's erf form and 6x its tanh form (2.3-3.2x faster than before). The float32
+forward stays in float64: float32 ``erfc`` would misround about 40% of the outputs. The saved
+bit of a NaN input is never used (its gradient is NaN on either branch).
 
 The forward differs from ``torch.nn.functional.gelu`` on purpose: torch evaluates
 ``0.5*x*(1+erf(x/sqrt 2))`` (or ``1+tanh``), which cancels for ``x < -3`` (float32 at ``x=-5``:
@@ -37,6 +57,7 @@ and ``nan`` is nan and at ``+-0`` 0.5, as torch's.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +67,11 @@ from .bitpack import pack_bits, unpack_bits
 __all__ = ["gelu", "GeluFunction", "gelu_minimum", "gelu_grad_from_output"]
 
 _APPROXIMATE = ("none", "tanh")
-#: Elements per slice in eager mode, so the working-precision temporaries stay small whatever the
-#: tensor size: on the CPU sized for the cache; on accelerators larger, as every op is a kernel
-#: launch (there the op is meant to run under torch.compile, which fuses it). Under torch.compile
-#: the whole tensor is one graph.
+#: Elements per slice in eager mode (a multiple of 8: slices start on a byte of the packed bits),
+#: so the working-precision buffers (preallocated once per call, reused by every slice) stay small
+#: whatever the tensor size: on the CPU sized for the cache; on accelerators larger, as every op
+#: is a kernel launch (there the op is meant to run under torch.compile, which fuses it). Under
+#: torch.compile the whole tensor is one graph.
 CHUNK = 1 << 16
 CHUNK_ACCELERATOR = 1 << 22
 _CLAMP = 50.0  # beyond |x| = 50 every Phi/phi/sigmoid term below is exactly 0 or 1 (fp32 and fp64)
@@ -399,40 +421,451 @@ def _grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str) ->
     return g.nan_to_num_(0.0, 0.0, 0.0).mul_(keep).add_(yb * 0.0)
 
 
-def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*``, in ``y``'s dtype.
+# -- lookup tables -----------------------------------------------------------------------------
+# Built lazily, once per (kind, dtype, mode, device), outside autograd, and cached. Under
+# torch.compile the accessor runs while the graph is traced and its result enters the graph as a
+# constant (`assume_constant_result`), so the traced op reads the same table as eager mode. One
+# accessor per (kind, dtype, mode), with its own code name: dynamo names the constant after it.
 
-    The rebuild backward uses, exposed for tests and analysis.
-    """
-    return _grad_from_output(y, right, _check(approximate)).to(y.dtype)
+_TABLES: dict[tuple[str, str, str, str], torch.Tensor] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _table(kind: str, dtype: str, approximate: str, device: str) -> torch.Tensor:
+    """The cached table ``kind`` (see ``_BUILDERS``) for storage ``dtype`` and mode on ``device``."""
+    key = (kind, dtype, approximate, device)
+    t = _TABLES.get(key)
+    if t is None:
+        with torch.no_grad():
+            t = _BUILDERS[kind](getattr(torch, dtype), approximate, torch.device(device))
+        if type(t) is torch.Tensor:  # a real tensor, not a tracing mode's stand-in: keep it
+            _TABLES[key] = t
+    return t
+
+
+def _all_patterns(dtype: torch.dtype, device) -> torch.Tensor:
+    """Every 16-bit pattern, in the order of its unsigned value, as ``dtype``."""
+    return torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+
+
+def _build_y16(dtype, approximate, device):
+    """16-bit storage: GELU of every input pattern, exactly what the working-precision forward
+    (``_forward_w`` in float32, rounded once) returns for it."""
+    return _forward_w(_all_patterns(dtype, device).to(torch.float32), approximate, False).to(dtype)
+
+
+def _build_g16(dtype, approximate, device):
+    """16-bit storage: the rebuilt derivative (float32, before the product with the incoming
+    gradient) for every output pattern, left branch (entries 0..65535) then right branch."""
+    y = _all_patterns(dtype, device).repeat(2)
+    right = torch.arange(1 << 17, device=device) >= (1 << 16)
+    return _grad_from_output(y, right, approximate)
+
+
+def _build_spread(dtype, approximate, device):
+    """Unpacking: entry b is the int64 whose 8 bytes are the bits of b (0 or 1), lowest first."""
+    b = torch.arange(256, dtype=torch.int32, device=device)
+    bits = (b[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1
+    return bits.to(torch.uint8).contiguous().view(torch.int64).view(-1)
+
+
+# float32 storage: initial guess for x from (y, bit) by a table, then one step in float64.
+# The key is a float32 computed from y whose exponent and top _KEY_BITS mantissa bits pick the
+# cell (x is interpolated linearly in the key within it). With D = y - c32, c32 the largest
+# float32 below y* (D is exact next to the minimum, Sterbenz):
+#   right branch: key = (D - 2**-52) 2**-77 (the offset, a quarter of an ulp of the smallest
+#     positive D, only makes D = 0 negative): the cells resolve the square-root branch point; keys
+#     in [2**-104, 2**-72), clamped above (y > 32, where x = y);
+#   left branch: key = -y / (right key before the clamp) = |y| 2**77 / D: resolves both ends
+#     (y -> y*, and the tail y -> 0-, float32 subnormals included); keys in [2**-70, 2**102).
+# Both are positive exactly for the elements that have a derivative (y > y*; on the left branch
+# also y < 0), and the two ranges do not overlap, so one table indexed by the key's exponent and
+# top mantissa bits serves both branches.
+_KEY_BITS = 9
+_KEY_SHIFT = 23 - _KEY_BITS
+_NCELL = 1 << (8 + _KEY_BITS)
+_KEY_SCALE = 2.0 ** -77
+_KEY_TINY = 2.0 ** -52  # normal: a subnormal operand in every element would be slow
+_KEY_RIGHT = (-104, -72)
+_KEY_LEFT = (-70, 102)
+_KEY_RIGHT_MAX = float(torch.nextafter(torch.tensor(2.0 ** _KEY_RIGHT[1]), torch.tensor(0.0)))
+
+
+def _below(v: float) -> float:
+    """The largest float32 strictly below ``v``."""
+    t = torch.tensor(v, dtype=torch.float32)
+    if t.item() >= v:
+        t = torch.nextafter(t, torch.tensor(-math.inf))
+    return t.item()
+
+
+def _f_f64(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """GELU in float64 without cancellation (for the table builder)."""
+    if approximate == "none":
+        return x * 0.5 * torch.special.erfc(x * -_SQRT1_2)
+    return x * torch.sigmoid(x * _K1 * (1.0 + _A * x * x))  # relative accuracy down to x = -24
+
+
+def _solve_f64(t: torch.Tensor, right: torch.Tensor, approximate: str) -> torch.Tensor:
+    """x on the branch with GELU(x) = t, by bisection in float64 (for the table builder)."""
+    xs = _CONSTS[approximate].xs
+    lo = torch.where(right, torch.full_like(t, xs), torch.full_like(t, -40.0))
+    hi = torch.where(right, torch.full_like(t, 40.0), torch.full_like(t, xs))
+    for _ in range(52):  # 40 * 2**-52: 1e-14, relative to |x - x*| >= 7e-5 still 1e-10
+        mid = 0.5 * (lo + hi)
+        fm = _f_f64(mid, approximate)
+        up = torch.where(right, fm < t, fm > t)  # the solution lies right of mid
+        lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+_GUESS_CPU: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _guess_tables(approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ab, h)`` on the CPU: per cell, x ~ a + b key (a, b float32 packed in an int64: linear
+    interpolation in the cell), and h = (f''' - f''**2/f')/2 at the cell's centre
+    (float64), the second-order coefficient of the float64 step."""
+    if approximate in _GUESS_CPU:
+        return _GUESS_CPU[approximate]
+    c = _CONSTS[approximate]
+    c32 = _below(c.ys)
+    dc = (c.ys - c32) + c.ys_lo  # y* - c32, in (0, ulp)
+    cell = torch.arange(_NCELL, dtype=torch.float64)
+    e = torch.div(cell, 1 << _KEY_BITS, rounding_mode="floor") - 127
+    m = cell.remainder(1 << _KEY_BITS)
+    in_r = (e >= _KEY_RIGHT[0]) & (e < _KEY_RIGHT[1])
+    in_l = (e >= _KEY_LEFT[0]) & (e < _KEY_LEFT[1])
+    nodes = ((1 - math.sqrt(0.5)) / 2, (1 + math.sqrt(0.5)) / 2, 0.5)  # Chebyshev nodes, centre
+    t = torch.tensor(nodes, dtype=torch.float64)[:, None]
+    key = torch.pow(2.0, e) * (1 + (m + t) / (1 << _KEY_BITS))  # (3, cells)
+    # right: D = y - c32 = key / scale; left: u = |y| / D = key * scale, D = |c32| / (1 + u)
+    u = key * _KEY_SCALE
+    d = torch.where(in_r, key / _KEY_SCALE, -c32 / (1 + u))
+    y = torch.where(in_l & (u < 1), -(u * -c32) / (1 + u), c32 + d)  # the tail: relative accuracy
+    ok = (in_r | in_l) & (d > dc)  # cells an element with a derivative can reach
+    x = torch.ones_like(y)  # elsewhere x = 1: finite, harmless
+    x[ok] = _solve_f64(y[ok], in_r.expand_as(y)[ok], approximate)
+    xs = x.unbind()
+    b = (xs[1] - xs[0]) / (key[1] - key[0])
+    a = xs[0] - b * key[0]
+    ab = torch.stack([a, b], 1).to(torch.float32).contiguous().view(torch.int64).view(-1)
+    xc = xs[2]
+    _, f1, f2, f3 = _derivs(xc, torch.zeros_like(xc), approximate, False, True)
+    h = 0.5 * (f3 - f2 * f2 / f1)
+    _GUESS_CPU[approximate] = (ab, h)
+    return ab, h
+
+
+def _build_ab32(dtype, approximate, device):
+    return _guess_tables(approximate)[0].to(device)
+
+
+def _build_h32(dtype, approximate, device):
+    return _guess_tables(approximate)[1].to(device)
+
+
+_BUILDERS = {
+    "y16": _build_y16, "g16": _build_g16, "spread": _build_spread,
+    "ab32": _build_ab32, "h32": _build_h32,
+}
+
+
+def _accessor(kind: str, dtype: str, approximate: str):
+    def table(device: str) -> torch.Tensor:
+        return _table(kind, dtype, approximate, device)
+
+    name = f"_gelu_table_{kind}_{dtype}_{approximate}"
+    table.__code__ = table.__code__.replace(co_name=name)
+    table.__name__ = table.__qualname__ = name
+    return torch.compiler.assume_constant_result(table)
+
+
+_ACCESSORS = {
+    (kind, dtype, mode): _accessor(kind, dtype, mode)
+    for kind, dtypes in (("y16", ("bfloat16", "float16")), ("g16", ("bfloat16", "float16")),
+                         ("ab32", ("float32",)), ("h32", ("float32",)))
+    for dtype in dtypes for mode in _APPROXIMATE
+}
+_ACCESSORS["spread", "uint8", "none"] = _accessor("spread", "uint8", "none")
+
+
+def _right_threshold(dtype: torch.dtype) -> tuple[float, int]:
+    """``x > x*`` as the forward decides it (float32 or float64 comparison with x*): for float32
+    input ``x > t`` with ``t`` a float32; for 16-bit input ``pattern < u`` with the pattern read
+    as an unsigned integer (finite values and infinities; a NaN's bit is never used)."""
+    out = {}
+    for mode in _APPROXIMATE:
+        xs = _CONSTS[mode].xs
+        if dtype == torch.float32:  # x > xs (float64) <=> x > t, as xs is no float32
+            assert torch.tensor(xs, dtype=torch.float32).item() != xs
+            out[mode] = (_below(xs), 0)
+            continue
+        p = _all_patterns(dtype, "cpu")
+        bit = p.to(torch.float32) > torch.tensor(xs, dtype=torch.float32)  # the forward's comparison
+        u = 0x8000 + int(bit[0x8000:].sum())  # -0 and the negatives above x* come first
+        pu = torch.arange(1 << 16)
+        finite = ~torch.isnan(p.to(torch.float32))
+        assert torch.equal(bit[finite], (pu < u)[finite])
+        out[mode] = (0.0, u)
+    return out
+
+
+_THRESHOLDS = {dt: _right_threshold(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+_C32 = {mode: _below(_CONSTS[mode].ys) for mode in _APPROXIMATE}  # the largest float32 below y*
+
+
+# -- bit packing (the layout of leanact.ops.bitpack, computed with fewer passes) -----------------
+
+_PACK_MUL = 0x0102040810204080  # (8 bytes of 0/1) * this: bit i of the top byte = byte i
+
+
+def _pack(right: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_bits(right[:n] != 0)`` for a flat uint8 tensor of 0/1 whose length is a multiple of 8
+    (tail 0)."""
+    if torch.compiler.is_compiling() or sys.byteorder != "little":
+        return pack_bits(right[:n] != 0)
+    v = right.view(torch.int64)
+    return v.mul_(_PACK_MUL).bitwise_right_shift_(56).to(torch.uint8)  # wraps mod 2**64, as intended
+
+
+def _unpack_into(packed: torch.Tensor, spread: torch.Tensor, ws) -> torch.Tensor:
+    """The bits of ``packed`` as uint8 0/1 (8 per byte, lowest bit first): one gather."""
+    k = packed.numel()
+    bi, rb = ws.bi[:k], ws.rb[:k]
+    bi.copy_(packed)
+    torch.index_select(spread, 0, bi, out=rb)
+    return rb.view(torch.uint8)
+
+
+class _Workspace:
+    """Preallocated per-slice buffers (eager slices reuse them; out= ops allocate nothing)."""
+
+    def __init__(self, m: int, device, spec: dict[str, torch.dtype]):
+        self.size = m
+        for name, dt in spec.items():
+            setattr(self, name, torch.empty(m, dtype=dt, device=device))
+        self.bi = torch.empty((m + 7) // 8, dtype=torch.int32, device=device)
+        self.rb = torch.empty((m + 7) // 8, dtype=torch.int64, device=device)
+
+    def cut(self, n: int) -> "_Workspace":
+        if n == self.size:
+            return self
+        w = _Workspace.__new__(_Workspace)
+        w.size = n
+        for name, t in self.__dict__.items():
+            if isinstance(t, torch.Tensor):
+                setattr(w, name, t[: (n + 7) // 8] if name in ("bi", "rb") else t[:n])
+        return w
+
+
+# -- 16-bit storage: forward and backward by lookup ----------------------------------------------
+
+
+def _forward16(xf, yf, right, approximate, slices):
+    dn = _dtype_name(xf.dtype)
+    ytab = _ACCESSORS["y16", dn, approximate](str(xf.device))
+    u = _THRESHOLDS[xf.dtype][approximate][1]
+    ws = _Workspace(slices[0][1] - slices[0][0], xf.device, {"idx": torch.int32})
+    for a, b in slices:
+        idx = ws.cut(b - a).idx
+        idx.copy_(xf[a:b].view(torch.uint16))  # the pattern
+        torch.index_select(ytab, 0, idx, out=yf[a:b])
+        if right is not None:
+            torch.lt(idx, u, out=right[a:b])
+
+
+def _backward16(yf, bits, gf, of, approximate, slices):
+    dn = _dtype_name(yf.dtype)
+    dev = str(yf.device)
+    gtab = _ACCESSORS["g16", dn, approximate](dev)
+    spread = _ACCESSORS["spread", "uint8", "none"](dev)
+    ws = _Workspace(slices[0][1] - slices[0][0], yf.device, {"idx": torch.int32, "g": torch.float32})
+    for a, b in slices:
+        w = ws.cut(b - a)
+        rb = _unpack_into(bits[a // 8:(b + 7) // 8], spread, w)[: b - a]
+        w.idx.copy_(yf[a:b].view(torch.uint16)).add_(rb, alpha=1 << 16)
+        torch.index_select(gtab, 0, w.idx, out=w.g)
+        torch.mul(w.g, gf[a:b], out=of[a:b])  # float32 product, rounded once to the storage dtype
+
+
+# -- float32 storage: forward in float64, backward from a table guess and one float64 step -----
+
+def _forward32(xf, yf, right, approximate, slices):
+    thr = _THRESHOLDS[torch.float32][approximate][0]
+    ws = _Workspace(slices[0][1] - slices[0][0], xf.device, {"x": torch.float64, "z": torch.float64})
+    for a, b in slices:
+        w = ws.cut(b - a)
+        x, z = w.x, w.z
+        x.copy_(xf[a:b])
+        if approximate == "none":  # (erfc(-x/sqrt 2) * 0.5) * x, as _forward_w, rounded once
+            torch.mul(x, -_SQRT1_2, out=z).erfc_().mul_(0.5)
+        else:  # sigmoid(K1 x (1 + A x^2)) * x, as _tanh_v
+            torch.mul(x, x, out=z).mul_(_A).add_(1.0).mul_(x).mul_(_K1).sigmoid_()
+        yf[a:b].copy_(z.mul_(x))
+        if right is not None:
+            torch.gt(xf[a:b], thr, out=right[a:b])
+
+
+_WS32 = {"rf": torch.float32, "kr": torch.float32, "key": torch.float32, "m": torch.float32,
+         "cc": torch.int64, "h": torch.float64, "x": torch.float64, "z": torch.float64,
+         "w": torch.float64, "p": torch.float64, "r": torch.float64}
+
+
+def _guess32(y, rb, dy, w, ab, h, c32):
+    """Stage 1 (float32): the key, the keep mask times dy (``w.m``), the cell's interpolated x
+    (float32, widened into ``w.x``) and its second-order coefficient (``w.h``)."""
+    rf, kr, key, m = w.rf, w.kr, w.key, w.m
+    rf.copy_(rb)
+    torch.sub(y, c32, out=kr).sub_(_KEY_TINY).mul_(_KEY_SCALE)  # right key
+    torch.div(y, kr, out=key).neg_()  # left key (finite for every finite y)
+    kr.clamp_(max=_KEY_RIGHT_MAX)
+    torch.lerp(key, kr, rf, out=key)  # exact selection (weight 0 or 1, both finite)
+    # keep: key > 0 (y above the minimum; on the left branch also y < 0), so m = dy or 0 (the
+    # smallest such key is 2**-103.7: the product saturates to 1); nan stays nan (y = nan, +-inf)
+    torch.mul(key, 2.0 ** 127, out=m).clamp_(0.0, 1.0).mul_(dy)
+    idx = torch.bitwise_right_shift(key.view(torch.int32), _KEY_SHIFT, out=kr.view(torch.int32))
+    idx.bitwise_and_(_NCELL - 1)  # the cell: exponent and top mantissa bits (sign dropped)
+    torch.index_select(ab, 0, idx, out=w.cc)
+    torch.index_select(h, 0, idx, out=w.h)
+    coef = w.cc.view(torch.float32).view(-1, 2)
+    w.x.copy_(torch.addcmul(coef[:, 0], key, coef[:, 1], out=rf))
+
+
+def _step32_erf(y, w, out, k):
+    """Stage 2 (float64), erf form: with q = (y - f)/f' at x0 (x ~ x0 + q),
+    f'(x) = f' + q f'' + q**2 h + O(q**3); ``out = f'(x) * m``, rounded once."""
+    x, z, wb, p, r = w.x, w.z, w.w, w.p, w.r
+    torch.mul(x, -_SQRT1_2, out=z).erfc_()  # E = 2 Phi
+    torch.addcmul(k[0], x, x, value=-0.5, out=wb)  # ln phi
+    torch.exp(wb, out=p)  # phi
+    r.copy_(y)
+    r.addcmul_(x, z, value=-0.5)  # y - f
+    x.mul_(p)  # x phi
+    z.add_(x, alpha=2.0)  # 2 f' = E + 2 x phi
+    r.div_(z)  # q / 2
+    wb.add_(1.0 - _LN_INV_SQRT_2PI)  # 1 - x^2/2
+    p.mul_(wb)  # f''/2 = phi (1 - x^2/2)
+    p.addcmul_(r, w.h)  # f''/2 + (q/2) h
+    z.addcmul_(r, p, value=8.0)  # 2 (f' + q f'' + q^2 h)
+    wb.copy_(w.m)
+    z.mul_(wb).mul_(0.5)
+    out.copy_(z)
+
+
+def _step32_tanh(y, w, out, k):
+    """Stage 2 (float64), tanh form (s = sigmoid(v), v = K1 (x + A x^3), p = s (1 - s)):
+    f' = s + p x v', f'' = p (v' (4 + (1 - 2s) x v') - 2 K1)."""
+    x, z, wb, s, r = w.x, w.z, w.w, w.p, w.r
+    torch.mul(x, x, out=wb)  # x^2
+    torch.add(k[0], wb, alpha=-_K1 * _A, out=z).mul_(x).exp_()  # e = exp(-v)
+    torch.add(z, 1.0, out=s).reciprocal_()  # s
+    z.mul_(s)  # 1 - s = e s
+    r.copy_(y)
+    r.addcmul_(x, s, value=-1.0)  # y - f
+    torch.add(k[1], wb, alpha=3.0 * _A * _K1, out=wb)  # v'
+    x.mul_(wb)  # x v'
+    pp = torch.mul(s, z, out=w.pp)  # p
+    z.sub_(s)  # 1 - 2s
+    s.addcmul_(pp, x)  # f'
+    z.mul_(x).add_(4.0).mul_(wb).sub_(2.0 * _K1).mul_(pp)  # f''
+    r.div_(s)  # q
+    z.addcmul_(r, w.h)  # f'' + q h
+    s.addcmul_(r, z)  # f' + q f'' + q^2 h
+    wb.copy_(w.m)
+    out.copy_(s.mul_(wb))
+
+
+def _backward32(yf, bits, gf, of, approximate, slices):
+    dev = str(yf.device)
+    ab = _ACCESSORS["ab32", "float32", approximate](dev)
+    h = _ACCESSORS["h32", "float32", approximate](dev)
+    spread = _ACCESSORS["spread", "uint8", "none"](dev)
+    c32 = _C32[approximate]
+    spec = dict(_WS32, pp=torch.float64) if approximate == "tanh" else _WS32
+    ws = _Workspace(slices[0][1] - slices[0][0], yf.device, spec)
+    k = torch.tensor([_LN_INV_SQRT_2PI if approximate == "none" else -_K1, _K1], dtype=torch.float64,
+                     device=yf.device).unbind()  # 0-dim constants for the fused ops
+    step = _step32_erf if approximate == "none" else _step32_tanh
+    for a, b in slices:
+        w = ws.cut(b - a)
+        rb = _unpack_into(bits[a // 8:(b + 7) // 8], spread, w)[: b - a]
+        _guess32(yf[a:b], rb, gf[a:b], w, ab, h, c32)
+        step(yf[a:b], w, of[a:b], k)
 
 
 # -- autograd Function -------------------------------------------------------------------------
 
 
 def _slices(n: int, device: torch.device):
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or n == 0:
         return [(0, n)]
     step = CHUNK if device.type == "cpu" else CHUNK_ACCELERATOR
+    step = max(8, step - step % 8)  # slices start on a byte of the packed bits
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
     """``(GELU(x), packed bits of x > x* or None)``; ``y`` contiguous, rounded once from the wider
-    working precision."""
-    w = _work_dtype(x.dtype)
-    precise = x.dtype == torch.float64
+    working precision (16-bit storage: looked up)."""
     xf = x.reshape(-1)
+    n = xf.numel()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     yf = y.view(-1)
-    right = torch.empty(xf.shape, dtype=torch.bool, device=x.device) if with_bits else None
-    xs = _CONSTS[approximate].xs
-    for a, b in _slices(xf.numel(), x.device):
-        xw = xf[a:b].to(w)
-        if right is not None:
-            torch.gt(xw, xs, out=right[a:b])  # in the working precision: the exact side of x*
-        yf[a:b] = _forward_w(xw, approximate, precise)
-    return y, (pack_bits(right) if right is not None else None)
+    right = None
+    if with_bits:
+        right = torch.empty((n + 7) // 8 * 8, dtype=torch.uint8, device=x.device)  # 0 or 1
+        right[n:] = 0
+    slices = _slices(n, x.device)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        _forward16(xf, yf, right, approximate, slices)
+    elif x.dtype == torch.float32:
+        _forward32(xf, yf, right, approximate, slices)
+    else:
+        w = _work_dtype(x.dtype)
+        xs = _CONSTS[approximate].xs
+        for a, b in slices:
+            xw = xf[a:b].to(w)
+            if right is not None:
+                torch.gt(xw, xs, out=right[a:b])  # in the working precision: the exact side of x*
+            yf[a:b] = _forward_w(xw, approximate, True)
+    return y, (_pack(right, n) if right is not None else None)
+
+
+def _backward(y: torch.Tensor, bits: torch.Tensor, grad_y: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``grad_y * GELU'(x)`` rebuilt from ``y`` and the packed bits, rounded once to y's dtype."""
+    yf, gf = y.reshape(-1), grad_y.reshape(-1)
+    out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    of = out.view(-1)
+    n = yf.numel()
+    slices = _slices(n, y.device)
+    if n == 0:
+        return out
+    if y.dtype in (torch.float16, torch.bfloat16):
+        _backward16(yf, bits, gf, of, approximate, slices)
+    elif y.dtype == torch.float32:
+        _backward32(yf, bits, gf, of, approximate, slices)
+    else:
+        right = unpack_bits(bits, n)
+        for a, b in slices:
+            # product in the working precision, rounded once on the copy
+            of[a:b] = _grad_from_output(yf[a:b], right[a:b], approximate).mul_(gf[a:b])
+    return out
+
+
+def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*``, in ``y``'s dtype.
+
+    What backward computes (for a gradient of ones), exposed for tests and analysis.
+    """
+    _check(approximate)
+    _work_dtype(y.dtype)
+    with torch.no_grad():
+        bits = pack_bits(right.reshape(-1).to(torch.bool))
+        return _backward(y.contiguous(), bits, torch.ones_like(y), approximate)
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -460,13 +893,7 @@ class GeluFunction(torch.autograd.Function):
         y, bits = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
-            right = unpack_bits(bits, y.numel())
-            yf, gf = y.reshape(-1), grad_y.reshape(-1)
-            out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-            of = out.view(-1)
-            for a, b in _slices(yf.numel(), y.device):
-                # product in the working precision, rounded once on the copy
-                of[a:b] = _grad_from_output(yf[a:b], right[a:b], ctx.approximate).mul_(gf[a:b])
+            out = _backward(y, bits, grad_y, ctx.approximate)
         if create_graph and not torch.compiler.is_compiling():
             # Like once_differentiable, but also when grad_y itself does not require grad.
             out = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, 1)(out.requires_grad_())
@@ -480,6 +907,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     or ``x`` not requiring grad) nothing is kept and no bits are packed.
     """
     _check(approximate)
+    _work_dtype(x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return GeluFunction.apply(x, approximate)
     return _forward(x, approximate, with_bits=False)[0]
