@@ -1,0 +1,91 @@
+"""Generic in-place module replacements: torch / Hugging Face modules -> leanact drop-ins.
+
+Each rule looks at one module and returns either a replacement (built around the *same*
+Parameter objects, so state_dict keys and values, optimizer references and tying are unchanged) or
+a reason to leave it. Only exact types are replaced: a subclass may override ``forward``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import nn as lnn
+from .modules import PatchedGELU
+
+__all__ = ["replacement_for"]
+
+# Types that keep nothing leanact can reduce (or keep only what backward inherently needs).
+_NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential,
+            nn.modules.conv._ConvNd, nn.ReLU, nn.Tanh)
+_LEAN_TYPES = (lnn.GELU, lnn.LayerNorm, lnn.RMSNorm, lnn.Dropout)
+
+
+def _layer_norm(m: nn.LayerNorm) -> nn.Module:
+    new = lnn.LayerNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine,
+                        bias=m.bias is not None, device="meta")
+    new.weight, new.bias = m.weight, m.bias  # the same Parameter objects (or None)
+    return new
+
+
+def _hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
+    """HF activation classes (transformers.activations) -> leanact GELU where the function is GELU."""
+    import torch.nn.functional as F
+
+    name = type(m).__name__
+    act = getattr(m, "act", None)
+    if name == "GELUActivation":
+        if act is F.gelu:
+            return lnn.GELU("none"), ""
+        if getattr(act, "__name__", "") == "_gelu_python":  # x/2 (1 + erf(x/sqrt 2)): the same function
+            return lnn.GELU("none"), ""
+        return None, "GELUActivation with an unrecognised implementation"
+    if name in ("GELUTanh", "PytorchGELUTanh"):
+        if getattr(act, "func", None) is F.gelu and getattr(act, "keywords", {}) == {"approximate": "tanh"}:
+            return lnn.GELU("tanh"), ""
+        if getattr(act, "__name__", "") == "_gelu_tanh_python":
+            return lnn.GELU("tanh"), ""
+        return None, f"{name} with an unrecognised implementation"
+    if name in ("NewGELUActivation", "AccurateGELUActivation"):
+        return lnn.GELU("tanh"), ""  # 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), the tanh GELU
+    if name == "FastGELUActivation":
+        return None, "sqrt(2/pi) truncated to 0.7978845608: not exactly the tanh GELU"
+    if name == "QuickGELUActivation":
+        return None, "x*sigmoid(1.702x) is not GELU; no lean op for it yet"
+    if name == "ClippedGELUActivation":
+        return None, "clipped GELU: no lean op for it yet"
+    if name in ("SiLUActivation",):
+        return None, "SiLU: no lean op for it yet"
+    return None, "activation without a lean equivalent yet"
+
+
+def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """(new module, None) to replace ``m``; (None, reason) to leave it and report why; (None, None)
+    when there is nothing to report (containers, Linear, modules that are already lean)."""
+    t = type(m)
+    if isinstance(m, _LEAN_TYPES):
+        return None, None
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+        if t in (nn.GELU, nn.LayerNorm, nn.Dropout) or t.__module__ == "transformers.activations":
+            return None, "has hooks registered on it"
+    if t is nn.GELU:
+        new = PatchedGELU(m.approximate, reference=m)
+    elif t is nn.LayerNorm:
+        new = _layer_norm(m)
+    elif t is nn.Dropout:
+        new = lnn.Dropout(m.p, m.inplace)
+    elif t.__module__ == "transformers.activations":
+        new, reason = _hf_activation(m)
+        if new is None:
+            return None, reason
+        new = PatchedGELU(new.approximate, reference=m)
+    elif isinstance(m, (nn.GELU, nn.LayerNorm, nn.Dropout)):
+        return None, f"subclass of torch.nn.{[c for c in (nn.GELU, nn.LayerNorm, nn.Dropout) if isinstance(m, c)][0].__name__} (may override forward)"
+    elif isinstance(m, nn.RMSNorm) and t is nn.RMSNorm:
+        new = lnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
+        new.weight = m.weight
+    elif isinstance(m, _NEUTRAL) or list(m.children()):
+        return None, None
+    else:
+        return None, "no lean equivalent (not covered)"
+    new.train(m.training)
+    return new, None
