@@ -12,8 +12,10 @@ weights), with three exceptions, decided per call:
 
 * ``output_attentions=True``: the model's own ``eager_attention_forward`` (the probabilities are
   materialised and returned), with the bool mask turned into the additive one eager expects.
-* no autograd (``torch.no_grad``, inference): the implementation the model had before patching
-  (``"eager"`` or ``"sdpa"``), so that inference outputs are bit-identical to the unpatched model's.
+* no autograd (``torch.no_grad``, inference) and no dropout: the implementation the model had
+  before patching (``"eager"`` or ``"sdpa"``), so that inference outputs are bit-identical to the
+  unpatched model's. With dropout (training under ``no_grad``, e.g. the first forward of a
+  reentrant gradient checkpoint) leanact's core runs, so the recompute draws the same mask.
 * features leanact's core does not cover (``softcap``, attention sinks, a paged cache,
   ``position_bias``): transformers' SDPA function, recorded once as a warning.
 """
@@ -121,7 +123,10 @@ def leanact_attention_forward(
     if kwargs.get("output_attentions", False):
         return _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if not needs_grad:
+    # Without dropout, no-autograd calls use the original implementation (bit-identical inference).
+    # With dropout they stay on leanact's core: the first forward of a reentrant checkpoint runs
+    # without autograd and the recompute with it, and both must draw the same dropout mask.
+    if not needs_grad and not dropout:
         if original == "eager":
             return _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -20,6 +20,12 @@ _NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict, 
 _LEAN_TYPES = (lnn.GELU, lnn.LayerNorm, lnn.RMSNorm, lnn.Dropout)
 
 
+def _is_hf_conv1d(t: type) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): a Linear with a transposed weight; like
+    Linear it keeps only its input, which is the producer's business, not its own."""
+    return t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils"
+
+
 def _layer_norm(m: nn.LayerNorm) -> nn.Module:
     new = lnn.LayerNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine,
                         bias=m.bias is not None, device="meta")
@@ -83,7 +89,7 @@ def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     elif isinstance(m, nn.RMSNorm) and t is nn.RMSNorm:
         new = lnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
         new.weight = m.weight
-    elif isinstance(m, _NEUTRAL) or list(m.children()):
+    elif isinstance(m, _NEUTRAL) or _is_hf_conv1d(t) or list(m.children()):
         return None, None
     else:
         return None, "no lean equivalent (not covered)"
