@@ -2,7 +2,9 @@
 
 * Generic replacements on any ``nn.Module``: ``nn.GELU``, ``nn.LayerNorm``, ``nn.RMSNorm``,
   ``nn.Dropout`` and Hugging Face's GELU activation classes become leanact's drop-ins, built
-  around the same Parameter objects (state_dict keys and values unchanged).
+  around the same Parameter objects (state_dict keys and values unchanged). Hugging Face's
+  standard RMSNorm classes (LLaMA family) become a subclass keeping only y and rstd
+  (:mod:`leanact.patching.hf_rms_norm`).
 * Hugging Face models (transformers >= 5) whose attention goes through ``AttentionInterface``:
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).
@@ -75,8 +77,12 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
             if new is not None:
                 parent._modules[name] = new
                 originals.append((parent, name, child))
-                summary.replaced.append((qual, type(child).__name__, f"leanact.nn.{'GELU' if isinstance(new, lnn.GELU) else type(new).__name__}"
-                                         + (f"({new.approximate!r})" if hasattr(new, "approximate") else "")))
+                if type(new).__module__.startswith("leanact.patching.hf_"):
+                    label = f"leanact.patching.{type(new).__name__}"
+                else:
+                    label = (f"leanact.nn.{'GELU' if isinstance(new, lnn.GELU) else type(new).__name__}"
+                             + (f"({new.approximate!r})" if hasattr(new, "approximate") else ""))
+                summary.replaced.append((qual, type(child).__name__, label))
                 continue
             if reason is not None:
                 summary.left.append((qual, type(child).__name__, reason))

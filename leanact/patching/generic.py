@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import nn as lnn
+from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
 from .modules import PatchedGELU
 
 __all__ = ["replacement_for"]
@@ -89,6 +90,14 @@ def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     elif isinstance(m, nn.RMSNorm) and t is nn.RMSNorm:
         new = lnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
         new.weight = m.weight
+    elif is_hf_rms_norm(m):
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            return None, "has hooks registered on it"
+        new, reason = hf_rms_norm_replacement(m)
+        if new is None:
+            return None, reason
+    elif t.__name__.endswith("RotaryEmbedding") and t.__module__.startswith("transformers.models."):
+        return None, "RoPE cos/sin tables (built without autograd); q/k rotation stays in HF's attention code"
     elif isinstance(m, _NEUTRAL) or _is_hf_conv1d(t) or list(m.children()):
         return None, None
     else:
