@@ -154,3 +154,36 @@ def test_in_place_change_of_a_kept_tensor_raises():
     h.add_(1.0)
     with pytest.raises(RuntimeError, match="inplace"):
         out.sum().backward()
+
+
+def test_causal_plus_padding_matches_torch_and_layers_share_one_mask():
+    torch.manual_seed(0)
+    s, b = 11, 2
+    ref = nn.Sequential(*[nn.TransformerEncoderLayer(64, 4, 128, 0.0, batch_first=True) for _ in range(2)])
+    lean = nn.Sequential(*[TransformerEncoderLayer(64, 4, 128, 0.0, batch_first=True) for _ in range(2)])
+    lean.load_state_dict(ref.state_dict())
+    kpm = torch.zeros(b, s, dtype=torch.bool)
+    kpm[1, s - 4:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(s)
+    x = torch.randn(b, s, 64)
+
+    def run(stack, inp):
+        for layer in stack:
+            inp = layer(inp, src_mask=causal, src_key_padding_mask=kpm, is_causal=True)
+        return inp
+
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [run(m, xx) for m, xx in zip((ref, lean), xs)]
+    g = torch.randn_like(outs[0])
+    for o in outs:
+        o.backward(g)
+    _close(outs[1].detach(), outs[0].detach(), 1e-5, 1e-6)
+    _close(xs[1].grad, xs[0].grad, 1e-5, 1e-6)
+    # the combined (b, 1, s, s) mask is kept once for both layers, not once per layer
+    xl = x.clone().requires_grad_()
+    meter = SavedTensorMeter(lean, exclude=[xl])
+    with meter:
+        out = run(lean, xl)
+    masks = [r for r in meter.counted() if r.dtype == torch.bool and r.shape[-2:] == (s, s)]
+    assert len(masks) == 1
+    del out

@@ -60,8 +60,10 @@ def _to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def _convert(src_mask, kpm, b: int, heads: int, s: int, dtype) -> torch.Tensor | None:
+def _convert(src_mask, kpm, b: int, heads: int, s: int, dtype, causal: bool = False) -> torch.Tensor | None:
     """torch.nn masks → one mask in SDPA's convention (bool True = attend, or additive float)."""
+    if causal:
+        src_mask = torch.ones(s, s, dtype=torch.bool, device=kpm.device).triu_(1)
     if src_mask is not None:
         if src_mask.dim() == 3:  # (b*heads, s, s)
             src_mask = src_mask.view(b, heads, s, s)
@@ -87,17 +89,20 @@ def _convert(src_mask, kpm, b: int, heads: int, s: int, dtype) -> torch.Tensor |
     return out
 
 
-def _cached_mask(src_mask, kpm, b, heads, s, dtype):
+def _cached_mask(src_mask, kpm, b, heads, s, dtype, causal: bool = False):
+    """The converted mask, shared by every layer that receives the same mask tensors (``causal``:
+    combine the padding mask with the causal triangle, built once and cached on ``kpm``)."""
     anchor = src_mask if src_mask is not None else kpm
     if anchor is None:
         return None
-    key = (id(src_mask), getattr(src_mask, "_version", None), id(kpm), getattr(kpm, "_version", None), b, heads, s, dtype)
+    key = (id(src_mask), getattr(src_mask, "_version", None), id(kpm), getattr(kpm, "_version", None), b, heads, s,
+           dtype, causal)
     hit = _MASKS.get(id(anchor))
     if hit is not None and hit[0]() is anchor and hit[1] == key:
         return hit[2]
     for k in [k for k, v in _MASKS.items() if v[0]() is None]:
         del _MASKS[k]
-    converted = _convert(src_mask, kpm, b, heads, s, dtype)
+    converted = _convert(src_mask, kpm, b, heads, s, dtype, causal)
     _MASKS[id(anchor)] = (weakref.ref(anchor), key, converted)
     return converted
 
@@ -124,10 +129,11 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         b, s, _ = x.shape
         if is_causal:
             src_mask = None  # the hint says src_mask is the causal mask: use the implicit one
-        if is_causal and src_key_padding_mask is not None:
-            src_mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu_(1)
-            is_causal = False
-        mask = _cached_mask(src_mask, src_key_padding_mask, b, self.self_attn.num_heads, s, x.dtype)
+        causal_and_padding = is_causal and src_key_padding_mask is not None
+        if causal_and_padding:
+            is_causal = False  # one combined mask, built once per padding mask (see _cached_mask)
+        mask = _cached_mask(src_mask, src_key_padding_mask, b, self.self_attn.num_heads, s, x.dtype,
+                            causal_and_padding)
         with RecipeTransform():
             if self.norm_first:
                 x = x + self._lean_sa(self._norm(x, self.norm1), mask, is_causal)
