@@ -157,9 +157,13 @@ def _ckpt_model(patched, use_reentrant=None, dropout=0.0, checkpoint=True):
     if patched:
         patch(m)
     if checkpoint:
-        kw = {} if use_reentrant is None else dict(gradient_checkpointing_kwargs=dict(use_reentrant=use_reentrant))
-        m.gradient_checkpointing_enable(**kw)
-        assert m.is_gradient_checkpointing
+        ckpt_kwargs = None if use_reentrant is None else dict(use_reentrant=use_reentrant)
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.23 (the old name is deprecated)
+            m.activation_checkpointing_enable(ckpt_kwargs)
+            assert m.is_activation_checkpointing
+        else:  # transformers 5.17
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+            assert m.is_gradient_checkpointing
     return m.train()
 
 

@@ -4,7 +4,8 @@
   ``nn.Dropout`` and Hugging Face's GELU activation classes become leanact's drop-ins, built
   around the same Parameter objects (state_dict keys and values unchanged). Hugging Face's
   standard RMSNorm classes (LLaMA family) become a subclass keeping only y and rstd
-  (:mod:`leanact.patching.hf_rms_norm`).
+  (:mod:`leanact.patching.hf_rms_norm`); their SwiGLU MLPs (``LlamaMLP``, ``Qwen2MLP``, ...) a
+  subclass keeping only the gate and up projections' outputs (:mod:`leanact.patching.hf_swiglu`).
 * Hugging Face models (transformers >= 5) whose attention goes through ``AttentionInterface``:
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).

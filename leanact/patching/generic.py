@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import nn as lnn
 from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
+from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
 from .modules import PatchedGELU
 
 __all__ = ["replacement_for"]
@@ -61,7 +62,7 @@ def _hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
     if name == "ClippedGELUActivation":
         return None, "clipped GELU: no lean op for it yet"
     if name in ("SiLUActivation",):
-        return None, "SiLU: no lean op for it yet"
+        return None, "SiLU outside a SwiGLU MLP: no lean op for it yet"
     return None, "activation without a lean equivalent yet"
 
 
@@ -94,6 +95,10 @@ def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
             return None, "has hooks registered on it"
         new, reason = hf_rms_norm_replacement(m)
+        if new is None:
+            return None, reason
+    elif is_hf_swiglu_mlp(m):
+        new, reason = hf_swiglu_replacement(m)
         if new is None:
             return None, reason
     elif t.__name__.endswith("RotaryEmbedding") and t.__module__.startswith("transformers.models."):

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..ops.layer_norm import from_output_ok
 from ..ops.rms_norm import RMSNormFunction
@@ -65,8 +66,13 @@ def _unsupported(t: type) -> str | None:
     return _checked[t]
 
 
-class _HFRMSNormFunction(RMSNormFunction):
-    """forward: the HF module's own forward (bitwise); backward: RMSNormFunction's."""
+# RMSNormFunction's backward as a plain function: dynamo cannot trace one Function's backward
+# calling another Function's staticmethod ("Expected FakeBackwardCFunction").
+_rms_norm_backward = inspect.unwrap(RMSNormFunction.__dict__["backward"].__func__)
+
+
+class _HFRMSNormFunction(torch.autograd.Function):
+    """forward: the HF module's own forward (bitwise); backward: RMSNormFunction's formulas."""
 
     @staticmethod
     def forward(ctx, x, weight, module, eps, from_output):
@@ -80,13 +86,17 @@ class _HFRMSNormFunction(RMSNormFunction):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
-        dx, dw, *_ = RMSNormFunction.backward(ctx, dy)
+        dx, dw, *_ = _rms_norm_backward(ctx, dy)
         return dx, dw, None, None, None
 
 
 class _LeanHFRMSNorm:
-    """Mixin placed before the HF class: ``forward`` keeps y and rstd only."""
+    """Mixin placed before the HF class: ``forward`` keeps y and rstd only.
+
+    ``from_output`` (instance attribute, default None): None = decide from w at each call (a host
+    read of w: a graph break under torch.compile); True / False = keep y / keep x, fixed."""
 
     _leanact_lean = True
 
@@ -98,7 +108,9 @@ class _LeanHFRMSNorm:
             return type(self).__mro__[2].forward(self, hidden_states)  # mixed precision: HF's promotion
         n = hidden_states.shape[-1]
         # y = w * x̂ (one rounding in fp32, two in 16-bit): the same conditions as leanact's rms_norm.
-        from_output = from_output_ok(w, None, n, hidden_states.dtype, math.inf)
+        from_output = getattr(self, "from_output", None)
+        if from_output is None:
+            from_output = from_output_ok(w, None, n, hidden_states.dtype, math.inf)
         return _HFRMSNormFunction.apply(hidden_states, w, self, float(self.variance_epsilon), bool(from_output))
 
 
