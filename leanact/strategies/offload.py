@@ -1,0 +1,275 @@
+"""CPU offload of what a layer keeps for backward (a :mod:`leanact.saved` transform).
+
+While :class:`OffloadTransform` is active (around one layer's forward), every tensor autograd
+keeps that is at least ``threshold`` bytes (1 MiB by default) and is not a parameter is copied
+to a host buffer taken from a :class:`HostPool`; the device tensor is no longer referenced by the
+graph and is freed as soon as the forward drops it. Kept on the device: the small tensors only.
+In backward the host copy is copied back (once per storage: views of one buffer, e.g. Q/K/V of a
+fused projection, share one host copy and one device copy; a view smaller than a quarter of its
+storage is copied alone) and the host buffer returns to the
+pool when the graph is freed.
+
+CUDA: host buffers are pinned; device→host copies run on a side stream (the source is
+``record_stream``-ed so the allocator does not reuse it before the copy ends); in backward the
+first unpack of a layer prefetches the previous offloaded layer's copies on the side stream, and
+the compute stream waits on an event only where a copy is used. CPU: the same copies, synchronous
+(the "host" buffer is a real copy in the pool, so tests exercise every path).
+
+In-place safety: the version of the saved tensor is recorded at pack time; at the end of the
+layer's forward and at unpack, a source tensor still alive whose version changed raises torch's
+"modified by an inplace operation" error. (A source modified and then freed before either check
+cannot be seen; backward then uses the value at save time, which is the one its gradient needs.)
+
+With recipes (:mod:`leanact.recompute`): a RecipeTransform inside an offloaded layer sees this
+transform outside it and does not claim tensors (the originals would stay pinned on the device),
+so its tensors are offloaded like the others.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from leanact.saved import SavedTensorTransform
+
+__all__ = ["HostPool", "OffloadTransform", "KeptSplit", "split_kept", "is_host_copy", "is_host_copy_key", "DEFAULT_THRESHOLD"]
+
+DEFAULT_THRESHOLD = 1 << 20
+_POOLS: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
+
+
+class HostPool:
+    """Host buffers (uint8, pinned when offloading from CUDA) reused by exact byte size."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
+        self._keys: set[int] = set()  # storages of buffers owned by the pool (free or lent)
+        self._streams: dict[Any, Any] = {}
+        self.allocated = 0  # bytes ever allocated (free + lent)
+        _POOLS.add(self)
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        free = self._free[(nbytes, pin)]
+        if free:
+            return free.pop()
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._keys.add(buf.untyped_storage()._cdata)
+        self.allocated += nbytes
+        return buf
+
+    def give(self, buf: torch.Tensor, pin: bool) -> None:
+        self._free[(buf.numel(), pin)].append(buf)
+
+    def free_bytes(self) -> int:
+        return sum(b.numel() for bufs in self._free.values() for b in bufs)
+
+    def clear(self) -> None:
+        """Drop the free buffers (lent ones come back later)."""
+        for bufs in self._free.values():
+            for b in bufs:
+                self._keys.discard(b.untyped_storage()._cdata)
+                self.allocated -= b.numel()
+        self._free.clear()
+
+    def owns(self, storage_key: int) -> bool:
+        return storage_key in self._keys
+
+    def stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def is_host_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in an offload pool's host buffer."""
+    return is_host_copy_key(t.untyped_storage()._cdata)
+
+
+def is_host_copy_key(storage_key: int) -> bool:
+    """Whether a storage (a meter record's ``storage_key``) is an offload pool's host buffer."""
+    return any(p.owns(storage_key) for p in list(_POOLS))
+
+
+@dataclass
+class KeptSplit:
+    device: int  # bytes kept on the compute device
+    offloaded: int  # bytes kept in offload host buffers
+
+
+def split_kept(meter) -> KeptSplit:
+    """Split a :class:`~leanact.memory.SavedTensorMeter`'s counted bytes into device and offloaded."""
+    pools = list(_POOLS)
+    dev = off = 0
+    for r in meter.counted():
+        if any(p.owns(r.storage_key) for p in pools):
+            off += r.counted_bytes
+        else:
+            dev += r.counted_bytes
+    return KeptSplit(dev, off)
+
+
+class _HostCopy:
+    """One storage (or one tensor's elements) copied to a host buffer."""
+
+    __slots__ = ("pool", "buf", "pin", "numel", "dtype", "device", "src", "version", "event", "dirty",
+                 "_dev", "_dev_weak", "_dev_event", "__weakref__")
+
+    def __init__(self, pool: HostPool, flat: torch.Tensor, src: torch.Tensor):
+        self.pool, self.numel, self.dtype, self.device = pool, flat.numel(), flat.dtype, flat.device
+        self.pin = flat.is_cuda
+        self.buf = pool.take(flat.numel() * flat.element_size(), self.pin)
+        host = self.buf.view(flat.dtype)
+        self.src, self.version, self.dirty = weakref.ref(src), src._version, False
+        self.event = None
+        self._dev = None  # prefetched device copy (strong until first use)
+        self._dev_weak = None
+        self._dev_event = None
+        if flat.is_cuda:
+            stream = pool.stream(flat.device)
+            stream.wait_stream(torch.cuda.current_stream(flat.device))
+            with torch.cuda.stream(stream):
+                host.copy_(flat, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+            flat.record_stream(stream)
+        else:
+            host.copy_(flat)
+
+    def check(self) -> None:
+        src = self.src()
+        if src is not None and src._version != self.version:
+            self.dirty = (list(src.shape), src.type(), src._version)
+        if self.dirty:
+            shape, typ, ver = self.dirty
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{typ} {shape}] is at version {ver}; expected version {self.version} instead "
+                "(checked by leanact's offload). Hint: do not modify in place a tensor that autograd keeps "
+                "for backward; use an out-of-place op (e.g. x = x + 1).")
+
+    def mark(self) -> None:
+        src = self.src()
+        if src is not None and src._version != self.version and not self.dirty:
+            self.dirty = (list(src.shape), src.type(), src._version)
+
+    def _issue(self) -> None:
+        """Start the host→device copy (side stream on CUDA)."""
+        host = self.buf.view(self.dtype)
+        dev = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            stream = self.pool.stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                dev.copy_(host, non_blocking=True)
+                self._dev_event = torch.cuda.Event()
+                self._dev_event.record(stream)
+        else:
+            dev.copy_(host)
+        self._dev = dev
+
+    def prefetch(self) -> None:
+        if self._dev is None and (self._dev_weak is None or self._dev_weak() is None):
+            self._issue()
+
+    def device_copy(self) -> torch.Tensor:
+        dev = self._dev_weak() if self._dev_weak is not None else None
+        if dev is not None:
+            return dev
+        if self._dev is None:
+            self._issue()
+        dev, self._dev = self._dev, None
+        if self._dev_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._dev_event)
+            self._dev_event = None
+        self._dev_weak = weakref.ref(dev)  # shared by the other views unpacked while it lives
+        return dev
+
+    def __del__(self):
+        try:
+            self.pool.give(self.buf, self.pin)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _Handle:
+    __slots__ = ("copy", "size", "stride", "offset", "whole")
+
+    def __init__(self, copy: _HostCopy, t: torch.Tensor, whole: bool):
+        self.copy, self.size, self.stride, self.offset, self.whole = copy, t.size(), t.stride(), t.storage_offset(), whole
+
+
+class OffloadTransform(SavedTensorTransform):
+    """Keeps host copies of the tensors saved while active (module doc). ``previous``: the
+    transform of the layer that runs next in backward, prefetched at this layer's first unpack."""
+
+    def __init__(self, pool: HostPool | None = None, threshold: int = DEFAULT_THRESHOLD):
+        self.pool = pool if pool is not None else HostPool()
+        self.threshold = threshold
+        self.previous: OffloadTransform | None = None
+        self._by_storage: dict[int, weakref.ref] = {}
+        self._copies: "weakref.WeakSet[_HostCopy]" = weakref.WeakSet()
+        self._prefetched = False
+        self.offloaded = 0  # packs replaced by a host copy (all time)
+
+    # -- forward ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Handle | None:
+        if torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.layout != torch.strided:
+            return None
+        if isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter):
+            return None
+        if t.device.type not in ("cpu", "cuda") or t.numel() * t.element_size() < self.threshold:
+            return None
+        storage = t.untyped_storage()
+        size = t.element_size()
+        whole = storage.nbytes() <= 4 * t.numel() * size and storage.nbytes() % size == 0
+        key = storage._cdata
+        copy = None
+        if whole:
+            ref = self._by_storage.get(key)
+            copy = ref() if ref is not None else None
+            if copy is not None:
+                src = copy.src()
+                if src is None or src.untyped_storage()._cdata != key or copy.version != t._version or copy.dtype != t.dtype:
+                    copy = None
+        if copy is None:
+            with torch.no_grad():
+                flat = t.detach().as_strided((storage.nbytes() // size,), (1,), 0) if whole else t.detach().reshape(-1)
+                copy = _HostCopy(self.pool, flat, t)
+            if whole:
+                self._by_storage[key] = weakref.ref(copy)
+            self._copies.add(copy)
+        self.offloaded += 1
+        self._prefetched = False
+        return _Handle(copy, t, whole)
+
+    def end_forward(self) -> None:
+        """Called when the layer's forward returns: records in-place changes of sources."""
+        for c in list(self._copies):
+            c.mark()
+        self._by_storage = {k: r for k, r in self._by_storage.items() if r() is not None}
+
+    # -- backward --------------------------------------------------------------------------
+    def unpack(self, h: _Handle) -> torch.Tensor:
+        h.copy.check()
+        if not self._prefetched:
+            self._prefetched = True
+            if self.previous is not None:
+                self.previous.prefetch()
+        dev = h.copy.device_copy()
+        if h.whole:
+            return dev.as_strided(h.size, h.stride, h.offset)
+        return dev.view(h.size)
+
+    def prefetch(self) -> None:
+        """Start copying this layer's host copies back (side stream on CUDA; no-op on the CPU,
+        where copies are synchronous and made at unpack)."""
+        for c in list(self._copies):
+            if c.device.type == "cuda":
+                c.prefetch()
+
+    def kept_tensors(self, h: _Handle) -> list[torch.Tensor]:
+        return [h.copy.buf]

@@ -1,0 +1,202 @@
+"""A per-layer choice of strategy, applied to a model in place."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import recompute
+from .layers import find_layers
+from .offload import DEFAULT_THRESHOLD, HostPool, OffloadTransform
+
+__all__ = ["STRATEGIES", "Plan", "uniform", "remove", "describe"]
+
+STRATEGIES: dict[str, str] = {
+    "lean": "no change: the layer keeps what its (patched or plain) ops keep",
+    "selective:attention": "SAC: keep linear, norm and activation outputs; recompute the attention core",
+    "selective:pointwise": "SAC: keep linear and fused-attention outputs; recompute pointwise ops and norms",
+    "selective:norms": "SAC: keep linear, fused-attention and activation outputs; recompute norms",
+    "offload": "copy what the layer keeps (>= threshold bytes) to host memory; copy back in backward",
+    "offload+recompute": "keep the layer inputs only, offloaded to host memory; recompute the layer",
+    "full": "keep the layer inputs only; recompute the whole layer in backward",
+}
+_ATTR = "_leanact_plan"
+
+
+def describe(name: str) -> str:
+    _check_name(name)
+    return STRATEGIES[name]
+
+
+def _check_name(name: str) -> None:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {list(STRATEGIES)}")
+
+
+class _Wrapped:
+    """Replaces ``layer.forward`` (an instance attribute; the class and state_dict are untouched)."""
+
+    def __init__(self, layer: nn.Module, strategy: str, transform: OffloadTransform | None):
+        self.layer, self.strategy, self.transform = layer, strategy, transform
+        self.had_instance_forward = "forward" in layer.__dict__
+        self.original: Callable = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
+        self.policy = recompute.policy(strategy.split(":", 1)[1]) if strategy.startswith("selective:") else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn, s = self.original, self.strategy
+        if not torch.is_grad_enabled() or s == "lean":
+            return fn(*args, **kwargs)
+        if s != "offload":
+            args, kwargs = _no_cache(self.layer, args, kwargs)
+        if s == "full":
+            return recompute.run_full(fn, args, kwargs)
+        if self.policy is not None:
+            return recompute.run_selective(fn, args, kwargs, self.policy)
+        tr = self.transform
+        with tr:
+            out = recompute.run_full(fn, args, kwargs) if s == "offload+recompute" else fn(*args, **kwargs)
+        tr.end_forward()
+        return out
+
+
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+_warned: set[str] = set()
+
+
+def _is_cache(x: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
+
+
+def _no_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A recomputed layer must not write a KV cache (the replay would append a second time), as
+    in Hugging Face's gradient checkpointing: ``use_cache=False``, no past key values (a
+    transformers ``Cache`` passed positionally becomes None too)."""
+    changed = [k for k in ("use_cache", *_CACHE_KWARGS) if kwargs.get(k) not in (None, False)]
+    cache_pos = [i for i, a in enumerate(args) if _is_cache(a)]
+    if not changed and not cache_pos:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    for k in changed:
+        kwargs[k] = False if k == "use_cache" else None
+    args = tuple(None if i in cache_pos else a for i, a in enumerate(args))
+    name = type(layer).__name__
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"leanact: a recomputed {name} must not write a KV cache; it is called without one "
+                      "(as Hugging Face's gradient checkpointing does). Pass use_cache=False to silence this.",
+                      stacklevel=3)
+    return args, kwargs
+
+
+@dataclass
+class _Applied:
+    plan: "Plan"
+    wrapped: list[_Wrapped] = field(default_factory=list)
+
+
+class Plan:
+    """Per layer (qualified module name) one strategy name of :data:`STRATEGIES`.
+
+    ``apply(model)`` installs it in place (each layer's ``forward`` is wrapped; parameters, buffers
+    and state_dict are unchanged; works on patched and unpatched models; applying again replaces
+    the previous plan); ``remove(model)`` restores. ``costs``/``budget`` (set by
+    :func:`leanact.plan.plan`) feed :meth:`explain`. Offloaded layers share one host pool.
+    """
+
+    def __init__(self, layers: list[str], choices: list[str], *, costs: Any = None, budget: int | None = None,
+                 offload_threshold: int = DEFAULT_THRESHOLD, pool: HostPool | None = None):
+        layers, choices = list(layers), list(choices)
+        if len(layers) != len(choices):
+            raise ValueError(f"Plan needs one strategy per layer: got {len(layers)} layers and {len(choices)} choices")
+        if len(set(layers)) != len(layers):
+            raise ValueError("Plan: a layer is named twice")
+        for c in choices:
+            _check_name(c)
+        self.layers, self.choices = layers, choices
+        self.costs, self.budget = costs, budget
+        self.offload_threshold = offload_threshold
+        self.pool = pool if pool is not None else HostPool()
+
+    def __repr__(self) -> str:
+        return f"Plan({dict(zip(self.layers, self.choices))})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and (self.layers, self.choices) == (other.layers, other.choices)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        remove(model)
+        mods = []
+        for name in self.layers:
+            try:
+                mods.append(model.get_submodule(name))
+            except AttributeError as e:
+                raise ValueError(f"Plan names layer {name!r}, which {type(model).__name__} does not have") from e
+        applied = _Applied(self)
+        previous: OffloadTransform | None = None
+        for mod, choice in zip(mods, self.choices):
+            tr = None
+            if choice.startswith("offload"):
+                tr = OffloadTransform(self.pool, self.offload_threshold)
+                tr.previous = previous  # backward runs layers in reverse: prefetch the one before
+                previous = tr
+            w = _Wrapped(mod, choice, tr)
+            mod.forward = w
+            applied.wrapped.append(w)
+        object.__setattr__(model, _ATTR, applied)
+        return model
+
+    def remove(self, model: nn.Module) -> nn.Module:
+        return remove(model)
+
+    def explain(self, title: str | None = None):
+        """A rich Table: per layer the strategy, estimated bytes kept and extra time (when the
+        plan comes from :func:`leanact.plan.plan`), with totals and the budget."""
+        from rich.table import Table
+
+        from leanact.plan.explain import explain_table
+
+        if self.costs is not None:
+            return explain_table(self, title)
+        tab = Table(title=title or "leanact plan")
+        tab.add_column("layer")
+        tab.add_column("strategy")
+        tab.add_column("what it keeps")
+        for name, c in zip(self.layers, self.choices):
+            tab.add_row(name, c, STRATEGIES[c])
+        return tab
+
+
+def uniform(model: nn.Module, name: str, *, offload_threshold: int = DEFAULT_THRESHOLD) -> Plan:
+    """Every layer of ``model`` (:func:`find_layers`) with strategy ``name``. The last layer is
+    never offloaded (its backward starts right away): ``offload`` → ``lean`` and
+    ``offload+recompute`` → ``full`` there."""
+    _check_name(name)
+    layers = [n for n, _ in find_layers(model)]
+    choices = [name] * len(layers)
+    last = {"offload": "lean", "offload+recompute": "full"}
+    if name in last:
+        choices[-1] = last[name]
+    return Plan(layers, choices, offload_threshold=offload_threshold)
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Remove the plan applied to ``model`` (if any): every layer's forward comes back."""
+    applied: _Applied | None = getattr(model, _ATTR, None)
+    if applied is None:
+        return model
+    for w in applied.wrapped:
+        if w.had_instance_forward:
+            w.layer.forward = w.original
+        else:
+            w.layer.__dict__.pop("forward", None)
+    object.__delattr__(model, _ATTR)
+    return model
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan currently applied to ``model``."""
+    applied = getattr(model, _ATTR, None)
+    return None if applied is None else applied.plan
