@@ -1,0 +1,149 @@
+"""``leanact.estimate``: the memory of one training step, predicted on fake tensors."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .compat import cpu_dropout_allocations, fake_recipes, value_decisions, warm_lean_caches
+from .fake import build_fake, fake_copy, fake_inputs, new_mode
+from .layers import group_by_layer, layer_names
+from .result import Estimate
+from .step import CUDA_BLOCK, StepMemory, run_step
+
+__all__ = ["estimate", "estimate_config", "CUDA_NOTES"]
+
+CUDA_NOTES = [
+    "cuda predicted from a CPU trace: a CPU-only torch can create fake cuda tensors but aborts the process "
+    "(c10::Error, no device guard) when autograd records one, so the trace runs on fake CPU tensors",
+    "every storage is rounded up to 512 bytes (CUDA caching allocator; torch.cuda.max_memory_allocated)",
+    "optimizer uses foreach=True (torch's CUDA default; its step temporaries are counted)",
+    "SDPA: the CPU trace uses the CPU flash kernel, which keeps q, k, v, out and a float32 logsumexp "
+    "(b, heads, s); CUDA's flash/efficient kernels keep the same tensors (efficient pads logsumexp "
+    "to 32 rows, dropout adds two 8-byte philox scalars); the math fallback would keep the probabilities",
+    "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
+    "not modelled: cuBLAS/cuDNN workspaces, allocator fragmentation (reserved > allocated), CUDA context; "
+    "with offload strategies the host copies are counted as device memory (over-predicts)",
+]
+
+
+def _resolve_plan(model: nn.Module, strategy_or_plan: Any):
+    if strategy_or_plan is None:
+        return None
+    if isinstance(strategy_or_plan, str):
+        try:
+            from leanact.strategies import uniform
+        except ImportError as e:  # pragma: no cover - until leanact.strategies ships
+            raise ValueError("strategy names need leanact.strategies; pass a Plan object instead") from e
+        return uniform(model, strategy_or_plan)
+    if hasattr(strategy_or_plan, "apply") and hasattr(strategy_or_plan, "remove"):
+        return strategy_or_plan
+    raise TypeError(f"strategy_or_plan must be None, a strategy name or a Plan (with .apply/.remove), "
+                    f"got {type(strategy_or_plan).__name__}")
+
+
+def _device_kind(device: Any, model: nn.Module) -> str:
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else "cpu"
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return "cpu" if kind == "meta" else kind
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return p.dtype if p is not None else torch.float32
+
+
+def _layers(model: nn.Module) -> list[str]:
+    try:
+        from leanact.strategies.layers import find_layers
+    except ImportError:
+        return layer_names(model)
+    try:
+        return [n for n, _ in find_layers(model)]
+    except ValueError:
+        return []
+
+
+def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, notes: list[str]) -> Estimate:
+    layers = _layers(model)
+    act = mem.after_forward.get("Activation", 0)
+    accounted = sum(mem.at_peak.get(k, 0) for k in ("Parameter", "Buffer", "Optstate", "Activation", "Gradient"))
+    return Estimate(
+        device=kind, dtype=str(dtype).replace("torch.", ""),
+        per_layer=group_by_layer(mem.saved_by_module, layers),
+        per_layer_alive=group_by_layer(mem.alive_by_module, layers, exact_only=True),
+        activations=act, saved=mem.saved, params=mem.params, buffers=mem.buffers, grads=mem.grads,
+        optimizer_state=mem.optimizer_state, temporaries=mem.peak - accounted, peak=mem.peak,
+        at_peak=mem.at_peak, notes=notes)
+
+
+def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
+         mode, optimizer: Any, loss_fn: Callable | None) -> Estimate:
+    notes = list(CUDA_NOTES) if kind == "cuda" else []
+    fake_model.train()
+    warm_lean_caches(fake_model, dtype)
+    if plan is not None:
+        plan.apply(fake_model)
+    try:
+        emulate = cpu_dropout_allocations() if kind == "cpu" else contextlib.nullcontext()
+        with value_decisions(real_of), fake_recipes(), emulate, mode:
+            mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
+                           block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)
+    finally:
+        if plan is not None:
+            plan.remove(fake_model)
+    return _result(mem, fake_model, kind, dtype, notes)
+
+
+def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None, device: Any = None, *,
+             dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
+             batch: int | None = None, seq: int | None = None) -> Estimate:
+    """Predict the memory of one training step of ``model`` without running it for real.
+
+    The model (real or already fake; patched or not; never modified) is copied with fake weights,
+    ``strategy_or_plan`` (None, a name for ``leanact.strategies.uniform`` or a Plan) is applied to
+    the copy, and one step -- forward + loss, backward, ``optimizer`` step ("adamw", "sgd", None or
+    a callable) -- runs on fake tensors under torch's ``MemTracker``. ``sample_inputs``: dict of
+    keyword arguments or tuple (real or fake tensors), resized to ``batch`` / ``seq`` if given.
+    ``dtype`` casts weights and floating inputs. ``device="cuda"`` models CUDA from the CPU trace
+    (see :data:`CUDA_NOTES`). ``loss_fn(out, inputs)``: default the model's ``.loss``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    kind = _device_kind(device, model)
+    mode = new_mode()
+    fake_model, real_of = fake_copy(model, mode, dtype)
+    fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
+    plan = _resolve_plan(fake_model, strategy_or_plan)
+    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn)
+
+
+def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, strategy_or_plan: Any = None,
+                    device: Any = "cpu", *, model_class: type | None = None, patch: bool | str = False,
+                    dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
+                    batch: int | None = None, seq: int | None = None) -> Estimate:
+    """Like :func:`estimate` for a model that is never built for real: ``build()`` (or
+    ``model_class(build)`` when ``build`` is a config) runs under ``FakeTensorMode``. ``patch``:
+    True / "recompute" / "tempo" applies ``leanact.patch`` to the fake model first. Norm weights
+    are assumed at their default initialisation (γ = 1, β = 0) for leanact's value-dependent choice.
+    """
+    if model_class is not None:
+        config, build = build, (lambda: model_class(config))
+    if not callable(build):
+        raise TypeError("estimate_config needs a callable returning the model, or a config with model_class=...")
+    kind = "cpu" if device is None else _device_kind(device, nn.Module())
+    mode = new_mode()
+    fake_model = build_fake(build, mode, dtype)
+    if patch:
+        import leanact
+
+        leanact.patch(fake_model, attention="recompute" if patch is True else patch)
+    fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
+    plan = _resolve_plan(fake_model, strategy_or_plan)
+    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn)

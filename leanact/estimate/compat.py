@@ -1,0 +1,200 @@
+"""Running leanact's own ops faithfully on fake tensors (used by :func:`leanact.estimate`).
+
+What differs under ``FakeTensorMode`` and how each is handled (all swaps are scoped to a context
+manager and restored on exit; the owners' files are not modified):
+
+* ``leanact.ops.layer_norm.from_output_ok`` (imported by ``ops.rms_norm`` and
+  ``patching.hf_rms_norm`` too) decides from the values of γ, β whether to keep y or x:
+  ``bool(ok.all())`` raises ``DataDependentOutputException`` on fake weights. :func:`value_decisions`
+  answers with the real weight's decision, or True for config-built models (γ = 1, β = 0).
+* leanact's GELU backward builds lookup tables lazily with boolean-mask indexing (``aten.nonzero``:
+  ``DynamicOutputShapeException``): :func:`warm_lean_caches` builds them on real tensors first.
+* ``leanact.recompute.recipes._find`` / ``register`` accept only ``type(t) is torch.Tensor``; a
+  FakeTensor is a subclass, so recipes silently never apply (patched LLaMA bf16: +21% kept bytes):
+  :func:`fake_recipes`.
+* leanact's seeded dropout and attention-core dropout take their generic (CUDA-like) path on fake
+  tensors -- the eager CPU path reads the seed as Python ints -- which allocates per-element int64
+  indices: :func:`cpu_dropout_allocations` allocates like the eager CPU path instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+__all__ = ["value_decisions", "warm_lean_caches", "cpu_dropout_allocations", "warm_cpu_dropout", "fake_recipes"]
+
+
+@contextlib.contextmanager
+def value_decisions(real_of: dict[int, torch.Tensor]):
+    """While active, ``from_output_ok`` (leanact's norms) answers for fake weights without reading
+    values: the real weight's answer when known (``real_of``), else True. Every module that
+    imported the function by name gets the wrapper; all are restored on exit."""
+    from leanact.ops import layer_norm as ln
+
+    original = ln.from_output_ok
+
+    def wrapper(weight, bias, n, dtype, max_ratio=ln.DEFAULT_MAX_RATIO):
+        if not any(t is not None and is_fake(t) for t in (weight, bias)):
+            return original(weight, bias, n, dtype, max_ratio)
+        real = [None if t is None else real_of.get(id(t)) for t in (weight, bias)]
+        if any(t is not None and r is None for t, r in zip((weight, bias), real)):
+            return True  # built from a config: default initialisation
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            return original(real[0], real[1], n, dtype, max_ratio)
+
+    patched = [m for m in list(sys.modules.values())
+               if m is not None and getattr(m, "__name__", "").startswith("leanact")
+               and getattr(m, "from_output_ok", None) is original]
+    for m in patched:
+        m.from_output_ok = wrapper
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.from_output_ok = original
+
+
+def warm_lean_caches(model: nn.Module, dtype: torch.dtype) -> None:
+    """Build, on real tensors, the lookup tables leanact's GELU backward creates lazily on first
+    use: building them is value-dependent (boolean-mask indexing, ``aten.nonzero``), which
+    ``FakeTensorMode`` cannot run. Cached per process (a few seconds once per dtype and mode)."""
+    from leanact.nn import GELU
+    from leanact.ops.gelu import gelu
+
+    modes = {m.approximate for m in model.modules() if isinstance(m, GELU)}
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        for approximate in sorted(modes):
+            x = torch.linspace(-3, 3, 8, dtype=dtype).requires_grad_(True)
+            gelu(x, approximate=approximate).sum().backward()
+
+
+@contextlib.contextmanager
+def cpu_dropout_allocations():
+    """While active, leanact's seeded dropout (``leanact.ops.dropout._apply``) and attention-core
+    dropout (``leanact.ops.attention_core._Dropper``) on fake CPU tensors allocate what their eager
+    CPU paths allocate (the output / bool mask and one block of int64 hash words) instead of the
+    element-wise int64 indices and hashes of their generic path -- the one fake tensors take, as
+    CUDA does. The eager paths read the seed as Python ints, which fake tensors do not have."""
+    from leanact.ops import dropout as dmod
+    from leanact.ops import random as rmod
+    from leanact.ops.random import CHUNK
+
+    held: dict[int, torch.Tensor] = {}
+
+    def _hold_real_slice(get_cache):
+        # The eager paths slice per-process int64 caches; MemTracker counts a cache's storage at
+        # its first slice in the step and never frees it. Do the same: build the cache for real if
+        # missing, slice it under the fake mode and keep the slice alive until the estimate ends.
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            cache = get_cache()
+            cache = cache._base if cache._base is not None else cache
+        if id(cache) not in held:
+            held[id(cache)] = cache[:1]
+
+    original = dmod._apply
+
+    def apply(x, seed, p, inplace):
+        if not is_fake(x) or x.device.type != "cpu" or x.numel() <= CHUNK:
+            return original(x, seed, p, inplace)
+        out = x if inplace and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
+        # per block: the bool mask, the int64 indices and one int64 temporary of the hash rounds
+        block = [torch.empty(CHUNK, dtype=torch.bool), torch.empty(CHUNK, dtype=torch.int64),
+                 torch.empty(CHUNK, dtype=torch.int64)]
+        del block
+        _hold_real_slice(lambda: rmod._BASE.get(CHUNK) if CHUNK in rmod._BASE
+                         else rmod._BASE.setdefault(CHUNK, torch.arange(CHUNK, dtype=torch.int64)))
+        if out is not x and inplace:
+            return x.copy_(out)
+        return out
+
+    from leanact.ops import attention_core as amod
+
+    original_call = amod._Dropper.__call__
+
+    def dropper_call(self, i0, i1, kend):
+        bh, s_q, s_k = self.dims
+        if self.fast or not is_fake(self.seed) or self.device.type != "cpu" or bh * s_q * s_k > 1 << 32:
+            return original_call(self, i0, i1, kend)
+        rows = i1 - i0
+        n, length = (bh, rows * s_k) if kend == s_k else (bh * rows, kend)
+        out = torch.empty((n, length), dtype=torch.bool)
+        # the (bh, rows) start indices, then per block the column indices and the hash words
+        tmp = [torch.empty((bh, rows), dtype=torch.int64), torch.empty(min(n * length, CHUNK), dtype=torch.int64),
+               torch.empty(min(n * length, CHUNK), dtype=torch.int64)]
+        del tmp
+        _hold_real_slice(lambda: amod._arange(min(length, CHUNK)))
+        return out.view(torch.uint8).view(-1, rows, kend)
+
+    dmod._apply, amod._Dropper.__call__ = apply, dropper_call
+    try:
+        yield
+    finally:
+        dmod._apply, amod._Dropper.__call__ = original, original_call
+
+
+def warm_cpu_dropout() -> None:
+    """Create leanact's per-process CPU dropout caches (int64 aranges of CHUNK elements, in
+    ``leanact.ops.random`` and ``leanact.ops.attention_core``) before a measured step, so that the
+    measurement does not depend on whether an earlier step created them."""
+    from leanact.functional import dropout
+    from leanact.ops.attention_core import _arange
+    from leanact.ops.random import CHUNK
+
+    dropout(torch.ones(CHUNK + 1), 0.5)
+    _arange(CHUNK)
+
+
+@contextlib.contextmanager
+def fake_recipes():
+    """While active, leanact's recompute recipes (``leanact.recompute.recipes._find`` / ``register``) recognise
+    fake tensors: ``_find`` accepts only plain ``torch.Tensor``/``Parameter`` types, and a
+    ``FakeTensor`` is a subclass, so without this a fake run keeps the tensors a recipe replaces
+    (e.g. the SwiGLU product of a patched LLaMA MLP) and over-predicts."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from leanact.recompute import recipes
+
+    original = recipes._find
+
+    def find(t):
+        if type(t) is not FakeTensor or t.layout != torch.strided or not recipes._REGISTRY:
+            return original(t)
+        r = recipes._REGISTRY.get(recipes._key(t))
+        if r is None:
+            return None
+        y = r.out_ref()
+        ok = y is not None and recipes._key(y) == recipes._key(t) and t.dtype == r.dtype and t._version == r.out_version
+        return r if ok else None
+
+    from leanact.recompute import producers
+
+    original_register = recipes.register
+
+    def register(y, name, fn, *inputs):
+        # recipes.register's own conditions, with FakeTensor accepted as a plain tensor
+        if type(y) is not FakeTensor:
+            return original_register(y, name, fn, *inputs)
+        if not y.requires_grad or not recipes.is_active() or y.layout != torch.strided or not y.is_contiguous():
+            return None
+        if y.storage_offset() != 0 or y.untyped_storage().nbytes() != y.numel() * y.element_size():
+            return None
+        r = recipes.Recipe(name, fn, inputs, y)
+        if y.grad_fn is not None:
+            y.grad_fn._leanact_recipe = weakref.ref(r)
+        return r
+
+    users = [m for m in (recipes, producers) if getattr(m, "register", None) is original_register]
+    recipes._find = find
+    for m in users:
+        m.register = register
+    try:
+        yield
+    finally:
+        recipes._find = original
+        for m in users:
+            m.register = original_register

@@ -1,0 +1,121 @@
+"""Fake copies of models and inputs (``FakeTensorMode``): shapes, dtypes and storages, no data.
+
+A real model is converted without copying its weights: ``copy.deepcopy`` runs with a memo that
+maps every parameter, buffer and plain tensor attribute to a fake tensor of the same shape (tied
+weights stay tied). A model can also be built from a config directly under the fake mode
+(:func:`build_fake`), so big geometries never allocate real weights.
+
+How leanact's own ops are made to run faithfully on fake tensors: :mod:`leanact.estimate.compat`.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+__all__ = ["new_mode", "fake_copy", "build_fake", "fake_inputs"]
+
+
+def new_mode() -> FakeTensorMode:
+    # Real tensors met during the run (constants a model creates from Python data) are allowed.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _to_fake(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fake CPU tensor like ``t`` (the trace always runs on fake CPU tensors; meta and CUDA
+    tensors become fake CPU ones of the same shape and dtype)."""
+    if t.device.type != "cpu" or (is_fake(t) and t.fake_mode is not mode):
+        with mode:
+            f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    else:
+        f = t if is_fake(t) else mode.from_tensor(t.detach())
+    if dtype is not None and f.is_floating_point() and f.dtype != dtype:
+        with mode:
+            f = f.to(dtype)
+    return f
+
+
+def fake_copy(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None
+              ) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    """A deep copy of ``model`` whose parameters/buffers/tensor attributes are fake (cast to
+    ``dtype`` if given). Returns ``(copy, {id(fake tensor): real tensor})``. Nothing real is copied
+    but the module objects and small non-tensor state."""
+    memo: dict[int, Any] = {}
+    real_of: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in memo:
+                fp = nn.Parameter(_to_fake(mode, p, dtype), requires_grad=p.requires_grad)
+                memo[id(p)], real_of[id(fp)] = fp, p
+        for name, b in mod._buffers.items():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = _to_fake(mode, b, dtype if name not in mod._non_persistent_buffers_set else None)
+        for v in vars(mod).values():
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = _to_fake(mode, v, None)
+    out = copy.deepcopy(model, memo)
+    _copy_attention_state(model, out)
+    return out, real_of
+
+
+def _copy_attention_state(src: nn.Module, dst: nn.Module) -> None:
+    """leanact.patch keeps the attention mode per config object (by identity): give the copied
+    configs the same state."""
+    try:
+        from leanact.patching import attention_hf
+    except ImportError:  # pragma: no cover
+        return
+    for (_, a), (_, b) in zip(src.named_modules(), dst.named_modules()):
+        ca, cb = getattr(a, "config", None), getattr(b, "config", None)
+        if ca is not None and cb is not None and ca is not cb:
+            state = attention_hf.config_state(ca)
+            if state is not None:
+                attention_hf.set_config_state(cb, state)
+
+
+def build_fake(build: Callable[[], nn.Module], mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
+    """``build()`` run under the fake mode (weights are fake from the start), cast to ``dtype``."""
+    with mode:
+        model = build()
+        if dtype is not None:
+            model = model.to(dtype)
+    return model
+
+
+def _resize(t: torch.Tensor, batch: int | None, seq: int | None, b0: int | None, s0: int | None) -> tuple[int, ...]:
+    shape = list(t.shape)
+    if batch is not None and shape and shape[0] == b0:
+        shape[0] = batch
+    if seq is not None and len(shape) >= 2 and shape[1] == s0:
+        shape[1] = seq
+    return tuple(shape)
+
+
+def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, seq: int | None = None,
+                dtype: torch.dtype | None = None) -> Any:
+    """Fake versions of the tensors in ``inputs`` (dict, tuple or list). ``batch``/``seq`` resize
+    every tensor whose dim 0 / dim 1 equals the sample's batch / sequence (those of the first
+    tensor with at least two dimensions); floating tensors are cast to ``dtype`` if given."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    ref = next((t for t in leaves if t.dim() >= 2), None)
+    if (batch is not None or seq is not None) and ref is None:
+        raise ValueError("batch=/seq= need a sample input with at least 2 dimensions (batch, seq, ...)")
+    b0, s0 = (ref.shape[0], ref.shape[1]) if ref is not None else (None, None)
+
+    def conv(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = _resize(t, batch, seq, b0, s0)
+        if shape == tuple(t.shape):
+            f = _to_fake(mode, t, dtype)
+        else:
+            with mode:
+                f = torch.empty(shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        if t.requires_grad:
+            f.requires_grad_(True)
+        return f
+
+    return torch.utils._pytree.tree_map(conv, inputs)

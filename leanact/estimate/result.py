@@ -1,0 +1,64 @@
+"""The :class:`Estimate` returned by :func:`leanact.estimate`."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Estimate", "fmt_bytes"]
+
+
+def fmt_bytes(n: int | float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Estimate:
+    """Predicted memory of one training step (bytes).
+
+    per_layer: per repeated block, bytes kept for backward (as :class:`leanact.memory.SavedTensorMeter`
+        counts them: distinct storages, parameters excluded). per_layer_alive: activation bytes
+        the block's forward left alive (includes its output; counts layer inputs kept by a full
+        recompute, which the meter does not see).
+    activations: activation bytes alive at the end of the forward (incl. the loss computation):
+        all that is kept for backward plus the outputs. saved: the meter's total.
+    params (+ buffers), grads (all trainable parameters), optimizer_state: their full sizes.
+    temporaries: the rest of the peak (gradients of activations, op workspaces, the inputs).
+    peak: largest total during forward, backward and optimizer step; at_peak: its breakdown.
+    """
+
+    device: str
+    dtype: str
+    per_layer: dict[str, int]
+    per_layer_alive: dict[str, int]
+    activations: int
+    saved: int
+    params: int
+    buffers: int
+    grads: int
+    optimizer_state: int
+    temporaries: int
+    peak: int
+    at_peak: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self, title: str | None = None):
+        """A rich Table: the per-layer kept bytes, then the step's totals."""
+        from rich.table import Table
+
+        tab = Table(title=title or f"leanact.estimate ({self.device}, {self.dtype})")
+        tab.add_column("item")
+        tab.add_column("bytes", justify="right")
+        tab.add_column("", justify="right")
+        for name, n in self.per_layer.items():
+            tab.add_row(f"layer {name} (kept for backward)", f"{n:,}", fmt_bytes(n))
+        for label, n in (("parameters + buffers", self.params + self.buffers), ("gradients", self.grads),
+                         ("optimizer state", self.optimizer_state), ("activations (end of forward)", self.activations),
+                         ("  of which kept for backward", self.saved), ("temporaries at peak", self.temporaries)):
+            tab.add_row(label, f"{n:,}", fmt_bytes(n))
+        tab.add_row("peak", f"{self.peak:,}", fmt_bytes(self.peak), style="bold")
+        return tab

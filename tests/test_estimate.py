@@ -1,0 +1,216 @@
+"""leanact.estimate: predicted (fake tensors) vs measured (real tensors, MemTracker, one training
+step on the CPU) on BERT, GPT-2 and LLaMA geometries (h=256, 4 layers, s=128, b=4), fp32/bf16,
+unpatched and leanact.patch'ed; a BERT-Large estimate without real memory; strategies; CUDA model."""
+import resource
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import leanact  # noqa: E402
+from leanact.estimate import estimate, estimate_config, measure  # noqa: E402
+from leanact.memory import measure_layer_cost  # noqa: E402
+
+H, L, S, B, V = 256, 4, 128, 4, 1000
+
+
+def _build(family, dtype=torch.float32, layers=L, h=H):
+    torch.manual_seed(0)
+    T = transformers
+    ffn = 688 * h // 256
+    if family == "bert":
+        m = T.BertForMaskedLM(T.BertConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=4,
+                                           intermediate_size=4 * h, vocab_size=V, attn_implementation="sdpa"))
+    elif family == "gpt2":
+        m = T.GPT2LMHeadModel(T.GPT2Config(n_embd=h, n_layer=layers, n_head=4, vocab_size=V, n_positions=2 * S,
+                                           attn_implementation="sdpa"))
+    else:
+        m = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=ffn, vocab_size=V,
+                                             max_position_embeddings=2 * S, attn_implementation="sdpa"))
+    return m.to(dtype)
+
+
+def _inputs(b=B, s=S):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, s // 2:] = 0  # padding: the attention mask is materialised in the real run too
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def _check(family, dtype, patched, small=False):
+    model = _build(family, dtype, layers=2, h=64) if small else _build(family, dtype)
+    if patched:
+        leanact.patch(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = _inputs(2, 32) if small else _inputs()
+    pred = estimate(model, x)
+    real = measure(model, x)
+    for field in ("peak", "activations"):
+        p, m = getattr(pred, field), getattr(real, field)
+        assert abs(p - m) / m <= 0.05, (field, p, m)
+    assert pred.per_layer == real.per_layer  # the meter's count, byte for byte
+    assert pred.saved == real.saved
+    assert (pred.params, pred.grads, pred.optimizer_state) == (real.params, real.grads, real.optimizer_state)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # model untouched
+    return pred, real
+
+
+@pytest.mark.parametrize("family,dtype,patched", [
+    ("bert", torch.float32, False), ("llama", torch.bfloat16, True),
+    pytest.param("gpt2", torch.bfloat16, True, marks=pytest.mark.slow)])
+def test_predicted_vs_measured_small(family, dtype, patched):
+    """h=64, 2 layers, s=32, b=2 (fast); the full geometry matrix is the slow test below."""
+    _check(family, dtype, patched, small=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_predicted_vs_measured_all(family, dtype, patched):
+    _check(family, dtype, patched)
+
+
+def test_per_layer_equals_measure_layer_cost():
+    """The estimate's middle layer = leanact.memory.measure_layer_cost (2 layers - 1 layer, real)."""
+    def build(n):
+        return leanact.patch(_build("llama", torch.bfloat16, layers=n, h=128))
+
+    inputs = _inputs(2, 64)
+    cost = measure_layer_cost(build, lambda: tuple(inputs.values()), 64, 2, 128)
+    est = estimate(build(4), inputs)
+    assert est.per_layer["model.layers.1"] == est.per_layer["model.layers.2"] == cost.bytes
+
+
+def test_batch_seq_dtype_scaling():
+    model = _build("llama", layers=2, h=64)
+    small = estimate(model, _inputs(2, 32), dtype=torch.bfloat16)
+    big = estimate(model, _inputs(2, 32), dtype=torch.bfloat16, batch=4, seq=64)
+    assert small.params * 2 == estimate(model, _inputs(2, 32)).params  # bf16 weights: half
+    assert big.per_layer["model.layers.1"] > 3.9 * small.per_layer["model.layers.1"]
+    assert big.per_layer == estimate(model, _inputs(4, 64), dtype=torch.bfloat16).per_layer
+
+
+@pytest.mark.slow
+def test_big_geometry_without_real_memory():
+    """BERT-Large, batch 32, seq 512, built from its config under FakeTensorMode: a few seconds,
+    no real weights or activations (RSS grows far less than the ~20 GiB predicted peak)."""
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    cfg = transformers.BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                   intermediate_size=4096, attn_implementation="sdpa")  # BERT-Large
+    ids = torch.zeros(32, 512, dtype=torch.long)
+    est = estimate_config(cfg, dict(input_ids=ids, labels=ids), model_class=transformers.BertForMaskedLM)
+    elapsed = time.perf_counter() - t0
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    assert est.params > 1.3e9 and est.optimizer_state >= 2 * est.params - 1e6
+    assert est.peak > 10 * 2**30 and len(est.per_layer) == 24
+    assert grown < 0.02 * est.peak, grown
+    assert elapsed < 60, elapsed  # typically a few seconds; generous for a loaded CI machine
+
+
+def test_meta_model_equals_real_model():
+    """A model built on the meta device (no memory at all) gives the real model's estimate."""
+    real = _build("gpt2", layers=2, h=64)
+    with torch.device("meta"):
+        meta = _build("gpt2", layers=2, h=64)
+    assert next(meta.parameters()).is_meta
+    a, b = estimate(real, _inputs(2, 32)), estimate(meta, _inputs(2, 32))
+    assert a.to_dict() == b.to_dict()
+
+
+def test_cuda_model_rounds_to_blocks():
+    model = _build("gpt2", layers=2, h=64)
+    cpu = estimate(model, _inputs(2, 32))
+    cuda = estimate(model, _inputs(2, 32), device="cuda")
+    assert cuda.peak % 512 == 0 and cuda.params % 512 == 0
+    assert cuda.peak >= cpu.peak and cuda.notes and not cpu.notes
+    assert cuda.per_layer == cpu.per_layer  # kept bytes are the meter's exact storages
+
+
+def test_table_and_dict():
+    est = estimate(_build("llama", layers=2, h=64), _inputs(2, 32), optimizer="sgd")
+    d = est.to_dict()
+    assert d["peak"] == est.peak and d["optimizer_state"] == est.params  # SGD momentum: one buffer
+    from rich.console import Console
+
+    console = Console(record=True, width=120)
+    console.print(est.table())
+    assert "peak" in console.export_text()
+
+
+def test_bad_inputs():
+    model = _build("llama", layers=2, h=64)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="loss_fn"):
+        estimate(model.model, dict(input_ids=ids))
+    with pytest.raises(TypeError, match="strategy_or_plan"):
+        estimate(model, dict(input_ids=ids, labels=ids), strategy_or_plan=3)
+    with pytest.raises(ValueError, match="optimizer"):
+        estimate(model, dict(input_ids=ids, labels=ids), optimizer="adam9")
+    with pytest.raises(ValueError, match="device"):
+        estimate(model, dict(input_ids=ids, labels=ids), device="xpu")
+
+
+
+def _has_strategies():
+    try:
+        import leanact.strategies  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_strategies(), reason="leanact.strategies not available")
+def test_strategies_lean_and_full():
+    model = leanact.patch(_build("llama", torch.bfloat16, h=128))
+    inputs = dict(_inputs(2, 64), use_cache=False)
+    none, lean, full = (estimate(model, inputs, s) for s in (None, "lean", "full"))
+    assert lean.per_layer == none.per_layer and lean.peak == none.peak
+    # full recompute: a layer keeps only its input (= the previous layer's output, b*s*h bf16)
+    assert full.per_layer_alive["model.layers.1"] == 2 * 64 * 128 * 2
+    assert full.activations < lean.activations and full.peak < lean.peak
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_strategies(), reason="leanact.strategies not available")
+def test_strategy_full_predicted_vs_measured():
+    model = leanact.patch(_build("llama", torch.bfloat16, h=128))
+    inputs = dict(_inputs(2, 64), use_cache=False)
+    full = estimate(model, inputs, "full")
+    real = measure(model, inputs, "full")
+    assert full.per_layer_alive == real.per_layer_alive
+    assert abs(full.peak - real.peak) / real.peak <= 0.05
+    assert abs(full.activations - real.activations) / real.activations <= 0.05
+
+
+class _Blocks(torch.nn.Module):
+    """A plain (non-HF) model: a ModuleList of MLP blocks, tuple inputs, user loss."""
+
+    def __init__(self, h=32, n=3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
+            for _ in range(n))
+
+    def forward(self, x, scale):
+        for blk in self.blocks:
+            x = x + blk(x) * scale
+        return x
+
+
+def test_plain_model_tuple_inputs_and_loss_fn():
+    model = _Blocks()
+    x = (torch.randn(4, 16, 32), 0.5)
+    loss_fn = lambda out, inputs: out.float().square().mean()  # noqa: E731
+    pred = estimate(model, x, loss_fn=loss_fn, optimizer="sgd")
+    real = measure(model, x, loss_fn=loss_fn, optimizer="sgd")
+    assert pred.to_dict() | {"notes": []} == real.to_dict() | {"notes": []}
+    assert list(pred.per_layer) == ["blocks.0", "blocks.1", "blocks.2"]
+    # batch/seq resize the sample tensor (4, 16, 32) -> (8, 64, 32)
+    big = estimate(model, x, loss_fn=loss_fn, optimizer="sgd", batch=8, seq=64)
+    assert big.per_layer["blocks.1"] == 8 * pred.per_layer["blocks.1"]
