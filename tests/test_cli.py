@@ -1,17 +1,190 @@
+"""`leanact profile` (Hugging Face models, tiny configs written to tmp_path) and `leanact layers`."""
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from leanact.cli.main import main
+pytest.importorskip("transformers")
 
-SMALL = ["profile", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--repeats", "1"]
+from leanact.cli.main import main  # noqa: E402
+from leanact.cli.profile import MODES, ProfileConfig, _cost, max_batch, mode_model, run_profile  # noqa: E402
+from leanact.cli.sizes import format_bytes, parse_size  # noqa: E402
+from leanact.models.geometries import GEOMETRIES, resolve  # noqa: E402
+
+H, A, S, LAYERS = 64, 4, 32, 3
+BERT = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=H, num_hidden_layers=LAYERS,
+            num_attention_heads=A, intermediate_size=4 * H, vocab_size=100, max_position_embeddings=64)
 
 
-def test_profile_json_small(capsys):
-    assert main(SMALL + ["--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+@pytest.fixture
+def bert_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(BERT))
+    return str(path)
+
+
+def _json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _profile(bert_json, *extra):
+    return ["profile", "--model", bert_json, "--seq", str(S), "--batch", "2", *extra]
+
+
+def test_profile_json_tiny_bert(bert_json, capsys):
+    out = _json(capsys, _profile(bert_json, "--repeats", "1"))
+    modes = {m["name"]: m for m in out["modes"]}
+    assert list(modes) == [label for label, _, _ in MODES]
+    assert out["geometry"]["layers"] == LAYERS and out["geometry"]["hidden"] == H
+    eager = modes["HF eager"]
+    # HF eager BERT layer, bf16, dropout 0.1: 36 + 6as/h B/sbh, plus 2 LayerNorms' statistics (8 B per token).
+    assert eager["bytes_per_layer"] == S * H * 36 + 6 * A * S * S + 8 * S
+    assert eager["per_sbh"] == 36 + 6 * A * S / H + 8 / H
+    for lean in ("leanact recompute", "leanact tempo"):
+        assert modes[lean]["bytes_per_layer"] < eager["bytes_per_layer"]
+        assert modes[lean]["by_op"].get("Gelu", 0) == 0 and modes[lean]["by_op"].get("NativeLayerNorm", 0) == 0
+    assert sum(eager["by_op"].values()) == eager["bytes_per_layer"]
+    # Batch-independent: BERT's token-type ids (int64, broadcast over the batch) and the loss's total weight.
+    assert eager["fixed_bytes"] == 8 * S + 2
+    for m in modes.values():
+        assert m["activation_bytes"] == m["fixed_bytes"] + 2 * m["per_sample_bytes"]
+        assert m["fixed_bytes"] + m["per_sample_bytes"] == LAYERS * m["bytes_per_layer"] + m["non_layer_bytes"]
+        assert m["non_layer_bytes"] > 0 and m["step_ms"] > 0
+    assert eager["step_ratio"] == 1.0
+    assert out["plan"] is None and out["config"]["budget"] is None
+
+
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp32", marks=pytest.mark.slow)])
+def test_activation_memory_is_affine_in_batch(bert_json, dtype):
+    """L · per layer + non-layer part, from 1- and 2-layer models at b=1 and b=2, equals what the
+    full L-layer model keeps, measured directly at b=3 and b=5."""
+    result = run_profile(ProfileConfig(bert_json, seq=S, batch=1, dtype=dtype, repeats=0))
+    geo = resolve(bert_json)
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    full = geo.build(LAYERS, "eager", dt, seq=S)
+    for (label, attn, lean), m in zip(MODES, result.modes):
+        model = mode_model(full, attn, lean)
+        for b in (3, 5):
+            direct, _ = _cost(model, geo.batch_inputs(b, S, dt))
+            assert direct == m.activation_at(b), (label, b)
+
+
+def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
+    out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1.5MiB"))
+    budget = out["config"]["budget"]
+    assert budget == 3 * 2**19
+    for m in out["modes"]:
+        b = m["max_batch"]
+
+        def mem(n):
+            return m["fixed_bytes"] + n * m["per_sample_bytes"]
+
+        assert b >= 1 and mem(b) <= budget < mem(b + 1), m["name"]
+    best = {m["name"]: m["max_batch"] for m in out["modes"]}
+    assert best["leanact recompute"] > best["HF eager"] > best["HF sdpa"]
+    assert isinstance(out["plan"], str) and out["plan"]  # the plan, or why there is none
+
+
+def test_budget_without_the_planner_says_so(bert_json, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "leanact.plan", None)  # import leanact.plan -> ImportError
+    out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1GiB"))
+    assert "leanact.plan is not available" in out["plan"]
+    assert all(m["max_batch"] > 0 for m in out["modes"])
+
+
+def test_max_batch_arithmetic():
+    assert max_batch(100, 0, 10) == 10 and max_batch(109, 0, 10) == 10 and max_batch(9, 0, 10) == 0
+    assert max_batch(100, 5, 10) == 9 and max_batch(3, 5, 10) == 0
+    with pytest.raises(ValueError):
+        max_batch(100, 0, 0)
+
+
+def test_table_and_plot(bert_json, tmp_path, capsys):
+    png = tmp_path / "ops.png"
+    assert main(_profile(bert_json, "--repeats", "0", "--ops", "--plot", str(png))) == 0
+    text = capsys.readouterr().out
+    for word in ("HF eager", "HF sdpa", "recompute", "tempo", "B/sbh", "by autograd op"):
+        assert word in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_other_families(tmp_path, capsys, family):
+    if family == "gpt2":
+        cfg = dict(model_type="gpt2", n_embd=H, n_layer=2, n_head=A, vocab_size=100, n_positions=64)
+        seq = "32"
+    else:
+        cfg = dict(model_type="vit", hidden_size=H, num_hidden_layers=2, num_attention_heads=A,
+                   intermediate_size=2 * H, image_size=32, patch_size=8, num_labels=5)
+        seq = "17"  # 4x4 patches + [CLS]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = _json(capsys, ["profile", "--model", str(tmp_path), "--seq", seq, "--repeats", "0"])
+    modes = {m["name"]: m for m in out["modes"]}
+    assert modes["leanact recompute"]["bytes_per_layer"] < modes["HF eager"]["bytes_per_layer"]
+    assert out["geometry"]["model_class"] == ("GPT2LMHeadModel" if family == "gpt2" else "ViTForImageClassification")
+
+
+def test_builtin_geometries():
+    g = GEOMETRIES["bert-large"]
+    assert (g.hidden, g.layers, g.heads, g.vocab, g.max_seq(), g.seq) == (1024, 24, 16, 30522, 512, 512)
+    llama = GEOMETRIES["llama-1b-like"].base
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.intermediate_size, llama.vocab_size) == (2048, 16, 32, 8, 8192, 128256)
+    assert GEOMETRIES["roberta-base"].max_seq() == 512 and GEOMETRIES["gpt2"].max_seq() == 1024
+    assert GEOMETRIES["vit-base"].image_size_for(197) == 224
+    for geo in GEOMETRIES.values():
+        cfg = geo.make_config(layers=1, attn="sdpa", dropout=0.0, seq=geo.seq)
+        assert cfg.num_hidden_layers == 1 and cfg._attn_implementation == "sdpa"
+        geo.check_seq(geo.seq)
+
+
+def test_parse_size():
+    assert parse_size("16GiB") == 16 * 2**30 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1e9") == 10**9 and parse_size("10GB") == 10 * 10**9 and parse_size("1.5kib") == 1536
+    assert parse_size("100") == 100 and parse_size("3 B") == 3
+    for bad in ("16 GiBs", "abc", "", "-1GB", "0.1"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert format_bytes(3 * 2**30) == "3.00 GiB" and format_bytes(512) == "512 B"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--model", "bert-huge"], "unknown model 'bert-huge'"),
+    (["--model", "/nonexistent/config.json"], "does not exist"),
+    (["--budget", "16 gigs"], "cannot read '16 gigs' as a size"),
+    (["--seq", "513"], "longer than bert-base's 512 positions"),
+    (["--model", "vit-base", "--seq", "100"], "(patches per side)"),
+    (["--plot", "chart.jpg"], "PNG"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--batch", "0"], "positive integer"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+])
+def test_bad_profile_arguments_exit_2_with_a_message(bad, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", *bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error" in err and message in err
+
+
+def test_config_json_without_model_type(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--model", str(tmp_path / "config.json")])
+    assert exc.value.code == 2 and "no \"model_type\"" in capsys.readouterr().err
+
+
+# -- `leanact layers`: one BERT-style encoder layer, torch.nn modules vs leanact drop-ins ----------
+LAYERS_SMALL = ["layers", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--repeats", "1"]
+
+
+def test_layers_json_small(capsys):
+    out = _json(capsys, LAYERS_SMALL)
     plain, lean = out["modes"]
     assert plain["name"] == "torch.nn" and lean["name"] == "leanact"
     # bf16 HF-eager-style layer on the CPU: 36 + 6as/h B/sbh plus LayerNorm statistics (see test_meter).
@@ -20,21 +193,31 @@ def test_profile_json_small(capsys):
     assert lean["by_op"].get("Gelu", 0) == 0 and lean["by_op"].get("NativeLayerNorm", 0) == 0
 
 
-def test_profile_table_small(capsys):
-    assert main(SMALL) == 0
+def test_layers_table_small(capsys):
+    assert main(LAYERS_SMALL) == 0
     text = capsys.readouterr().out
     assert "total per layer" in text and "leanact" in text and "B/sbh" in text
 
 
 @pytest.mark.parametrize("bad", [["--hidden", "65"], ["--seq", "0"], ["--dropout", "1.5"], ["--dtype", "int8"],
                                  ["--batch", "two"]])
-def test_bad_arguments_exit_2_with_a_message(bad, capsys):
+def test_bad_layers_arguments_exit_2_with_a_message(bad, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(SMALL + bad)
+        main(LAYERS_SMALL + bad)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
 
 
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "leanact.cli.main", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "profile" in out.stdout
+    assert out.returncode == 0 and "profile" in out.stdout and "layers" in out.stdout
+    from importlib.metadata import entry_points
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    if "leanact" not in scripts:
+        pytest.skip("leanact is not pip-installed here (pyproject.toml declares the script)")
+    assert scripts["leanact"] == "leanact.cli.main:main"
+    exe = shutil.which("leanact")
+    if exe is not None:
+        out = subprocess.run([exe, "profile", "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "--budget" in out.stdout and "--model" in out.stdout

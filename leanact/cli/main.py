@@ -1,11 +1,14 @@
-"""`leanact` console script."""
+"""`leanact` console script: `leanact profile` (Hugging Face models) and `leanact layers` (one layer)."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 
-from .profile import DTYPES, ProfileConfig, render, run_profile
+from . import layers as layer_cmd
+from . import profile as profile_cmd
+from .sizes import parse_size
 
 
 def _positive(text: str) -> int:
@@ -15,6 +18,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -28,11 +41,51 @@ def _probability(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leanact", description="Activation memory for Transformer training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = ProfileConfig()
-    p = sub.add_parser("profile", help="compare what a BERT-style layer keeps for backward: torch.nn vs leanact",
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _png(text: str) -> str:
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"--plot writes a PNG file: give a name ending in .png, got {text!r}")
+    return text
+
+
+def _add_profile(sub) -> None:
+    from leanact.models.geometries import GEOMETRIES
+
+    p = sub.add_parser(
+        "profile", help="activation memory and step time of a Hugging Face model: unpatched vs leanact",
+        description="Builds a Hugging Face model from its config (random weights, CPU) in four modes -- HF eager, "
+                    "HF sdpa, leanact.patch(attention='recompute') and leanact.patch(attention='tempo') -- and "
+                    "prints what one layer keeps for backward (2-layer minus 1-layer model), B/sbh, the whole "
+                    "model's activation memory at the chosen batch (measured at batch 1 and 2, affine in the batch) and "
+                    "the forward+backward time of the 1-layer model, modes interleaved in one run (medians).")
+    p.add_argument("--model", default=profile_cmd.DEFAULT_MODEL,
+                   help=f"{', '.join(GEOMETRIES)}, or a path to a Hugging Face config.json "
+                        f"(default {profile_cmd.DEFAULT_MODEL})")
+    p.add_argument("--seq", type=_positive, help="sequence length s (default: per model, 128 for bert-base)")
+    p.add_argument("--batch", type=_positive, help="batch for the activation column and the timing "
+                                                   "(default: per model, 2 for bert-base)")
+    p.add_argument("--dtype", choices=list(profile_cmd.DTYPES), default="bf16", help="default bf16")
+    p.add_argument("--dropout", type=_probability, help="set every dropout probability of the config "
+                                                        "(default: the config's own)")
+    p.add_argument("--repeats", type=_non_negative,
+                   help="timed steps per mode, 0 to skip timing (default: per model, 4 for bert-base)")
+    p.add_argument("--budget", type=_size, help="activation memory budget, e.g. 16GiB, 512MiB, 10GB, 1e9: "
+                                                "adds the largest batch that fits, per mode, and leanact.plan's "
+                                                "plan for the unpatched model")
+    p.add_argument("--plot", type=_png, metavar="FILE.png", help="write a bar chart of the per-op breakdown")
+    p.add_argument("--ops", action="store_true", help="also print the per-layer breakdown by autograd op")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+
+def _add_layers(sub) -> None:
+    d = layer_cmd.ProfileConfig()
+    p = sub.add_parser("layers", help="one BERT-style encoder layer: torch.nn modules vs leanact drop-ins",
                        description="Builds a BERT-style encoder layer on the CPU from torch.nn modules and from "
                                    "leanact's drop-ins (same weights) and prints bytes kept per autograd op, B/sbh "
                                    "and the forward+backward time ratio, measured side by side.")
@@ -40,33 +93,102 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=_positive, default=d.heads, help=f"attention heads a (default {d.heads})")
     p.add_argument("--seq", type=_positive, default=d.seq, help=f"sequence length s (default {d.seq})")
     p.add_argument("--batch", type=_positive, default=d.batch, help=f"micro-batch b (default {d.batch})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help=f"default {d.dtype}")
+    p.add_argument("--dtype", choices=sorted(layer_cmd.DTYPES), default=d.dtype, help=f"default {d.dtype}")
     p.add_argument("--dropout", type=_probability, default=d.dropout, help=f"default {d.dropout}")
     p.add_argument("--repeats", type=_positive, default=d.repeats, help=f"timed steps per mode (default {d.repeats})")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="leanact", description="Activation memory for Transformer training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_profile(sub)
+    _add_layers(sub)
     return parser
+
+
+def _profile(parser: argparse.ArgumentParser, args) -> int:
+    from leanact.models.geometries import resolve
+
+    try:
+        geo = resolve(args.model)
+        cfg = profile_cmd.ProfileConfig(args.model, args.seq, args.batch, args.dtype, args.dropout, args.repeats,
+                                        args.budget).resolved(geo)
+        geo.check_seq(cfg.seq)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        result = profile_cmd.run_profile(cfg)
+        if cfg.budget is not None:
+            result.plan = _plan_text(cfg)
+        if args.plot:
+            from .plot import plot
+
+            plot(result, args.plot)
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task(f"building {geo.name}", total=profile_cmd.steps_total(cfg))
+        result = profile_cmd.run_profile(cfg, progress=lambda n, what: bar.update(task, advance=n, description=what))
+    console.print(profile_cmd.render(result))
+    if args.ops:
+        console.print(profile_cmd.render_ops(result))
+    if args.plot:
+        from .plot import plot
+
+        plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    if cfg.budget is not None:
+        explained, note = profile_cmd.planner_explanation(cfg)
+        console.print(note)
+        if explained is not None:
+            console.print(explained)
+    return 0
+
+
+def _plan_text(cfg) -> str:
+    """The planner's explanation as plain text (or the note saying why there is none), for --json."""
+    from rich.console import Console
+
+    explained, note = profile_cmd.planner_explanation(cfg)
+    if explained is None:
+        return note
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(explained)
+    return console.export_text()
+
+
+def _layers(parser: argparse.ArgumentParser, args) -> int:
+    if args.hidden % args.heads:
+        parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    cfg = layer_cmd.ProfileConfig(hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch,
+                                  dtype=args.dtype, dropout=args.dropout, repeats=args.repeats)
+    if args.json:
+        print(json.dumps(layer_cmd.run_profile(cfg).to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("timing forward+backward", total=2 * cfg.repeats)
+        result = layer_cmd.run_profile(cfg, progress=lambda n: bar.advance(task, n))
+    console.print(layer_cmd.render(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "profile":
-        if args.hidden % args.heads:
-            parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-        cfg = ProfileConfig(hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch,
-                            dtype=args.dtype, dropout=args.dropout, repeats=args.repeats)
-        if args.json:
-            print(json.dumps(run_profile(cfg).to_dict(), indent=2))
-            return 0
-        from rich.console import Console
-        from rich.progress import Progress
-
-        console = Console()
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("timing forward+backward", total=2 * cfg.repeats)
-            result = run_profile(cfg, progress=lambda n: bar.advance(task, n))
-        console.print(render(result))
-        return 0
+        return _profile(parser, args)
+    if args.command == "layers":
+        return _layers(parser, args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

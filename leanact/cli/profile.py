@@ -1,133 +1,272 @@
-"""`leanact profile`: bytes kept for backward and step time, plain torch.nn vs leanact modules.
+"""`leanact profile`: activation memory and step time of a Hugging Face model, unpatched vs leanact.
 
-Builds the BERT-style encoder layer of :mod:`leanact.models.encoder` twice on the CPU (same
-weights): once from torch.nn's GELU/LayerNorm/Dropout and once from leanact's drop-ins, measures
-what one layer keeps for backward (2-layer minus 1-layer model, per autograd op) and the
-forward+backward time of each, interleaved in one run.
+Four modes of one model (same random weights): HF eager attention, HF sdpa attention,
+``leanact.patch(attention="recompute")`` and ``leanact.patch(attention="tempo")``.
+
+Memory (what autograd keeps for backward, counted by :class:`leanact.memory.SavedTensorMeter`:
+storages deduplicated, parameters and the input batch excluded) is measured on models built with 1
+and 2 layers, as :func:`leanact.memory.measure_layer_cost` does, each at batch 1 and batch 2:
+
+* per layer = cost(2 layers) − cost(1 layer);
+* non-layer part (embeddings, head, logits, loss) = cost(1 layer) − per layer;
+* whole model at batch b = L · per layer + non-layer part, each affine in b:
+  cost(b) = cost(1) + (b − 1) · (cost(2) − cost(1)).
+
+Nearly everything a model keeps is a per-sample activation (linear in b). A few bytes are the
+same whatever the batch (e.g. BERT's token-type ids, broadcast over the batch, and the loss's
+scalar total weight: 258 B for BERT in bf16), hence the affine form, exact for both; tests check
+it against direct measurements of the full L-layer model at other batch sizes. B/sbh and the
+per-op breakdown are at batch 1. Parameters, gradients and optimizer state are not activation
+memory and are not counted.
+
+Time: forward+backward of the 1-layer model (head and loss included, so the ratios are diluted
+relative to a deep model) at the chosen batch and sequence, modes interleaved step by step so
+that drifts in machine load hit all alike; medians of ``repeats`` steps after one warm-up step.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
-from leanact.memory import LayerCost, measure_layer_cost
-from leanact.models import TORCH_MODULES, EncoderStack, ModuleSet, leanact_modules
+from leanact.memory import SavedTensorMeter
+from leanact.models.geometries import Geometry, resolve
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+from .sizes import format_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DEFAULT_MODEL = "bert-base"
+# (label, HF attention implementation, leanact.patch attention mode or None for unpatched)
+MODES: list[tuple[str, str, str | None]] = [
+    ("HF eager", "eager", None),
+    ("HF sdpa", "sdpa", None),
+    ("leanact recompute", "sdpa", "recompute"),
+    ("leanact tempo", "sdpa", "tempo"),
+]
 
 
 @dataclass
 class ProfileConfig:
-    hidden: int = 1024
-    heads: int = 16
-    seq: int = 512
-    batch: int = 1
+    model: str = DEFAULT_MODEL
+    seq: int | None = None  # None: the geometry's default
+    batch: int | None = None
     dtype: str = "bf16"
-    dropout: float = 0.1
-    repeats: int = 10
+    dropout: float | None = None  # None: the config's own dropout
+    repeats: int | None = None  # 0: skip timing
+    budget: int | None = None  # bytes of activation memory for the largest-batch column
     seed: int = 0
+
+    def resolved(self, geo: Geometry) -> "ProfileConfig":
+        """A copy with the geometry's defaults filled in."""
+        return ProfileConfig(self.model, self.seq or geo.seq, self.batch or geo.batch, self.dtype, self.dropout,
+                             geo.repeats if self.repeats is None else self.repeats, self.budget, self.seed)
 
 
 @dataclass
 class ModeResult:
     name: str
-    bytes_per_layer: int
+    bytes_per_layer: int  # at batch 1
     per_sbh: float
-    by_op: dict[str, int]
-    step_ms: float
-    step_ratio: float = 1.0
+    non_layer_bytes: int  # at batch 1
+    by_op: dict[str, int]  # per layer, at batch 1
+    per_sample_bytes: int  # whole model: bytes added by each sample of the batch
+    fixed_bytes: int  # whole model: bytes that do not depend on the batch
+    activation_bytes: int = 0  # whole model at the chosen batch
+    step_ms: float | None = None
+    step_ratio: float | None = None
+    max_batch: int | None = None  # under the budget
+
+    def activation_at(self, batch: int) -> int:
+        """Whole-model activation bytes at ``batch``."""
+        return self.fixed_bytes + batch * self.per_sample_bytes
 
 
 @dataclass
 class ProfileResult:
     config: ProfileConfig
+    geometry: dict
     modes: list[ModeResult] = field(default_factory=list)
+    plan: str | None = None  # the planner's explanation (or why it is not shown), with --budget
 
     def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "modes": [asdict(m) for m in self.modes]}
+        return {"config": asdict(self.config), "geometry": self.geometry,
+                "modes": [asdict(m) for m in self.modes], "plan": self.plan}
 
 
-def _build(cfg: ProfileConfig, modules: ModuleSet, layers: int) -> EncoderStack:
-    torch.manual_seed(cfg.seed)  # same weights for every module set
-    model = EncoderStack(layers, hidden=cfg.hidden, heads=cfg.heads, dropout=cfg.dropout, modules=modules)
-    return model.to(DTYPES[cfg.dtype]).train()
+def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int]]:
+    """(bytes kept for backward, bytes by autograd op) of one forward, then a backward.
+
+    The backward releases what the forward kept: a graph whose saved tensors went through the
+    meter's hooks is not always freed by dropping the output alone (seen on CPU with torch 2.13),
+    so without it, memory grows by one forward's activations per measurement.
+    """
+    meter = SavedTensorMeter(model, exclude=[t for t in inputs.values() if isinstance(t, torch.Tensor)])
+    with meter:
+        out = model(**inputs)
+    meter.attribute(out)
+    cost = meter.total_bytes, dict(meter.by_op())
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    return cost
 
 
-def _inputs(cfg: ProfileConfig) -> tuple[torch.Tensor]:
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    return (torch.randn(cfg.batch, cfg.seq, cfg.hidden, generator=g).to(DTYPES[cfg.dtype]),)
+def mode_model(base: torch.nn.Module, attn: str, lean: str | None) -> torch.nn.Module:
+    """A copy of ``base`` (same weights) with attention ``attn``, patched by leanact if ``lean``."""
+    import leanact
+
+    model = copy.deepcopy(base)
+    model.set_attn_implementation(attn)
+    if lean is not None:
+        leanact.patch(model, attention=lean)
+    return model.train()
 
 
-def _step(model: EncoderStack, x: torch.Tensor) -> float:
+def _step(model: torch.nn.Module, inputs: dict) -> float:
+    model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    model(x).float().square().mean().backward()
+    model(**inputs).loss.backward()
     return time.perf_counter() - t0
 
 
-def run_profile(cfg: ProfileConfig, progress=None) -> ProfileResult:
-    """Measure both module sets; ``progress(advance)`` is called once per timed step if given."""
-    if cfg.hidden % cfg.heads:
-        raise ValueError(f"--hidden {cfg.hidden} must be a multiple of --heads {cfg.heads}.")
-    sets = [TORCH_MODULES, leanact_modules()]
-    costs: list[LayerCost] = [
-        measure_layer_cost(lambda n, m=m: _build(cfg, m, n), lambda: _inputs(cfg), cfg.seq, cfg.batch, cfg.hidden)
-        for m in sets
-    ]
-    models = [_build(cfg, m, 1) for m in sets]
-    x = _inputs(cfg)[0].requires_grad_()
-    times: list[list[float]] = [[] for _ in sets]
-    for _ in range(2):  # warm-up
-        for model in models:
-            _step(model, x)
-    for _ in range(cfg.repeats):  # interleaved, so drifts in machine load hit both alike
-        for i, model in enumerate(models):
-            times[i].append(_step(model, x))
-            if progress is not None:
-                progress(1)
-    result = ProfileResult(cfg)
-    base = statistics.median(times[0])
-    for m, cost, ts in zip(sets, costs, times):
-        med = statistics.median(ts)
-        result.modes.append(ModeResult(m.name, cost.bytes, cost.per_sbh, dict(cost.by_op), med * 1e3, med / base))
+def steps_total(cfg: ProfileConfig) -> int:
+    """Progress units of :func:`run_profile`: 2 memory measurements + (1 + repeats) steps per mode."""
+    return len(MODES) * (2 + ((1 + cfg.repeats) if cfg.repeats else 0))
+
+
+def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None = None) -> ProfileResult:
+    """Measure every mode; ``progress(advance, what)`` is called after each unit of work."""
+    geo = resolve(cfg.model)
+    cfg = cfg.resolved(geo)
+    geo.check_seq(cfg.seq)
+    tick = progress or (lambda n, what: None)
+    dtype = DTYPES[cfg.dtype]
+    h, layers = geo.hidden, geo.layers
+    bases = {n: geo.build(n, "eager", dtype, cfg.dropout, cfg.seq, cfg.seed) for n in (1, 2)}
+    samples = {b: geo.batch_inputs(b, cfg.seq, dtype, cfg.seed + 1) for b in (1, 2)}
+    result = ProfileResult(cfg, dict(name=geo.name, model_class=geo.model_cls, hidden=h, layers=layers,
+                                     heads=geo.heads, vocab=geo.vocab))
+    timed: list[torch.nn.Module] = []
+    for label, attn, lean in MODES:
+        costs: dict[tuple[int, int], tuple[int, dict[str, int]]] = {}
+        for n in (1, 2):
+            model = mode_model(bases[n], attn, lean)
+            for b in (1, 2):
+                costs[n, b] = _cost(model, samples[b])
+            tick(1, f"memory: {label}, {n} layer{'s' * (n > 1)}")
+            if n == 1 and cfg.repeats:
+                timed.append(model)
+        total = {key: c[0] for key, c in costs.items()}
+        layer = {b: total[2, b] - total[1, b] for b in (1, 2)}
+        whole = {b: layers * layer[b] + total[1, b] - layer[b] for b in (1, 2)}
+        ops: OrderedDict[str, int] = OrderedDict()
+        two, one = costs[2, 1][1], costs[1, 1][1]
+        for op in list(two) + list(one):
+            if two.get(op, 0) - one.get(op, 0):
+                ops[op] = two.get(op, 0) - one.get(op, 0)
+        m = ModeResult(label, layer[1], layer[1] / (cfg.seq * h), total[1, 1] - layer[1], dict(ops),
+                       per_sample_bytes=whole[2] - whole[1], fixed_bytes=2 * whole[1] - whole[2])
+        m.activation_bytes = m.activation_at(cfg.batch)
+        if cfg.budget is not None:
+            m.max_batch = max_batch(cfg.budget, m.fixed_bytes, m.per_sample_bytes)
+        result.modes.append(m)
+    del bases
+    if cfg.repeats:
+        _time_modes(result, timed, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.repeats, tick)
     return result
 
 
+def _time_modes(result: ProfileResult, models: list, inputs: dict, repeats: int, tick) -> None:
+    times: list[list[float]] = [[] for _ in models]
+    for r in range(1 + repeats):  # round 0 is the warm-up
+        for i, model in enumerate(models):
+            t = _step(model, inputs)
+            if r:
+                times[i].append(t)
+            tick(1, f"timing: {result.modes[i].name}" + (f", step {r}/{repeats}" if r else ", warm-up"))
+    base = statistics.median(times[0])
+    for m, ts in zip(result.modes, times):
+        med = statistics.median(ts)
+        m.step_ms, m.step_ratio = med * 1e3, med / base
+
+
+def max_batch(budget: int, fixed: int, per_sample: int) -> int:
+    """Largest b with fixed + b · per_sample ≤ budget (0 if not even one sample fits)."""
+    if per_sample <= 0:
+        raise ValueError(f"per-sample activation bytes must be positive, got {per_sample}")
+    return max((budget - fixed) // per_sample, 0)
+
+
+def planner_explanation(cfg: ProfileConfig):
+    """The planner's ``Plan.explain()`` for the unpatched (sdpa) model under ``cfg.budget``.
+
+    Returns (renderable or None, note). leanact.plan is optional: without it the note says so.
+    """
+    try:
+        from leanact.plan import plan
+    except ImportError:
+        return None, "planner not shown: leanact.plan is not available in this installation"
+    geo = resolve(cfg.model)
+    cfg = cfg.resolved(geo)
+    dtype = DTYPES[cfg.dtype]
+    model = geo.build(geo.layers, "sdpa", dtype, cfg.dropout, cfg.seq, cfg.seed)
+    try:
+        explained = plan(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.budget).explain()
+    except Exception as e:  # the planner is a separate component: report, do not fail the profile
+        return None, f"planner failed: {type(e).__name__}: {e}"
+    return explained, f"plan for the unpatched model under {format_bytes(cfg.budget)}"
+
+
 def render(result: ProfileResult):
-    """A rich Table: bytes per layer per autograd op, B/sbh, step time."""
+    """A rich Table, one row per mode."""
+    from rich import box
+    from rich.table import Table
+
+    cfg, g = result.config, result.geometry
+    title = (f"{g['name']} ({g['model_class']}: h={g['hidden']}, L={g['layers']}, a={g['heads']}"
+             f"{', vocab ' + str(g['vocab']) if g['vocab'] else ''}), s={cfg.seq}, b={cfg.batch}, {cfg.dtype}"
+             f"{'' if cfg.dropout is None else f', dropout {cfg.dropout}'}, random weights")
+    timing = (f"time: fwd+bwd of the 1-layer model, median of {cfg.repeats}, modes interleaved" if cfg.repeats
+              else "time: not measured (--repeats 0)")
+    tab = Table(title=title, box=box.SIMPLE_HEAD, caption=(
+        "kept for backward, parameters excluded. per layer: 2-layer minus 1-layer model, b=1. total: whole "
+        f"model at b={cfg.batch}. {timing}"))
+    eager = result.modes[0]
+    cols = ["mode", "B/sbh", "vs eager", "per layer", "non-layer", f"total b={cfg.batch}"]
+    if cfg.budget is not None:
+        cols.append(f"max b in {format_bytes(cfg.budget)}")
+    cols += ["fwd+bwd", "vs eager"]
+    for c in cols:
+        tab.add_column(c, justify="left" if c == "mode" else "right", no_wrap=c == "mode")
+    for m in result.modes:
+        row = [m.name, f"{m.per_sbh:.2f}", f"{m.bytes_per_layer / eager.bytes_per_layer:.2f}x",
+               format_bytes(m.bytes_per_layer), format_bytes(m.non_layer_bytes), format_bytes(m.activation_bytes)]
+        if cfg.budget is not None:
+            row.append(f"{m.max_batch}")
+        row += ["-", "-"] if m.step_ms is None else [f"{m.step_ms:.0f} ms", f"{m.step_ratio:.2f}x"]
+        tab.add_row(*row, style="bold" if m.name == "leanact recompute" else None)
+    return tab
+
+
+def render_ops(result: ProfileResult):
+    """A rich Table: per-layer B/sbh by autograd op, one column per mode."""
     from rich.table import Table
 
     cfg = result.config
-    sbh = cfg.seq * cfg.batch * cfg.hidden
-    tab = Table(title=(f"Saved for backward per encoder layer  (h={cfg.hidden}, a={cfg.heads}, s={cfg.seq}, "
-                       f"b={cfg.batch}, {cfg.dtype}, dropout={cfg.dropout}, CPU)"))
+    sbh = cfg.seq * result.geometry["hidden"]
+    tab = Table(title="Kept per layer by autograd op (B/sbh)")
     tab.add_column("autograd op")
     for m in result.modes:
-        tab.add_column(f"{m.name}\nbytes", justify="right")
-        tab.add_column("B/sbh", justify="right")
+        tab.add_column(m.name, justify="right")
     ops: list[str] = []
     for m in result.modes:
-        ops += [op for op, n in m.by_op.items() if n and op not in ops]
+        ops += [op for op in m.by_op if op not in ops]
     for op in ops:
-        row = [op]
-        for m in result.modes:
-            n = m.by_op.get(op, 0)
-            row += [f"{n:,}" if n else "-", f"{n / sbh:.2f}" if n else "-"]
-        tab.add_row(*row)
+        tab.add_row(op, *[f"{m.by_op[op] / sbh:.2f}" if m.by_op.get(op) else "-" for m in result.modes])
     tab.add_section()
-    total = ["total per layer"]
-    for m in result.modes:
-        total += [f"{m.bytes_per_layer:,}", f"{m.per_sbh:.2f}"]
-    tab.add_row(*total, style="bold")
-    ratio = ["vs torch.nn"]
-    for m in result.modes:
-        ratio += [f"{m.bytes_per_layer / result.modes[0].bytes_per_layer:.3f}x", ""]
-    tab.add_row(*ratio)
-    tab.add_section()
-    step = ["fwd+bwd time (median)"]
-    for m in result.modes:
-        step += [f"{m.step_ms:.1f} ms", f"{m.step_ratio:.2f}x"]
-    tab.add_row(*step)
+    tab.add_row("total", *[f"{m.per_sbh:.2f}" for m in result.modes], style="bold")
     return tab

@@ -119,11 +119,15 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         summary.attention.append((path, before, f"leanact ({mode})"))
 
 
-def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False) -> nn.Module:
+def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
+          lossy: str | dict | None = None) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
 
     ``attention``: "recompute" (default; keeps q, k, v, output and one statistic per row),
     "tempo" (keeps the softmax output instead of recomputing it) or False (leave attention as is).
+    ``lossy``: None (default: exact) or approximate options on top, which change gradients: a dict
+    such as ``{"fewbit": 2, "randomized_linear": 0.5, "compress": "fp8"}`` or a string such as
+    ``"fp8"`` or ``"fewbit=2,compress=fp8"`` (see :mod:`leanact.lossy`).
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
     if attention not in (False, *_ATTENTION_MODES):
@@ -137,6 +141,14 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     if attention:
         _patch_attention(model, attention, summary, records)
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
+    if lossy:
+        from .. import lossy as _lossy
+
+        try:
+            _lossy.apply(model, lossy)
+        except Exception:
+            unpatch(model)  # a bad lossy spec leaves the model as it was
+            raise
     if verbose:
         from rich.console import Console
 
@@ -149,7 +161,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     state: _PatchState | None = getattr(model, _ATTR, None)
     if state is None:
         return model
+    from .. import lossy as _lossy
     from . import attention_hf
+
+    _lossy.remove(model)  # lossy swaps sit on top of the patch's
 
     for parent, name, original in reversed(state.originals):
         current = parent._modules.get(name)

@@ -93,6 +93,12 @@ def _unsupported_forward(t: type) -> str | None:
     return _checked[t]
 
 
+def _still_silu(act: nn.Module | None) -> bool:
+    """Cheap per-call check that act_fn is still a SiLU class (the full check ran at patch time)."""
+    t = type(act)
+    return t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")
+
+
 def _silu_reason(act: nn.Module | None) -> str | None:
     if act is None:
         return "no act_fn module"
@@ -121,7 +127,8 @@ class _LeanHFSwiGLU:
     def forward(self, *args, **kwargs) -> torch.Tensor:
         hf_forward = type(self).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or foreign_hooks()):
+                or foreign_hooks() or not _still_silu(self._modules.get("act_fn"))):
+            # (act_fn swapped since patching, e.g. by leanact.lossy's few-bit SiLU: HF's forward calls it)
             return hf_forward(self, *args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))  # the one argument, by position or name
         with RecipeTransform():

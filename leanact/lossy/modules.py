@@ -1,0 +1,53 @@
+"""Modules for the lossy options: few-bit activations and the randomized-gradient Linear."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.fewbit import fewbit_activation, table
+from ..ops.randomized_linear import DEFAULT_BLOCK, randomized_linear, sketch_rows
+
+__all__ = ["FewBitActivation", "RandomizedLinear"]
+
+
+class FewBitActivation(nn.Module):
+    """GELU / tanh-GELU / SiLU whose backward keeps ``bits`` bits per element (approximate
+    derivative, exact output; :mod:`leanact.ops.fewbit`). No parameters, empty state dict."""
+
+    def __init__(self, function: str = "gelu", bits: int = 2) -> None:
+        super().__init__()
+        table(function, bits)  # validates
+        self.function, self.bits = function, bits
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fewbit_activation(input, self.function, self.bits)
+
+    def extra_repr(self) -> str:
+        return f"function={self.function!r}, bits={self.bits}"
+
+
+class RandomizedLinear(nn.Linear):
+    """:class:`torch.nn.Linear` whose weight gradient is an unbiased random estimate; keeps
+    ``R X`` (ρ·N rows) and an 8-byte seed instead of its input (:mod:`leanact.ops.randomized_linear`).
+    Same parameters and state dict as the Linear it replaces (:meth:`from_linear` shares them)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 ratio: float = 0.5, block: int = DEFAULT_BLOCK) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        sketch_rows(1, ratio, block)  # validates
+        self.ratio, self.block = ratio, block
+
+    @classmethod
+    def from_linear(cls, m: nn.Linear, ratio: float = 0.5, block: int = DEFAULT_BLOCK) -> "RandomizedLinear":
+        new = cls(m.in_features, m.out_features, bias=m.bias is not None, device="meta", ratio=ratio, block=block)
+        new.weight, new.bias = m.weight, m.bias  # the same Parameter objects
+        new.train(m.training)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return randomized_linear(input, self.weight, self.bias, self.ratio, self.block)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", ratio={self.ratio}, block={self.block}"
+
+

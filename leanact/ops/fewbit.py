@@ -1,0 +1,140 @@
+"""Few-bit backward for GELU (erf and tanh forms) and SiLU: an approximate gradient, b bits kept.
+
+Forward is torch's own (``F.gelu`` / ``F.silu``, bitwise). For backward only a ``bits``-bit index
+per element is kept (``bits`` in 1..4; bit planes packed with :mod:`leanact.ops.bitpack`:
+``bits * ceil(numel / 8)`` bytes), saying which region of x the input fell in; backward returns
+``grad * level[index]``, i.e. the true derivative replaced by a piecewise-constant function with
+``2**bits`` values. The levels and region borders minimise the L2 error to the true derivative,
+weighted by a standard normal input density (Lloyd-Max conditions: each level is the weighted
+mean of f' over its region, each x is mapped to the nearest level). They are solved by
+``scripts/fewbit_tables.py`` and shipped in :mod:`leanact.ops.fewbit_tables`. f' is not monotonic
+(GELU' dips to -0.13 at x = -sqrt 2 and peaks at 1.13 at x = +sqrt 2), so one level may own
+several x intervals; the forward maps x to its interval with ``bucketize`` and the interval to
+its level with a small lookup.
+
+What it approximates: the activation's derivative (the gradient w.r.t. the activation input is
+off by ``grad * (level - f'(x))``; RMS error of the derivative under the standard normal weight
+(``sqrt(TABLES[...]["error"])``) 0.196 / 0.089 / 0.044 / 0.022 for 1 / 2 / 3 / 4 bits (GELU; SiLU
+0.179 / 0.089 / 0.044 / 0.022), i.e. 29% / 13% / 6.5% / 3.2% of the RMS of GELU'. The output is exact. NaN inputs get the gradient of the
+last interval (finite) instead of NaN. Double backward is not supported (``once_differentiable``).
+
+Rounding of borders: the x dtype's values are compared with the borders rounded *down* to that
+dtype, which puts every representable x on the same side as the float64 border would.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .fewbit_tables import TABLES
+
+__all__ = ["FUNCTIONS", "FewBitFunction", "fewbit_activation", "fewbit_index", "fewbit_derivative",
+           "fewbit_packed_nbytes", "table"]
+
+FUNCTIONS = ("gelu", "gelu_tanh", "silu")
+_CACHE: dict = {}
+
+
+def table(function: str, bits: int) -> dict:
+    """The shipped table for ``function`` ("gelu", "gelu_tanh", "silu") and ``bits`` (1..4)."""
+    if function not in FUNCTIONS:
+        raise ValueError(f"few-bit backward supports {FUNCTIONS}, got {function!r}")
+    if bits not in (1, 2, 3, 4):
+        raise ValueError(f"bits must be 1, 2, 3 or 4 (the index kept per element), got {bits!r}")
+    return TABLES[(function, bits)]
+
+
+def fewbit_packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes kept for ``numel`` elements: ``bits`` packed bit planes of ``ceil(numel / 8)`` bytes."""
+    return bits * packed_nbytes(numel)
+
+
+def _borders_below(borders: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """Borders rounded down to ``dtype``: for x of that dtype, ``x > b_down`` iff ``x > b``."""
+    exact = torch.tensor(borders, dtype=torch.float64)
+    b = exact.to(dtype)
+    over = b.double() > exact
+    if over.any():
+        b = torch.where(over, torch.nextafter(b, torch.full_like(b, -math.inf)), b)
+    return b.to(device)
+
+
+def _tensors(function: str, bits: int, dtype: torch.dtype, device: torch.device):
+    key = (function, bits, dtype, device)
+    hit = _CACHE.get(key)
+    if hit is None:
+        t = table(function, bits)
+        level_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        hit = _CACHE[key] = (
+            _borders_below(t["borders"], dtype, device),
+            torch.tensor(t["labels"], dtype=torch.uint8, device=device),
+            torch.tensor(t["levels"], dtype=torch.float64).to(device=device, dtype=level_dtype),
+        )
+    return hit
+
+
+def fewbit_index(x: torch.Tensor, function: str, bits: int) -> torch.Tensor:
+    """Level index (uint8, shape of ``x``) of every element: the level of x's interval."""
+    borders, labels, _ = _tensors(function, bits, x.dtype, x.device)
+    return labels[torch.bucketize(x, borders)]
+
+
+def _pack(index: torch.Tensor, bits: int) -> torch.Tensor:
+    planes = [pack_bits(torch.bitwise_and(index, 1 << p) != 0) for p in range(bits)]
+    return torch.cat(planes) if bits > 1 else planes[0]
+
+
+def _unpack(packed: torch.Tensor, bits: int, numel: int, shape) -> torch.Tensor:
+    per = packed_nbytes(numel)
+    index = torch.zeros(numel, dtype=torch.uint8, device=packed.device)
+    for p in range(bits):
+        plane = unpack_bits(packed[p * per:(p + 1) * per], numel)
+        index.bitwise_or_(plane.to(torch.uint8) << p)
+    return index.view(shape)
+
+
+def fewbit_derivative(x: torch.Tensor, function: str, bits: int) -> torch.Tensor:
+    """The piecewise-constant derivative backward uses, at ``x`` (levels' dtype: float32 for
+    16-bit ``x``, else ``x.dtype``)."""
+    _, _, levels = _tensors(function, bits, x.dtype, x.device)
+    return levels[fewbit_index(x, function, bits).long()]
+
+
+def _forward(x: torch.Tensor, function: str) -> torch.Tensor:
+    if function == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if function == "gelu_tanh" else "none")
+
+
+class FewBitFunction(torch.autograd.Function):
+    """``y = f(x)`` (torch's kernel) keeping ``bits`` bits per element (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, function: str, bits: int):
+        y = _forward(x, function)
+        ctx.meta = (function, bits, x.shape, x.dtype, x.numel())
+        ctx.save_for_backward(_pack(fewbit_index(x.contiguous(), function, bits), bits))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (packed,) = ctx.saved_tensors
+        function, bits, shape, dtype, numel = ctx.meta
+        _, _, levels = _tensors(function, bits, dtype, grad.device)
+        d = levels[_unpack(packed, bits, numel, shape).long()]
+        return (grad.to(levels.dtype) * d).to(grad.dtype), None, None
+
+
+def fewbit_activation(x: torch.Tensor, function: str = "gelu", bits: int = 2) -> torch.Tensor:
+    """``f(x)`` with a few-bit backward (module doc). ``function``: "gelu", "gelu_tanh", "silu"."""
+    table(function, bits)
+    if not x.is_floating_point():
+        raise TypeError(f"few-bit activations need a floating-point input, got {x.dtype}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        return FewBitFunction.apply(x, function, bits)
+    return _forward(x, function)
