@@ -20,7 +20,7 @@ from torch import nn
 
 from leanact.strategies.layers import find_layers
 from leanact.strategies.offload import DEFAULT_THRESHOLD
-from leanact.strategies.plan import STRATEGIES, Plan
+from leanact.strategies.plan import LOSSY, STRATEGIES, Plan
 
 from .costs import LayerCosts, ModelCosts, StrategyCost, measure_costs
 from .dp import Solution, min_peak, predict, solve
@@ -60,9 +60,9 @@ def parse_budget(budget: str | int | float) -> int:
     return int(value)
 
 
-def _default_strategies(device: str) -> list[str]:
+def _default_strategies(device: str, allow_lossy: bool) -> list[str]:
     # On the CPU, "host" memory is the device's: offloading would only add copies.
-    names = list(STRATEGIES)
+    names = [s for s in STRATEGIES if allow_lossy or s not in LOSSY]
     return names if device.startswith("cuda") else [s for s in names if not s.startswith("offload")]
 
 
@@ -81,20 +81,27 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     measurement (``plan_obj.costs``). ``time_model``: "measure" (time each layer, best of ``reps``)
     or "flops" (deterministic FLOP count; see :func:`~leanact.plan.costs.measure_costs`). ``loss_fn`` is accepted for the estimator's signature; the
     measurement runs each layer's forward and backward alone, so no loss is needed.
-    ``allow_lossy``: every strategy here is exact, so there is nothing lossy to allow yet.
+    ``allow_lossy``: also consider the strategies of :data:`leanact.strategies.LOSSY` (saved
+    tensors stored in fp8/int8: they change gradients); without it they are never chosen, and
+    naming one in ``strategies`` raises.
 
     Runs one forward of the model and a few forward/backward passes of each distinct layer.
     Any plan already applied to ``model`` is removed. Raises :class:`InfeasibleBudget` with the
     smallest feasible budget when none fits. Returns a :class:`~leanact.strategies.Plan` (not
     applied: call ``.apply(model)``).
     """
-    del loss_fn, allow_lossy
+    del loss_fn
+    if strategies is not None and not allow_lossy:
+        strategies = list(strategies)
+        lossy = [s for s in strategies if s in LOSSY]
+        if lossy:
+            raise ValueError(f"strategies {lossy} are lossy (they change gradients): pass allow_lossy=True to use them")
     budget_bytes = parse_budget(budget)
     found = find_layers(model) if layers is None else [(n, model.get_submodule(n)) for n in layers]
     names = [n for n, _ in found]
     if costs is None:
         device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) else "cpu"
-        chosen = list(strategies) if strategies is not None else _default_strategies(device)
+        chosen = list(strategies) if strategies is not None else _default_strategies(device, allow_lossy)
         for s in chosen:
             if s not in STRATEGIES:
                 raise ValueError(f"unknown strategy {s!r}; choose among {list(STRATEGIES)}")
@@ -102,7 +109,8 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
         costs = measure_costs(model, sample_inputs, found, measured, reps=reps, threshold=offload_threshold,
                               time_model=time_model)
     else:
-        chosen = list(strategies) if strategies is not None else list(costs.layers[0].by_strategy)
+        chosen = list(strategies) if strategies is not None else [
+            s for s in costs.layers[0].by_strategy if allow_lossy or s not in LOSSY]
     for layer in costs.layers:
         base = layer.by_strategy["lean"].time
         for c in layer.by_strategy.values():

@@ -45,7 +45,7 @@ def transient(costs: ModelCosts, i: int, s: str) -> int:
     c, lean = layer.by_strategy[s], layer.by_strategy["lean"]
     if s == "lean":
         return lean.kept
-    if s.startswith("selective:"):
+    if s.startswith("selective:") or s.startswith("lossy:"):  # kept + what backward rebuilds (bound)
         return c.kept + lean.kept
     if s == "full":
         return lean.kept + (0 if lean.keeps_input else layer.in_bytes)

@@ -12,7 +12,7 @@ from . import recompute
 from .layers import find_layers
 from .offload import DEFAULT_THRESHOLD, HostPool, OffloadTransform
 
-__all__ = ["STRATEGIES", "Plan", "uniform", "remove", "describe"]
+__all__ = ["LOSSY", "STRATEGIES", "Plan", "uniform", "remove", "describe"]
 
 STRATEGIES: dict[str, str] = {
     "lean": "no change: the layer keeps what its (patched or plain) ops keep",
@@ -22,7 +22,11 @@ STRATEGIES: dict[str, str] = {
     "offload": "copy what the layer keeps (>= threshold bytes) to host memory; copy back in backward",
     "offload+recompute": "keep the layer inputs only, offloaded to host memory; recompute the layer",
     "full": "keep the layer inputs only; recompute the whole layer in backward",
+    "lossy:fp8": "LOSSY (opt-in): what the layer keeps stored as fp8 e4m3 + a scale per 128 elements",
+    "lossy:int8": "LOSSY (opt-in): what the layer keeps stored as int8 (stochastic rounding) + scales",
 }
+#: Strategies that change gradients: the planner uses them only with ``allow_lossy=True``.
+LOSSY = frozenset(n for n in STRATEGIES if n.startswith("lossy:"))
 _ATTR = "_leanact_plan"
 
 
@@ -44,11 +48,21 @@ class _Wrapped:
         self.had_instance_forward = "forward" in layer.__dict__
         self.original: Callable = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
         self.policy = recompute.policy(strategy.split(":", 1)[1]) if strategy.startswith("selective:") else None
+        self.compress = None
+        if strategy in LOSSY:
+            from leanact.lossy.compress import CompressTransform
+
+            # fp32 too: softmax statistics are marked exact and per-row statistics (last dim 1) skipped.
+            self.compress = CompressTransform(strategy.split(":", 1)[1],
+                                              dtypes=(torch.bfloat16, torch.float16, torch.float32))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn, s = self.original, self.strategy
         if not torch.is_grad_enabled() or s == "lean":
             return fn(*args, **kwargs)
+        if self.compress is not None:
+            with self.compress:
+                return fn(*args, **kwargs)
         if s != "offload":
             args, kwargs = _no_cache(self.layer, args, kwargs)
         if s == "full":
