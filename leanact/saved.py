@@ -38,7 +38,7 @@ def active_transforms() -> list["SavedTensorTransform"]:
 
 
 class _Packed:
-    __slots__ = ("value", "transform", "tokens", "version")
+    __slots__ = ("value", "transform", "tokens", "version", "__weakref__")
 
     def __init__(self, value: Any, transform: "SavedTensorTransform | None", tokens: list[tuple[Any, Any]],
                  version: int):
@@ -70,7 +70,36 @@ def _pack(t: torch.Tensor) -> _Packed:
             break
     kept = [t] if owner is None else owner.kept_tensors(value)
     tokens = [(ob, ob.on_pack(t, kept)) for ob in observers]
-    return _Packed(value, owner, tokens, t._version)
+    packed = _Packed(value, owner, tokens, t._version)
+    for ob in observers:
+        ob._track(packed)
+    return packed
+
+
+class _Released:
+    """Stands in for the transform of a packed tensor whose graph was released."""
+
+    def unpack(self, _value: Any) -> torch.Tensor:
+        raise RuntimeError(
+            "leanact: the tensors this graph saved for backward were released after measuring "
+            "(SavedTensorMeter.release()); run the forward pass again to backpropagate.")
+
+
+_RELEASED = _Released()
+
+
+def release(packed: list) -> int:
+    """Drop what each still-alive packed tensor keeps (weak references from an observer's
+    ``_track``); a later backward through them raises. Breaks the reference cycle
+    node -> packed -> kept output -> its grad_fn node that Python saved-tensor hooks create for
+    ops that keep their own output, so a forward that will never be backpropagated is freed."""
+    n = 0
+    for ref in packed:
+        p = ref()
+        if p is not None and p.transform is not _RELEASED:
+            p.value, p.transform, p.tokens = None, _RELEASED, []
+            n += 1
+    return n
 
 
 def _unpack(p: _Packed) -> torch.Tensor:
@@ -151,6 +180,9 @@ class SavedTensorObserver(_PipelineMember):
 
     def on_unpack(self, token: Any) -> None:
         pass
+
+    def _track(self, packed: "_Packed") -> None:
+        """Called with every packed object (subclasses may keep weak references to it)."""
 
 
 @contextlib.contextmanager

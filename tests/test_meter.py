@@ -120,3 +120,56 @@ def test_encoder_layer_matches_reference_accounting(dropout):
     assert cost.bytes == per_sbh * s * b * h + 2 * 2 * 2 * s * b
     assert cost.by_op["NativeLayerNorm"] == 2 * (2 * s * b * h + 2 * 2 * s * b)
     assert cost.by_op["Gelu"] == 8 * s * b * h
+
+
+def test_release_frees_a_forward_that_is_never_backpropagated():
+    """An op keeping its own output, packed through Python hooks, forms a cycle through the
+    autograd node; release() breaks it, and a later backward through the graph raises clearly."""
+    import gc
+    import weakref
+
+    import leanact
+
+    x = torch.randn(64, 256, requires_grad=True)
+    meter = SavedTensorMeter()
+    with meter:
+        y = leanact.functional.gelu(x * 2)
+    assert meter.total_bytes > 0
+    ref = weakref.ref(y)
+    z = y.sum()
+    assert meter.release() >= 1
+    with pytest.raises(RuntimeError, match="released after measuring"):
+        z.backward()
+    del y, z
+    gc.collect()
+    assert ref() is None
+
+
+def test_measure_layer_cost_leaves_no_graph_alive():
+    import gc
+
+    from leanact.memory import measure_layer_cost
+    from leanact.nn.fused import LayerNormLinears
+    from leanact.recompute import live_recipes
+
+    gc.collect()
+    before = live_recipes()
+
+    def build(n):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[LayerNormLinears(32, [32]) for _ in range(n)])
+
+    class _First(torch.nn.Module):  # LayerNormLinears returns a tuple
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            for blk in self.m:
+                x = blk(x)[0]
+            return x
+
+    cost = measure_layer_cost(lambda n: _First(build(n)), lambda: (torch.randn(2, 8, 32, requires_grad=True),), 8, 2, 32)
+    assert cost.bytes > 0
+    gc.collect()
+    assert live_recipes() == before

@@ -34,6 +34,7 @@ def _measure(model: nn.Module, inputs: tuple) -> SavedTensorMeter:
     with meter:
         out = model(*inputs)
     meter.attribute(out)
+    meter.release()  # no backward will run: free the graph now (see SavedTensorMeter.release)
     return meter
 
 

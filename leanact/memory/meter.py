@@ -10,6 +10,7 @@ storages of parameters and buffers are excluded: they live whether or not backwa
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from leanact.saved import SavedTensorObserver, introspecting
+from leanact.saved import release as _release
 
 __all__ = ["SavedRecord", "SavedTensorMeter", "saved_bytes"]
 
@@ -86,6 +88,7 @@ class SavedTensorMeter(SavedTensorObserver):
         self._stack: list[str] = []
         self._introspect_log: list[int] | None = None
         self._exit_stack: contextlib.ExitStack | None = None
+        self._packed: list = []  # weak references to what the pipeline packed while active
 
     # -- hooks -----------------------------------------------------------------------------
     def _module_name(self, mod: nn.Module) -> str:
@@ -127,6 +130,21 @@ class SavedTensorMeter(SavedTensorObserver):
 
     def on_pack(self, original: torch.Tensor, kept: list[torch.Tensor]) -> list[int]:
         return [self._record(t) for t in kept]
+
+    def _track(self, packed) -> None:
+        self._packed.append(weakref.ref(packed))
+
+    def release(self) -> int:
+        """Free what the measured forward keeps for backward when no backward will run.
+
+        Saved-tensor hooks make ops that keep their own output (leanact's GELU, norms, recipes)
+        part of a reference cycle through torch's autograd node that the garbage collector cannot
+        see, so a forward that is measured and then dropped stays in memory until backward runs.
+        ``release()`` (after :meth:`attribute`, if used) breaks it; a later backward through that
+        graph raises. Returns the number of saved tensors released."""
+        n = _release(self._packed)
+        self._packed.clear()
+        return n
 
     def on_unpack(self, token: list[int]) -> None:
         if self._introspect_log is not None:
@@ -255,4 +273,5 @@ def saved_bytes(fn: Callable[[], Any], model: nn.Module | None = None, exclude: 
     with meter:
         out = fn()
     del out
+    meter.release()  # the graph is discarded: free it now (see SavedTensorMeter.release)
     return meter.total_bytes
