@@ -53,7 +53,7 @@ def spawn(fn, *args, world_size: int = 2, timeout: float = 60.0):
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout} s")
-        except mp.ProcessException:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
             pass  # the rank's own traceback is reported below
         finally:
             for p in ctx.processes:

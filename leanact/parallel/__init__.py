@@ -1,5 +1,7 @@
 """Tensor + sequence parallelism for (leanact-patched) Hugging Face models, on torch's DTensor styles.
 
+Families: BERT/RoBERTa, LLaMA/Mistral/Qwen2, GPT-2 (fused ``Conv1D`` q|k|v split per block).
+
 >>> mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (world_size,))
 >>> model = leanact.parallel.parallelize(leanact.patch(model), mesh, sequence_parallel=True)
 

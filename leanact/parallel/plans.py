@@ -15,7 +15,8 @@ head_dim)`` gives the local head count (the -1), and the attention mask and rota
 by the model for the full sequence match. Embeddings and heads stay replicated (every rank
 computes them on the full sequence); the first layer splits the sequence, the last gathers it.
 Without sequence parallelism the residual stream is replicated and row-parallel outputs are
-all-reduced (Megatron's plain tensor parallelism).
+all-reduced (Megatron's plain tensor parallelism). GPT-2's transformers ``Conv1D`` projections and
+its fused q|k|v (c_attn) use the styles of :mod:`leanact.parallel.gpt2`.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .dropout import ShardedDropoutStyle
+from .gpt2 import Conv1DColwise, Conv1DRowwise, GPT2AttentionStyle
 from .norm import LocalSequenceParallel
 
 __all__ = ["Family", "GatherSequence", "PrepareFirstInput", "detect", "layer_plan", "SUPPORTED"]
@@ -99,6 +101,11 @@ class Family:
     norms: tuple[str, ...]
     dropouts: tuple[str, ...]  # dropout modules on the residual stream (sequence-parallel region)
     gathered: tuple[tuple[str, str | None], ...]  # (module, kwarg name or None = first positional)
+    # module name -> column-parallel style; (module name, output placement) -> row-parallel style
+    colwise_style: Callable[[str], object] = lambda name: ColwiseParallel()
+    rowwise_style: Callable[[str, object], object] = lambda name, out: RowwiseParallel(output_layouts=out)
+    # the attention module's style (the sequence gather or None) -> the style to apply to it
+    attention_style: Callable[[object], object] = lambda inner: inner
 
 
 BERT = Family(
@@ -127,17 +134,31 @@ LLAMA = Family(
     gathered=(("self_attn", "hidden_states"), ("mlp", None)),
 )
 
+GPT2 = Family(
+    name="gpt2",
+    layer_class_suffix="GPT2Block",
+    attention="attn",
+    heads=lambda c: (c.n_head, c.n_head),
+    attention_dropout=lambda m: float(getattr(m.attn_dropout, "p", 0.0)),
+    colwise=("attn.c_attn", "mlp.c_fc"),
+    rowwise=("attn.c_proj", "mlp.c_proj"),
+    norms=("ln_1", "ln_2"),
+    dropouts=("attn.resid_dropout", "mlp.dropout"),
+    gathered=(("attn", None), ("mlp", None)),
+    # transformers' Conv1D projections; c_attn's output is q | k | v: each block split across ranks
+    colwise_style=lambda name: Conv1DColwise(fused=3 if name == "attn.c_attn" else 1),
+    rowwise_style=lambda name, out: Conv1DRowwise(output_layouts=out),
+    attention_style=GPT2AttentionStyle,  # local split_size / num_heads for the split of q | k | v
+)
+
 # model_type -> family. BERT-style encoders share BertLayer's module names; LLaMA-style decoders
 # (pre-norm, separate q/k/v and gate/up/down projections, standard RMSNorm) share LlamaDecoderLayer's.
 SUPPORTED: dict[str, Family] = {
     "bert": BERT, "roberta": BERT,
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA,
+    "gpt2": GPT2,
 }
-_UNSUPPORTED_WHY = {
-    "gpt2": "GPT-2 projects q, k, v with one fused transformers Conv1D (c_attn, weight (h, 3h)): "
-            "DTensor's Colwise/RowwiseParallel take nn.Linear / nn.Embedding only, and a column split "
-            "of the fused weight would not split heads. Convert c_attn into three nn.Linear first.",
-}
+_UNSUPPORTED_WHY: dict[str, str] = {}
 
 
 def detect(model: nn.Module):
@@ -166,10 +187,10 @@ def layer_plan(family: Family, sequence_parallel: bool, regather=None) -> dict:
     """Module name (relative to a layer) -> ParallelStyle (``regather``: see GatherSequence)."""
     plan: dict = {}
     for name in family.colwise:
-        plan[name] = ColwiseParallel()
+        plan[name] = family.colwise_style(name)
     out = Shard(1) if sequence_parallel else Replicate()
     for name in family.rowwise:
-        plan[name] = RowwiseParallel(output_layouts=out)
+        plan[name] = family.rowwise_style(name, out)
     if sequence_parallel:
         for name in family.norms:
             plan[name] = LocalSequenceParallel(use_local_output=True)
@@ -177,6 +198,9 @@ def layer_plan(family: Family, sequence_parallel: bool, regather=None) -> dict:
             plan[name] = ShardedDropoutStyle(use_local_output=True)
         for name, kwarg in family.gathered:
             plan[name] = GatherSequence(kwarg, regather)
+    attention = family.attention_style(plan.get(family.attention))
+    if attention is not None:
+        plan[family.attention] = attention
     return plan
 
 
