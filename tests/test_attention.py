@@ -425,3 +425,20 @@ def test_cuda_matches_reference(p):
     for a, r in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
         assert torch.allclose(a, r, rtol=1e-3, atol=1e-4)
     assert attention(q, k, v, None, p).shape == out.shape  # fused-kernel dispatch
+
+
+@pytest.mark.parametrize("seed", [0, 1, -1, 2**63 - 1, 0x0123456789ABCDEF, -(2**40) + 17])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.97])
+def test_fast_int32_masks_equal_keep_mask_at_large_indices(seed, p):
+    """The eager CPU fast path hashes in int32 lanes (wrapping products, masked shifts); it must
+    give keep_mask's int64 words exactly, also for indices near 2^31 and odd (scalar-tail) sizes."""
+    b, h, s_q, s_k = 8, 16, 4099, 4093  # 2,146,418,176 elements: just below 2^31
+    seed_t = torch.tensor(seed, dtype=torch.int64)
+    dropper = core._Dropper(seed_t, p, b, h, s_q, s_k, torch.device("cpu"))
+    assert dropper.fast
+    for i0, i1, kend in [(s_q - 3, s_q, s_k), (s_q - 2, s_q, 1001), (0, 2, 37)]:
+        got = dropper(i0, i1, kend)
+        bh = torch.arange(b * h).view(-1, 1, 1) * s_q
+        idx = ((bh + torch.arange(i0, i1).view(1, -1, 1)) * s_k + torch.arange(kend).view(1, 1, -1))
+        assert idx.max().item() < 2**31
+        assert torch.equal(got, keep_mask(seed_t, idx, p).to(torch.uint8))

@@ -102,12 +102,13 @@ def cpu_dropout_allocations():
         if not is_fake(x) or x.device.type != "cpu" or x.numel() <= CHUNK:
             return original(x, seed, p, inplace)
         out = x if inplace and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
-        # per block: the bool mask, the int64 indices and one int64 temporary of the hash rounds
-        block = [torch.empty(CHUNK, dtype=torch.bool), torch.empty(CHUNK, dtype=torch.int64),
-                 torch.empty(CHUNK, dtype=torch.int64)]
+        # per block: the bool mask, the int32 indices and one int32 temporary of the hash rounds
+        block = [torch.empty(CHUNK, dtype=torch.bool), torch.empty(CHUNK, dtype=torch.int32),
+                 torch.empty(CHUNK, dtype=torch.int32)]
         del block
-        _hold_real_slice(lambda: rmod._BASE.get(CHUNK) if CHUNK in rmod._BASE
-                         else rmod._BASE.setdefault(CHUNK, torch.arange(CHUNK, dtype=torch.int64)))
+        key = (CHUNK, torch.int32)
+        _hold_real_slice(lambda: rmod._BASE.get(key) if key in rmod._BASE
+                         else rmod._BASE.setdefault(key, torch.arange(CHUNK, dtype=torch.int32)))
         if out is not x and inplace:
             return x.copy_(out)
         return out
@@ -118,14 +119,15 @@ def cpu_dropout_allocations():
 
     def dropper_call(self, i0, i1, kend):
         bh, s_q, s_k = self.dims
-        if self.fast or not is_fake(self.seed) or self.device.type != "cpu" or bh * s_q * s_k > 1 << 32:
+        if self.fast or not is_fake(self.seed) or self.device.type != "cpu" or bh * s_q * s_k >= 1 << 31:
             return original_call(self, i0, i1, kend)
         rows = i1 - i0
         n, length = (bh, rows * s_k) if kend == s_k else (bh * rows, kend)
         out = torch.empty((n, length), dtype=torch.bool)
         # the (bh, rows) start indices, then per block the column indices and the hash words
-        tmp = [torch.empty((bh, rows), dtype=torch.int64), torch.empty(min(n * length, CHUNK), dtype=torch.int64),
-               torch.empty(min(n * length, CHUNK), dtype=torch.int64)]
+        tmp = [torch.empty((bh, rows), dtype=torch.int64), torch.empty((bh, rows), dtype=torch.int32),
+               torch.empty(min(n * length, CHUNK), dtype=torch.int32),
+               torch.empty(min(n * length, CHUNK), dtype=torch.int32)]
         del tmp
         _hold_real_slice(lambda: amod._arange(min(length, CHUNK)))
         return out.view(torch.uint8).view(-1, rows, kend)

@@ -21,15 +21,15 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
-from .random import CHUNK, _rounds_, keep_mask, keep_threshold, seed_keys
+from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
 
 _INF = math.inf
-_COL: list[torch.Tensor] = []  # cached arange for the eager CPU mask chunks
+_COL: list[torch.Tensor] = []  # cached int32 arange for the eager CPU mask chunks
 
 
 def _arange(n: int) -> torch.Tensor:
     if not _COL or _COL[0].numel() < n:
-        _COL[:] = [torch.arange(max(n, CHUNK))]
+        _COL[:] = [torch.arange(max(n, CHUNK), dtype=torch.int32)]
     return _COL[0][:n]
 
 
@@ -92,7 +92,8 @@ class _Dropper:
 
     def __init__(self, seed, p, b, h, s_q, s_k, device):
         self.seed, self.p, self.thr, self.dims, self.device = seed, p, keep_threshold(p), (b * h, s_q, s_k), device
-        self.fast = (device.type == "cpu" and b * h * s_q * s_k <= 1 << 32
+        # int32 lanes: every index (and every start + column sum) below 2^31, threshold below 2^32
+        self.fast = (device.type == "cpu" and b * h * s_q * s_k < 1 << 31 and self.thr < 1 << 32
                      and not torch.compiler.is_compiling() and not is_fake(seed))
         if self.fast:
             self.keys = tuple(int(x) for x in seed_keys(seed))
@@ -109,6 +110,8 @@ class _Dropper:
             keep = keep_mask(self.seed, starts.unsqueeze(1) + torch.arange(length, device=dev), self.p)
             return keep.view(torch.uint8).view(-1, rows, kend)
         k0, k1 = self.keys
+        k0, thr = _signed32(k0), self.thr - (1 << 31)  # int32 lanes (see random._rounds32_)
+        starts = starts.to(torch.int32)
         out = torch.empty((starts.numel(), length), dtype=torch.bool)
         col = _arange(min(length, CHUNK))
         step_r, step_c = max(1, CHUNK // length), min(length, CHUNK)
@@ -117,7 +120,7 @@ class _Dropper:
             for c0 in range(0, length, step_c):
                 c1 = min(c0 + step_c, length)
                 x = (starts[r0:r1].unsqueeze(1) + (col[: c1 - c0] + c0)).bitwise_xor_(k0)
-                torch.ge(_rounds_(x, None, k1), self.thr, out=out[r0:r1, c0:c1])
+                torch.ge(_rounds32_(x, k1), thr, out=out[r0:r1, c0:c1])
         return out.view(torch.uint8).view(-1, rows, kend)
 
 

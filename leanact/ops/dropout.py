@@ -44,8 +44,10 @@ def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torc
     out = x if inplace and not write_back else torch.empty(x.shape, dtype=x.dtype)
     flat = out.view(-1)
     keep = torch.empty(CHUNK, dtype=torch.bool)
-    for j0, j1, words in _cpu_range_blocks(seed, 0, n):
-        k = torch.ge(words, thr, out=keep[: j1 - j0]).view(torch.uint8)  # float * uint8 beats * bool
+    int32 = n <= 1 << 32 and thr < 1 << 32  # int32 lanes (random._rounds32_): same words, ~5x faster
+    for j0, j1, words in _cpu_range_blocks(seed, 0, n, int32):
+        t = thr - (1 << 31) if int32 else thr
+        k = torch.ge(words, t, out=keep[: j1 - j0]).view(torch.uint8)  # float * uint8 beats * bool
         torch.mul(src[j0:j1], k, out=flat[j0:j1]).mul_(scale)
     return x.copy_(out) if write_back else out
 

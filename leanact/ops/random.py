@@ -96,6 +96,31 @@ def _words(index: torch.Tensor, k0, k1) -> torch.Tensor:
     return _rounds_((index & _M32) ^ k0, (index >> 32) & _M32, k1)
 
 
+_SHIFT_MASK = {15: (1 << 17) - 1, 16: (1 << 16) - 1}  # logical right shift of an int32 bit pattern
+
+
+def _signed32(k: int) -> int:
+    """The int32 value with the bit pattern of the uint32 ``k``."""
+    return k - _TWO32 if k >= (1 << 31) else k
+
+
+def _rounds32_(x: torch.Tensor, k1: int) -> torch.Tensor:
+    """:func:`_rounds_` (no high index word) on int32 lanes, in place; returns the words with their
+    top bit flipped, so that ``word >= thr`` is ``result >= thr - 2^31`` as a signed comparison.
+
+    Bitwise the same words: products mod 2^32 are int32 multiplications (two's complement wrap),
+    and each right shift is masked to be logical. Half the bytes of the int64 lanes and no
+    ``& 0xFFFFFFFF`` after each product: ~5x faster in eager on the CPU (used for the s² masks of
+    attention dropout). ``x`` holds ``lo(i) ^ k0`` as an int32 bit pattern.
+    """
+    x.mul_(_M1)
+    for shift, mul in ((16, _M2), (15, _M3), (16, _M4)):
+        x.bitwise_xor_((x >> shift).bitwise_and_(_SHIFT_MASK[shift])).mul_(mul)
+        if shift == 16 and mul == _M2:
+            x.bitwise_xor_(_signed32(k1))
+    return x.bitwise_xor_(-(1 << 31))
+
+
 def _range_words(k0, k1, start: int, end: int, device) -> torch.Tensor:
     """Words of indices start..end-1 (one expression; for compile and non-CPU devices)."""
     i = torch.arange(start, end, dtype=torch.int64, device=device)
@@ -104,25 +129,32 @@ def _range_words(k0, k1, start: int, end: int, device) -> torch.Tensor:
     return _words(i, k0, k1)
 
 
-_BASE: dict[int, torch.Tensor] = {}
+_BASE: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
-def _cpu_range_blocks(seed: torch.Tensor, start: int, n: int):
+def _cpu_range_blocks(seed: torch.Tensor, start: int, n: int, int32: bool = False):
     """Eager CPU: yield ``(j0, j1, words)`` for indices ``start + j0 .. start + j1 - 1``.
 
     Blocks are aligned to multiples of :data:`CHUNK` (a power of two dividing 2^32), so within a
     block ``lo(i) ^ k0 = base ^ (lo(A) ^ k0)`` and ``hi(i) = hi(A)`` are one cached arange and two
-    Python ints; the integer temporaries stay in cache.
+    Python ints; the integer temporaries stay in cache. ``int32=True`` (indices below 2^32 only)
+    yields :func:`_rounds32_`'s int32 words with the top bit flipped: compare with ``thr - 2^31``.
     """
     k0, k1 = (int(k) for k in seed_keys(seed))
-    base = _BASE.get(CHUNK)
+    dtype = torch.int32 if int32 else torch.int64
+    if int32 and start + n > _TWO32:
+        raise ValueError("int32 words need indices below 2^32")
+    base = _BASE.get((CHUNK, dtype))
     if base is None:
-        base = _BASE[CHUNK] = torch.arange(CHUNK, dtype=torch.int64)
+        base = _BASE[(CHUNK, dtype)] = torch.arange(CHUNK, dtype=dtype)
     pos, end = start, start + n
     while pos < end:
         blk = pos - pos % CHUNK
         a, b = pos - blk, min(end - blk, CHUNK)
-        x = _rounds_(base[a:b] ^ (k0 ^ (blk & _M32)), blk >> 32 or None, k1)
+        if int32:
+            x = _rounds32_(base[a:b] ^ _signed32(k0 ^ blk), k1)
+        else:
+            x = _rounds_(base[a:b] ^ (k0 ^ (blk & _M32)), blk >> 32 or None, k1)
         yield pos - start, blk + b - start, x
         pos = blk + b
 
@@ -209,6 +241,7 @@ def keep_mask_like(
         return _at_least(_range_words(*seed_keys(seed), offset, offset + n, device), thr).view(shape)
     out = torch.empty(shape, dtype=torch.bool, device=device)
     flat = out.view(-1)
-    for j0, j1, words in _cpu_range_blocks(seed, offset, n):
-        torch.ge(words, thr, out=flat[j0:j1])
+    int32 = offset + n <= _TWO32 and thr < _TWO32
+    for j0, j1, words in _cpu_range_blocks(seed, offset, n, int32):
+        torch.ge(words, thr - (1 << 31) if int32 else thr, out=flat[j0:j1])
     return out
