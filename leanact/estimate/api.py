@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .compat import cpu_dropout_allocations, fake_recipes, value_decisions, warm_lean_caches
+from .compat import cpu_dropout_allocations, value_decisions, warm_lean_caches
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -92,7 +92,7 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         plan.apply(fake_model)
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else contextlib.nullcontext()
-        with value_decisions(real_of), fake_recipes(), emulate, mode:
+        with value_decisions(real_of), emulate, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)
     finally:

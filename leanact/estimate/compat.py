@@ -9,9 +9,8 @@ manager and restored on exit; the owners' files are not modified):
   answers with the real weight's decision, or True for config-built models (γ = 1, β = 0).
 * leanact's GELU backward builds lookup tables lazily with boolean-mask indexing (``aten.nonzero``:
   ``DynamicOutputShapeException``): :func:`warm_lean_caches` builds them on real tensors first.
-* ``leanact.recompute.recipes._find`` / ``register`` accept only ``type(t) is torch.Tensor``; a
-  FakeTensor is a subclass, so recipes silently never apply (patched LLaMA bf16: +21% kept bytes):
-  :func:`fake_recipes`.
+* (Recompute recipes accept fake tensors natively: ``leanact.recompute.recipes`` treats a
+  ``FakeTensor`` as a plain tensor, so a fake step keeps what a real step keeps.)
 * leanact's seeded dropout and attention-core dropout take their generic (CUDA-like) path on fake
   tensors -- the eager CPU path reads the seed as Python ints -- which allocates per-element int64
   indices: :func:`cpu_dropout_allocations` allocates like the eager CPU path instead.
@@ -20,13 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["value_decisions", "warm_lean_caches", "cpu_dropout_allocations", "warm_cpu_dropout", "fake_recipes"]
+__all__ = ["value_decisions", "warm_lean_caches", "cpu_dropout_allocations", "warm_cpu_dropout"]
 
 
 @contextlib.contextmanager
@@ -151,52 +149,3 @@ def warm_cpu_dropout() -> None:
     _arange(CHUNK)
 
 
-@contextlib.contextmanager
-def fake_recipes():
-    """While active, leanact's recompute recipes (``leanact.recompute.recipes._find`` / ``register``) recognise
-    fake tensors: ``_find`` accepts only plain ``torch.Tensor``/``Parameter`` types, and a
-    ``FakeTensor`` is a subclass, so without this a fake run keeps the tensors a recipe replaces
-    (e.g. the SwiGLU product of a patched LLaMA MLP) and over-predicts."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    from leanact.recompute import recipes
-
-    original = recipes._find
-
-    def find(t):
-        if type(t) is not FakeTensor or t.layout != torch.strided or not recipes._REGISTRY:
-            return original(t)
-        r = recipes._REGISTRY.get(recipes._key(t))
-        if r is None:
-            return None
-        y = r.out_ref()
-        ok = y is not None and recipes._key(y) == recipes._key(t) and t.dtype == r.dtype and t._version == r.out_version
-        return r if ok else None
-
-    from leanact.recompute import producers
-
-    original_register = recipes.register
-
-    def register(y, name, fn, *inputs):
-        # recipes.register's own conditions, with FakeTensor accepted as a plain tensor
-        if type(y) is not FakeTensor:
-            return original_register(y, name, fn, *inputs)
-        if not y.requires_grad or not recipes.is_active() or y.layout != torch.strided or not y.is_contiguous():
-            return None
-        if y.storage_offset() != 0 or y.untyped_storage().nbytes() != y.numel() * y.element_size():
-            return None
-        r = recipes.Recipe(name, fn, inputs, y)
-        if y.grad_fn is not None:
-            y.grad_fn._leanact_recipe = weakref.ref(r)
-        return r
-
-    users = [m for m in (recipes, producers) if getattr(m, "register", None) is original_register]
-    recipes._find = find
-    for m in users:
-        m.register = register
-    try:
-        yield
-    finally:
-        recipes._find = original
-        for m in users:
-            m.register = original_register

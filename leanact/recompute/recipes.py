@@ -57,6 +57,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from leanact.saved import SavedTensorTransform, active_transforms, disabled
 from leanact.saved import _pack as _pipeline_pack
@@ -134,9 +135,15 @@ class _Link:
         self.recipe, self.size, self.stride, self.offset = recipe, t.size(), t.stride(), t.storage_offset()
 
 
+# Plain tensors only (a subclass may not share storage semantics); fake tensors are plain tensors
+# for this purpose, so that leanact.estimate's fake step keeps what a real step keeps.
+_OUTPUT_TYPES = (torch.Tensor, FakeTensor)
+_FIND_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
+
+
 def _find(t: torch.Tensor) -> "Recipe | None":
     """The recipe of the live, unmodified output that ``t`` is (a view of), if any."""
-    if not _REGISTRY or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
+    if not _REGISTRY or type(t) not in _FIND_TYPES or t.layout != torch.strided:
         return None
     key = _key(t)
     r = _REGISTRY.get(key)
@@ -282,7 +289,7 @@ def register(y: torch.Tensor, name: str, fn: Callable[..., torch.Tensor], *input
     """Register ``fn(*inputs)`` as the recipe of the fresh output ``y`` (no-op unless a
     :class:`RecipeTransform` is active, ``y`` needs grad and is a plain contiguous tensor owning
     its storage). ``fn`` must rebuild ``y`` bitwise (same kernels). Returns the recipe or None."""
-    if not y.requires_grad or not is_active() or type(y) is not torch.Tensor or y.layout != torch.strided:
+    if not y.requires_grad or not is_active() or type(y) not in _OUTPUT_TYPES or y.layout != torch.strided:
         return None
     if not y.is_contiguous() or y.storage_offset() != 0 or y.untyped_storage().nbytes() != y.numel() * y.element_size():
         return None
