@@ -155,3 +155,18 @@ def test_fewbit_reaches_the_patched_llama_mlp():
     assert not torch.equal(g_exact, g_lossy)  # the few-bit derivative was used
     leanact.unpatch(model)
     assert type(model.model.layers[0].mlp.act_fn).__name__ == "SiLUActivation"
+
+
+def test_patch_with_a_bad_lossy_spec_raises_and_leaves_the_model_unpatched():
+    from transformers import BertConfig, BertForMaskedLM
+
+    import leanact
+
+    model = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, vocab_size=50))
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="unknown lossy option"):
+        leanact.patch(model, lossy="bogus")
+    assert leanact.summary(model) is None
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert model.config._attn_implementation != "leanact"

@@ -99,20 +99,14 @@ class ProfileResult:
 
 
 def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int]]:
-    """(bytes kept for backward, bytes by autograd op) of one forward, then a backward.
-
-    The backward releases what the forward kept: a graph whose saved tensors went through the
-    meter's hooks is not always freed by dropping the output alone (seen on CPU with torch 2.13),
-    so without it, memory grows by one forward's activations per measurement.
-    """
+    """(bytes kept for backward, bytes by autograd op) of one forward; its graph is then released
+    (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
     meter = SavedTensorMeter(model, exclude=[t for t in inputs.values() if isinstance(t, torch.Tensor)])
     with meter:
         out = model(**inputs)
     meter.attribute(out)
-    cost = meter.total_bytes, dict(meter.by_op())
-    out.loss.backward()
-    model.zero_grad(set_to_none=True)
-    return cost
+    meter.release()
+    return meter.total_bytes, dict(meter.by_op())
 
 
 def mode_model(base: torch.nn.Module, attn: str, lean: str | None) -> torch.nn.Module:
