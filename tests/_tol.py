@@ -1,0 +1,28 @@
+"""Tolerances derived from the dtype and the length of the reductions, never from one machine's rounding.
+
+A sum of ``n`` terms in a floating-point format with unit roundoff ``u`` is off from the exact sum
+by at most about ``n * u * sum|terms|`` (the classical worst-case bound, Higham's gamma_n). The
+tests compare against a float64 "truth" computed from the same (rounded) inputs and bound the error
+by ``n * u * magnitude``: the magnitude is the largest absolute value of the truth, and ``n`` the
+length of the longest chain of roundings behind an element (the reduction lengths added up along
+the computation). Real rounding errors sit one to two orders of magnitude below this worst case on
+every CPU (the errors are random-walk-like, ~sqrt(n) u), while a wrong formula misses it by orders
+of magnitude.
+"""
+import torch
+
+
+def unit_roundoff(dtype):
+    """u = eps / 2 of ``dtype`` (2^-24 for fp32, 2^-9 for bf16, 2^-11 for fp16)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def max_error(x, truth):
+    return (x.double() - truth.double()).abs().max().item()
+
+
+def within_rounding_bound(x, truth, dtype, n):
+    """|x - truth| <= n * u(dtype) * max|truth| (elementwise max); returns (ok, error, bound)."""
+    bound = n * unit_roundoff(dtype) * max(truth.double().abs().max().item(), torch.finfo(dtype).tiny)
+    err = max_error(x, truth)
+    return err <= bound, err, bound
