@@ -39,6 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .amp import autocast_dtype, autocast_off
 from .attention_core import RecomputeAttention, TempoAttention
 from .random import _as_seed, draw_seed
 
@@ -117,6 +118,15 @@ def attention(
     generator of q's device) unless ``seed`` (int or 0-dim int64 tensor) is given: the same seed
     gives the same mask. Double backward is not supported.
     """
+    low = autocast_dtype(q.device.type)
+    if low is not None:  # autocast's policy for SDPA: every floating input (mask too) in its low dtype
+        def cast(t):
+            return t.to(low) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+
+        with autocast_off(q.device.type):
+            return attention(cast(q), cast(k), cast(v), cast(attn_mask), dropout_p, is_causal, scale, mode=mode,
+                             training=training, block_size=block_size, generator=generator, seed=seed,
+                             enable_gqa=enable_gqa)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0.0 <= dropout_p <= 1.0:

@@ -21,6 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
+from .amp import no_autocast_backward
 from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
 
 _INF = math.inf
@@ -179,6 +180,7 @@ class RecomputeAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @no_autocast_backward
     def backward(ctx, dout):
         q, k, v, out, lse, mask, seed = ctx.saved_tensors
         p, causal, scale, block = ctx.args
@@ -241,6 +243,7 @@ class TempoAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @no_autocast_backward
     def backward(ctx, dout):
         q, k, v, pk, seed = ctx.saved_tensors
         p, causal, scale = ctx.args

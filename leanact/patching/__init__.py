@@ -37,6 +37,13 @@ class PatchSummary:
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     left: list[tuple[str, str, str]] = field(default_factory=list)
     attention: list[tuple[str, str, str]] = field(default_factory=list)  # (model path, before, after/reason)
+    #: model path -> run-time state; its ``fallbacks`` name the features (softcap, sinks, position_bias,
+    #: ...) for which calls went to the original implementation instead of leanact's core.
+    attention_states: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def attention_fallbacks(self) -> dict[str, set]:
+        """model path -> features seen so far that sent attention calls back to the original implementation."""
+        return {p: set(st.fallbacks) for p, st in self.attention_states.items() if st.fallbacks}
 
     def table(self):
         from rich.table import Table
@@ -52,7 +59,10 @@ class PatchSummary:
         for (kind, old, what), names in groups.items():
             label = names[0] if len(names) == 1 else f"{len(names)} modules, e.g. {names[0]}"
             t.add_row(label, old, what if kind == "replaced" else f"[yellow]left[/]: {what}")
+        fallbacks = self.attention_fallbacks()
         for path, before, after in self.attention:
+            if path in fallbacks:
+                after += f"; [yellow]{before}[/] for calls with {', '.join(sorted(fallbacks[path]))}"
             t.add_row(f"attention ({path or 'model'})", before, after)
         return t
 
@@ -61,7 +71,7 @@ class PatchSummary:
 class _PatchState:
     summary: PatchSummary
     originals: list[tuple[nn.Module, str, nn.Module]]  # (parent, attribute name, original child)
-    attention: list[tuple[object, object, str]]  # (HF model, its config, original implementation)
+    attention: list[tuple[object, str]]  # (config, original implementation)
 
 
 def _qualname(prefix: str, name: str) -> str:
@@ -92,6 +102,31 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
     visit(model, "")
 
 
+def _configs(model: nn.Module) -> list:
+    """Every attention-bearing config object of the model (each module's ``config`` and, recursively,
+    their sub-configs: a composite model's text/vision/decoder parts), in a stable order."""
+    found: dict[int, object] = {}
+
+    def add(cfg) -> None:
+        if cfg is None or id(cfg) in found or not hasattr(cfg, "_attn_implementation"):
+            return
+        found[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", None) or {}:
+            add(getattr(cfg, key, None))
+
+    for m in model.modules():
+        add(getattr(m, "config", None))
+    return list(found.values())
+
+
+def _set_implementation(config, name: str) -> None:
+    """Set one config's implementation without touching its sub-configs (the models read it per call)."""
+    if hasattr(config, "_attn_implementation_internal"):
+        config._attn_implementation_internal = name
+    else:  # pragma: no cover - older config layouts
+        config._attn_implementation = name
+
+
 def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records: list) -> None:
     try:
         from transformers import PreTrainedModel
@@ -99,24 +134,51 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         return
     from . import attention_hf
 
-    seen: set[int] = set()
+    configs = _configs(model)
+    before = {id(c): c._attn_implementation for c in configs}
+    eligible = [c for c in configs if before[id(c)] in ("eager", "sdpa", None)]
+    if not eligible:
+        for c in configs:
+            summary.attention.append((_config_path(model, c), str(before[id(c)]),
+                                      f"left: leanact replaces only eager/sdpa, not {before[id(c)]}"))
+        return
+    attention_hf.register()
+    for m in model.modules():  # the outermost models; set_attn_implementation reaches their sub-configs
+        if isinstance(m, PreTrainedModel) and m.config._attn_implementation != attention_hf.NAME:
+            m.set_attn_implementation(attention_hf.NAME)
+    states = {}
+    for c in configs:
+        was, now = before[id(c)], c._attn_implementation
+        path = _config_path(model, c)
+        if was not in ("eager", "sdpa", None):
+            if now != was:
+                _set_implementation(c, was)
+            summary.attention.append((path, str(was), f"left: leanact replaces only eager/sdpa, not {was}"))
+        elif now != attention_hf.NAME:
+            summary.attention.append((path, str(was or "eager"), "left: the model does not use AttentionInterface"))
+        else:
+            state = attention_hf._ConfigState(was or "eager", mode)
+            states[id(c)] = state
+            attention_hf.set_config_state(c, state)
+            records.append((c, was or "eager"))
+            summary.attention.append((path, was or "eager", f"leanact ({mode})"))
+            summary.attention_states[path] = state
+    for m in model.modules():  # the state travels with the modules (deepcopy, pickle)
+        state = states.get(id(getattr(m, "config", None)))
+        if state is not None:
+            m.__dict__[attention_hf.ATTR] = state
+
+
+def _config_path(model: nn.Module, config) -> str:
+    """Where a config lives: the first module using it, or its sub-config key."""
     for path, m in model.named_modules():
-        if not isinstance(m, PreTrainedModel) or id(m.config) in seen:
-            continue
-        seen.add(id(m.config))
-        before = m.config._attn_implementation
-        if before not in ("eager", "sdpa", None):
-            summary.attention.append((path, str(before), f"left: leanact replaces only eager/sdpa, not {before}"))
-            continue
-        attention_hf.register()
-        before = before or "eager"
-        m.set_attn_implementation(attention_hf.NAME)
-        if m.config._attn_implementation != attention_hf.NAME:
-            summary.attention.append((path, before, "left: the model does not use AttentionInterface"))
-            continue
-        attention_hf.set_config_state(m.config, attention_hf._ConfigState(before, mode))
-        records.append((m, m.config, before))
-        summary.attention.append((path, before, f"leanact ({mode})"))
+        if getattr(m, "config", None) is config:
+            return path
+    top = getattr(model, "config", None)
+    for key in getattr(top, "sub_configs", None) or {}:
+        if getattr(top, key, None) is config:
+            return f"config.{key}"
+    return "?"
 
 
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
@@ -171,9 +233,11 @@ def unpatch(model: nn.Module) -> nn.Module:
         if current is not None:
             original.train(current.training)
         parent._modules[name] = original
-    for hf_model, config, before in state.attention:
+    for config, before in state.attention:
         attention_hf.set_config_state(config, None)
-        hf_model.set_attn_implementation(before)
+        _set_implementation(config, before)
+    for m in model.modules():
+        m.__dict__.pop(attention_hf.ATTR, None)
     object.__delattr__(model, _ATTR)
     return model
 

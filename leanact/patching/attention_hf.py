@@ -11,38 +11,65 @@ The function mirrors the signature and semantics of transformers'
 weights), with three exceptions, decided per call:
 
 * ``output_attentions=True``: the model's own ``eager_attention_forward`` (the probabilities are
-  materialised and returned), with the bool mask turned into the additive one eager expects.
+  materialised and returned), with the bool mask turned into the additive one eager expects and
+  the causal triangle made explicit where the mask function left it to ``is_causal``.
 * no autograd (``torch.no_grad``, inference) and no dropout: the implementation the model had
   before patching (``"eager"`` or ``"sdpa"``), so that inference outputs are bit-identical to the
   unpatched model's. With dropout (training under ``no_grad``, e.g. the first forward of a
   reentrant gradient checkpoint) leanact's core runs, so the recompute draws the same mask.
 * features leanact's core does not cover (``softcap``, attention sinks, a paged cache,
-  ``position_bias``): transformers' SDPA function, recorded once as a warning.
+  ``position_bias``): the implementation the model had before patching (the model's eager function
+  or transformers' SDPA function), recorded in the state (shown by ``leanact.summary``) and warned
+  about once.
+
+Semantics follow the original implementation: a query row whose keys are all masked (left
+padding under a causal mask) is 0 under SDPA and, under the model's eager function (additive
+mask of dtype-min values), the uniform average of the values; leanact reproduces whichever the
+model had (without dropout on such rows).
+
+The per-model state (original implementation, mode) is kept on each module that has the patched
+config as ``module.config`` (attribute ``_leanact_attention``), so ``copy.deepcopy`` and pickling
+carry it, and unpickling it registers ``"leanact"`` with transformers (``torch.load`` in a fresh
+process works).
 """
 from __future__ import annotations
 
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.amp import no_autocast_backward
 from ..ops.attention import attention as _lean_attention
 
-__all__ = ["NAME", "register", "leanact_attention_forward", "set_config_state", "config_state"]
+__all__ = ["NAME", "ATTR", "register", "leanact_attention_forward", "set_config_state", "config_state",
+           "module_state"]
 
 NAME = "leanact"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window_pattern")
+
+
+ATTR = "_leanact_attention"
 
 
 @dataclass
 class _ConfigState:
     original: str  # the attention implementation before patching
     mode: str  # "recompute" or "tempo"
+    fallbacks: set = field(default_factory=set)  # features seen at run time that sent calls to `original`
+
+    def __setstate__(self, state):  # unpickling (torch.load, deepcopy): "leanact" must be known again
+        self.__dict__.update(state)
+        self.__dict__.setdefault("fallbacks", set())
+        try:
+            register()
+        except ImportError:  # pragma: no cover - transformers missing where the model is loaded
+            pass
 
 
-# id(config) -> (weakref to config, state). Configs are not hashable; a weakref keeps ids honest.
+# id(config) -> (weakref to config, state), for modules without their own state attribute.
 _STATES: dict[int, tuple[weakref.ref, _ConfigState]] = {}
 
 
@@ -61,6 +88,12 @@ def config_state(config) -> _ConfigState | None:
     return entry[1]
 
 
+def module_state(module) -> _ConfigState | None:
+    """The state of the patched model ``module`` belongs to: its own attribute, else its config's."""
+    state = getattr(module, "__dict__", {}).get(ATTR)
+    return state if state is not None else config_state(getattr(module, "config", None))
+
+
 def register() -> None:
     """Register ``"leanact"`` with transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface
@@ -77,27 +110,91 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.where(mask, zero, torch.finfo(dtype).min)
 
 
-def _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """The model file's own eager attention (materialises the probabilities)."""
+def _causal(module, is_causal, q_len: int) -> bool:
+    """Transformers' SDPA rule: causal unless the call or the module says otherwise, for q_len > 1."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    return bool(q_len > 1 and causal)
+
+
+def _eager(module, query, key, value, attention_mask, dropout, scaling, is_causal=None, **kwargs):
+    """The model file's own eager attention (materialises the probabilities).
+
+    The mask function registered for "leanact" (transformers' ``sdpa_mask``) returns None where
+    ``is_causal`` can stand in for the mask; eager functions take no ``is_causal``, so the causal
+    triangle (top-left, as SDPA's ``is_causal``) is made explicit here."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if attention_mask is None and _causal(module, is_causal, query.shape[2]):
+        attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+        attention_mask = attention_mask[None, None]
     mask = _additive(attention_mask, query.dtype)
     if fn is None:
         fn = _generic_eager
     return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _generic_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask[..., : key.shape[-2]]
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+def _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """The call as the unpatched model would have made it."""
+    if original == "eager":
+        return _eager(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+class EagerMaskedRows(torch.autograd.Function):
+    """What a model's eager attention computes for query rows whose keys are *all* masked.
+
+    The additive mask of dtype-min values absorbs the scores, so the forward is the uniform average
+    of the values; autograd still differentiates softmax(S + min) = softmax(S) at that uniform
+    point, so q and k get gradients: dS_ij = (dO_i·v_j - dO_i·mean(v)) / n. SDPA (and leanact's
+    core) give such rows 0. This Function adds the eager rows on top of the core's output.
+
+    Keeps q, k, v (the core keeps them: same storages) and the (b, 1|H, s_q) bool row mask; the
+    backward forms d x d products (VᵀK, dOᵀQ) instead of any s_q x s_k tensor. No dropout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dead, scale):
+        c = torch.float64 if q.dtype == torch.float64 else torch.float32
+        b, h, s_q, d = q.shape
+        g = h // k.size(1)
+        vmean = v.to(c).mean(2).repeat_interleave(g, dim=1)  # (b, H, dv)
+        w = dead.to(c).expand(b, h, s_q).unsqueeze(-1)
+        ctx.save_for_backward(q, k, v, dead)
+        ctx.scale = scale
+        return (w * vmean.unsqueeze(2)).to(v.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @no_autocast_backward
+    def backward(ctx, dout):
+        q, k, v, dead = ctx.saved_tensors
+        c = torch.float64 if q.dtype == torch.float64 else torch.float32
+        b, h, s_q, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        g = h // hkv
+        kc, vc = k.to(c), v.to(c)
+        w = dead.to(c).expand(b, h, s_q).unsqueeze(-1)
+        do = (dout.to(c) * w).reshape(b, hkv, g * s_q, -1)  # head h = hkv * g + j: groups are contiguous
+        qg = q.to(c).reshape(b, hkv, g * s_q, d)
+        vmean = vc.mean(2, keepdim=True)  # (b, Hkv, 1, dv)
+        m = (do * vmean).sum(-1, keepdim=True)  # dO_i · mean(v)
+        f = ctx.scale / n
+        dq = f * (do @ (vc.transpose(-1, -2) @ kc) - m * kc.sum(2, keepdim=True))
+        dk = f * (vc @ (do.transpose(-1, -2) @ qg) - (m * qg).sum(2, keepdim=True))
+        dv = (do.sum(2, keepdim=True) / n).expand(b, hkv, n, -1)
+        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling):
+    """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself)."""
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return out
+    dead = ~attention_mask.any(-1)  # (b, 1|H, q)
+    if not bool(dead.any()):
+        return out
+    scale = query.size(-1) ** -0.5 if scaling is None else float(scaling)
+    return out + EagerMaskedRows.apply(query, key, value, dead, scale)
 
 
 _warned: set[str] = set()
@@ -115,43 +212,39 @@ def leanact_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``AttentionInterface`` function: q, k, v (b, H, s, d) -> ((b, s, H, d) output, weights or None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    state = config_state(getattr(module, "config", None))
+    state = module_state(module)
     original = state.original if state is not None else "sdpa"
     mode = state.mode if state is not None else "recompute"
     if kwargs.get("output_attentions", False):
-        return _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _eager(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # Without dropout, no-autograd calls use the original implementation (bit-identical inference).
     # With dropout they stay on leanact's core: the first forward of a reentrant checkpoint runs
     # without autograd and the recompute with it, and both must draw the same dropout mask.
     if not needs_grad and not dropout:
-        if original == "eager":
-            return _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     unsupported = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
     if kwargs.get("cache") is not None:
         unsupported.append("cache")
     if unsupported:
         tag = ",".join(unsupported)
+        if state is not None:
+            state.fallbacks.update(unsupported)
         if tag not in _warned:
             _warned.add(tag)
-            warnings.warn(f"leanact attention: {tag} not supported, using transformers' sdpa for these calls",
-                          stacklevel=2)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+            warnings.warn(f"leanact attention: {tag} not supported, using the model's original {original} "
+                          "attention for these calls", stacklevel=2)
+        return _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
     q_len, kv_len = query.shape[2], key.shape[2]
     # Same causal rule as transformers' sdpa function (SDPA's and leanact's is_causal are top-left).
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(q_len > 1 and attention_mask is None and causal)
+    causal = attention_mask is None and _causal(module, is_causal, q_len)
     if causal and kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    gqa = getattr(module, "num_key_value_groups", 1) > 1
     out = _lean_attention(query, key, value, attention_mask, dropout_p=float(dropout), is_causal=causal,
                           scale=scaling, mode=mode, training=True,  # like SDPA: the caller's dropout decides
-                          enable_gqa=gqa)
+                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)
+    if original == "eager":
+        out = _masked_rows_as_eager(out, query, key, value, attention_mask, scaling)
     # out is a (b, H, s, d) view of a (b, s, H, d) buffer: this transpose is free and contiguous.
     return out.transpose(1, 2).contiguous(), None
