@@ -61,7 +61,7 @@ class PatchSummary:
             t.add_row(label, old, what if kind == "replaced" else f"[yellow]left[/]: {what}")
         fallbacks = self.attention_fallbacks()
         for path, before, after in self.attention:
-            if path in fallbacks:
+            if path in fallbacks and not after.startswith("left"):
                 after += f"; [yellow]{before}[/] for calls with {', '.join(sorted(fallbacks[path]))}"
             t.add_row(f"attention ({path or 'model'})", before, after)
         return t
@@ -119,6 +119,9 @@ def _configs(model: nn.Module) -> list:
     return list(found.values())
 
 
+_FEATURES = {"softcap": "logit softcapping", "s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
 def _set_implementation(config, name: str) -> None:
     """Set one config's implementation without touching its sub-configs (the models read it per call)."""
     if hasattr(config, "_attn_implementation_internal"):
@@ -157,12 +160,18 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         elif now != attention_hf.NAME:
             summary.attention.append((path, str(was or "eager"), "left: the model does not use AttentionInterface"))
         else:
-            state = attention_hf._ConfigState(was or "eager", mode)
+            was = was or "eager"
+            users = [m for m in model.modules() if getattr(m, "config", None) is c]
+            state = attention_hf._ConfigState(was, mode, attention_hf.static_fallbacks(c, users))
             states[id(c)] = state
             attention_hf.set_config_state(c, state)
-            records.append((c, was or "eager"))
-            summary.attention.append((path, was or "eager", f"leanact ({mode})"))
+            records.append((c, was))
             summary.attention_states[path] = state
+            if state.fallbacks:
+                names = ", ".join(sorted(_FEATURES.get(f, f) for f in state.fallbacks))
+                summary.attention.append((path, was, f"left: {was} (leanact's core has no {names})"))
+            elif any(not isinstance(m, PreTrainedModel) for m in users) or c is getattr(model, "config", None):
+                summary.attention.append((path, was, f"leanact ({mode})"))
     for m in model.modules():  # the state travels with the modules (deepcopy, pickle)
         state = states.get(id(getattr(m, "config", None)))
         if state is not None:

@@ -17,8 +17,9 @@ weights), with three exceptions, decided per call:
   before patching (``"eager"`` or ``"sdpa"``), so that inference outputs are bit-identical to the
   unpatched model's. With dropout (training under ``no_grad``, e.g. the first forward of a
   reentrant gradient checkpoint) leanact's core runs, so the recompute draws the same mask.
-* features leanact's core does not cover (``softcap``, attention sinks, a paged cache,
-  ``position_bias``): the implementation the model had before patching (the model's eager function
+* T5's ``position_bias`` (learned, additive) goes to the core as an additive mask, with the
+  padding mask and the causal triangle added to it; it gets its gradient from the core.
+* features leanact's core does not cover (logit ``softcap``, attention sinks, a paged cache): the implementation the model had before patching (the model's eager function
   or transformers' SDPA function), recorded in the state (shown by ``leanact.summary``) and warned
   about once.
 
@@ -44,11 +45,11 @@ import torch
 from ..ops.amp import no_autocast_backward
 from ..ops.attention import attention as _lean_attention
 
-__all__ = ["NAME", "ATTR", "register", "leanact_attention_forward", "set_config_state", "config_state",
+__all__ = ["NAME", "ATTR", "register", "static_fallbacks", "leanact_attention_forward", "set_config_state", "config_state",
            "module_state"]
 
 NAME = "leanact"
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window_pattern")
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "sliding_window_pattern")
 
 
 ATTR = "_leanact_attention"
@@ -86,6 +87,17 @@ def config_state(config) -> _ConfigState | None:
     if entry is None or entry[0]() is not config:
         return None
     return entry[1]
+
+
+def static_fallbacks(config, modules) -> set:
+    """Features of a config's attention that leanact's core does not cover, known before any call:
+    Gemma 2's logit softcapping, GPT-OSS's attention sinks."""
+    found = set()
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        found.add("softcap")
+    if any("sinks" in m._parameters for m in modules):
+        found.add("s_aux")
+    return found
 
 
 def module_state(module) -> _ConfigState | None:
@@ -223,6 +235,13 @@ def leanact_attention_forward(
     # without autograd and the recompute with it, and both must draw the same dropout mask.
     if not needs_grad and not dropout:
         return _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    bias = kwargs.pop("position_bias", None)
+    if bias is not None:  # T5's relative position bias: an additive (learned) mask for the core
+        if attention_mask is None and _causal(module, is_causal, query.shape[2]):
+            attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+        if attention_mask is not None:
+            bias = bias + _additive(attention_mask[..., : key.shape[2]], bias.dtype)
+        attention_mask, is_causal = bias, False
     unsupported = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
     if kwargs.get("cache") is not None:
         unsupported.append("cache")
