@@ -104,8 +104,11 @@ def test_output_attentions_training(family, attn):
     out_ref = ref(**batch, output_attentions=True)
     out_lean = lean(**batch, output_attentions=True)
     torch.testing.assert_close(out_lean.loss, out_ref.loss, rtol=1e-6, atol=0)
-    for a, b in zip(out_lean.attentions, out_ref.attentions):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    if attn == "eager":
+        for a, b in zip(out_lean.attentions, out_ref.attentions, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    else:  # transformers' SDPA function returns no probabilities; neither does the patched model
+        assert all(a is None for a in out_ref.attentions or ()) and all(a is None for a in out_lean.attentions or ())
     out_ref.loss.backward(), out_lean.loss.backward()
     _assert_grads_close(ref, lean)
 

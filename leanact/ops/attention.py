@@ -119,12 +119,13 @@ def attention(
     gives the same mask. Double backward is not supported.
     """
     low = autocast_dtype(q.device.type)
-    if low is not None:  # autocast's policy for SDPA: every floating input (mask too) in its low dtype
+    if low is not None:  # autocast's policy for SDPA: q, k, v in its low dtype. An additive mask stays as
+        # it is (it is added to fp32 scores; an fp32 bias such as T5's loses nothing, as in eager attention)
         def cast(t):
-            return t.to(low) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+            return t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t
 
         with autocast_off(q.device.type):
-            return attention(cast(q), cast(k), cast(v), cast(attn_mask), dropout_p, is_causal, scale, mode=mode,
+            return attention(cast(q), cast(k), cast(v), attn_mask, dropout_p, is_causal, scale, mode=mode,
                              training=training, block_size=block_size, generator=generator, seed=seed,
                              enable_gqa=enable_gqa)
     if mode not in MODES:

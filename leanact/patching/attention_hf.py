@@ -10,9 +10,11 @@ The function mirrors the signature and semantics of transformers'
 ``integrations.sdpa_attention.sdpa_attention_forward`` (returns ``(b, s, H, d)`` output and no
 weights), with three exceptions, decided per call:
 
-* ``output_attentions=True``: the model's own ``eager_attention_forward`` (the probabilities are
-  materialised and returned), with the bool mask turned into the additive one eager expects and
-  the causal triangle made explicit where the mask function left it to ``is_causal``.
+* ``output_attentions=True``: the original implementation, as the unpatched model would run it:
+  the model's own ``eager_attention_forward`` (the probabilities are materialised and returned,
+  the bool mask turned into the additive one eager expects and the causal triangle made explicit
+  where the mask function left it to ``is_causal``), or transformers' SDPA function (which
+  returns no probabilities).
 * no autograd (``torch.no_grad``, inference) and no dropout: the implementation the model had
   before patching (``"eager"`` or ``"sdpa"``), so that inference outputs are bit-identical to the
   unpatched model's. With dropout (training under ``no_grad``, e.g. the first forward of a
@@ -209,6 +211,22 @@ def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling):
     return out + EagerMaskedRows.apply(query, key, value, dead, scale)
 
 
+def _weights_requested(kwargs) -> bool:
+    """Whether the caller wants the attention probabilities: ``output_attentions=True`` passed down,
+    or (transformers >= 5) an output collector of the running model recording attentions."""
+    if kwargs.get("output_attentions", False):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - transformers without output capturing
+        return False
+    try:
+        collected = _active_collector.get()
+    except LookupError:  # no collector set in this context
+        return False
+    return bool(collected) and any("attentions" in key for key in collected)
+
+
 _warned: set[str] = set()
 
 
@@ -227,8 +245,8 @@ def leanact_attention_forward(
     state = module_state(module)
     original = state.original if state is not None else "sdpa"
     mode = state.mode if state is not None else "recompute"
-    if kwargs.get("output_attentions", False):
-        return _eager(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if _weights_requested(kwargs):  # as the unpatched model: eager returns them, sdpa does not
+        return _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # Without dropout, no-autograd calls use the original implementation (bit-identical inference).
     # With dropout they stay on leanact's core: the first forward of a reentrant checkpoint runs

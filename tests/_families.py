@@ -1,0 +1,175 @@
+"""Tiny Hugging Face models of every family leanact claims, and batches for them (random weights,
+dropout 0, CPU). Shared by the differential matrix and the family tests.
+
+``build(family, attn)`` -> model in train mode (or raises ``Unsupported`` when this transformers
+lacks the family or the attention implementation); ``batch(family, padding)`` -> kwargs with labels.
+Padding kinds: "none", "right", "left", "one" (a sequence with one real token, left padded).
+"""
+from __future__ import annotations
+
+import torch
+
+transformers = __import__("pytest").importorskip("transformers")
+T = transformers
+
+V = 96  # vocabulary of every text model
+S = 10  # text length
+H, L, HEADS = 32, 2, 4
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _dec(cls_cfg, **kw):
+    """A decoder-only LLaMA-like config."""
+    base = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=HEADS,
+                num_key_value_heads=2, max_position_embeddings=64)
+    base.update(kw)
+    return cls_cfg(**base)
+
+
+def _configs():
+    bert = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, intermediate_size=64,
+                max_position_embeddings=64)
+    return {
+        "bert": (lambda: T.BertConfig(**bert), "BertForMaskedLM", "mlm"),
+        "roberta": (lambda: T.RobertaConfig(**bert, pad_token_id=1), "RobertaForMaskedLM", "mlm"),
+        "distilbert": (lambda: T.DistilBertConfig(vocab_size=V, dim=H, n_layers=L, n_heads=HEADS, hidden_dim=64,
+                                                  max_position_embeddings=64), "DistilBertForMaskedLM", "mlm"),
+        "albert": (lambda: T.AlbertConfig(**bert, embedding_size=16), "AlbertForMaskedLM", "mlm"),
+        "electra": (lambda: T.ElectraConfig(**bert, embedding_size=16), "ElectraForMaskedLM", "mlm"),
+        "gpt2": (lambda: T.GPT2Config(vocab_size=V, n_embd=H, n_layer=L, n_head=HEADS, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2), "GPT2LMHeadModel", "clm"),
+        "gpt_neox": (lambda: T.GPTNeoXConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L,
+                                             num_attention_heads=HEADS, intermediate_size=64,
+                                             max_position_embeddings=64), "GPTNeoXForCausalLM", "clm"),
+        "opt": (lambda: T.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS,
+                                    ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=H,
+                                    pad_token_id=1, bos_token_id=2, eos_token_id=2), "OPTForCausalLM", "clm"),
+        "llama": (lambda: _dec(T.LlamaConfig), "LlamaForCausalLM", "clm"),
+        "qwen2": (lambda: _dec(T.Qwen2Config), "Qwen2ForCausalLM", "clm"),
+        "qwen3": (lambda: _dec(T.Qwen3Config, head_dim=8), "Qwen3ForCausalLM", "clm"),
+        "mistral": (lambda: _dec(T.MistralConfig), "MistralForCausalLM", "clm"),
+        "phi": (lambda: _dec(T.PhiConfig), "PhiForCausalLM", "clm"),
+        "phi3": (lambda: _dec(T.Phi3Config, pad_token_id=0), "Phi3ForCausalLM", "clm"),
+        "gemma": (lambda: _dec(T.GemmaConfig, head_dim=8), "GemmaForCausalLM", "clm"),
+        "gemma2": (lambda: _dec(T.Gemma2Config, head_dim=8), "Gemma2ForCausalLM", "clm"),
+        "gemma3": (lambda: _dec(T.Gemma3TextConfig, head_dim=8), "Gemma3ForCausalLM", "clm"),
+        "olmo2": (lambda: _dec(T.Olmo2Config), "Olmo2ForCausalLM", "clm"),
+        # MoE: every token goes to every expert (top-k = all), so that the comparison does not depend on
+        # which of two nearly tied experts rounding picks; the routing weights still get gradients.
+        "mixtral": (lambda: _dec(T.MixtralConfig, num_local_experts=2, num_experts_per_tok=2), "MixtralForCausalLM",
+                    "clm"),
+        "qwen2_moe": (lambda: _dec(T.Qwen2MoeConfig, num_experts=2, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=32), "Qwen2MoeForCausalLM", "clm"),
+        "vit": (lambda: T.ViTConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, intermediate_size=64,
+                                    image_size=16, patch_size=8, num_labels=3), "ViTForImageClassification", "image"),
+        "clip": (lambda: T.CLIPConfig(
+            text_config=dict(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=HEADS,
+                             vocab_size=V, max_position_embeddings=S, bos_token_id=0, eos_token_id=1, pad_token_id=1),
+            vision_config=dict(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=HEADS,
+                               image_size=16, patch_size=8), projection_dim=16), "CLIPModel", "clip"),
+        "t5": (lambda: T.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=64, num_layers=L, num_heads=HEADS),
+               "T5ForConditionalGeneration", "seq2seq"),
+        "bart": (lambda: T.BartConfig(vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L,
+                                      encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                                      encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64),
+                 "BartForConditionalGeneration", "seq2seq"),
+        "whisper": (lambda: T.WhisperConfig(vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L,
+                                            encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                                            encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                                            max_source_positions=8, max_target_positions=32,
+                                            decoder_start_token_id=1, pad_token_id=0),
+                    "WhisperForConditionalGeneration", "speech"),
+    }
+
+
+FAMILIES = list(_configs())
+
+
+def no_dropout(cfg):
+    """Every float dropout / pdrop / layerdrop field of the config (and its sub-configs) set to 0."""
+    for k, v in list(vars(cfg).items()):
+        if isinstance(v, T.PretrainedConfig):
+            no_dropout(v)
+        elif isinstance(v, float) and ("dropout" in k or "pdrop" in k or "layerdrop" in k):
+            setattr(cfg, k, 0.0)
+    for k in getattr(cfg, "sub_configs", None) or {}:
+        sub = getattr(cfg, k, None)
+        if sub is not None:
+            no_dropout(sub)
+    return cfg
+
+
+def kind(family: str) -> str:
+    return _configs()[family][2]
+
+
+def build(family: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    make, cls_name, _ = _configs()[family]
+    if not hasattr(T, cls_name):
+        raise Unsupported(f"{cls_name} is not in transformers {T.__version__}")
+    cfg = no_dropout(make())
+    torch.manual_seed(seed)
+    try:
+        model = getattr(T, cls_name)(cfg)
+        model.set_attn_implementation(attn)
+    except (ValueError, ImportError) as e:
+        raise Unsupported(f"{cls_name} with attn_implementation={attn!r}: {e}") from e
+    if model.config._attn_implementation != attn:
+        raise Unsupported(f"{cls_name} does not take attn_implementation={attn!r}")
+    with torch.no_grad():  # non-trivial norm weights (HF initialises most to 1 or 0)
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() and p.dim() == 1:
+                p.add_(torch.empty_like(p).uniform_(-0.3, 0.3))
+    return model.train()
+
+
+def _mask(b: int, s: int, padding: str) -> torch.Tensor | None:
+    if padding == "none":
+        return None
+    m = torch.ones(b, s, dtype=torch.long)
+    if padding == "right":
+        m[1, s // 2:] = 0
+    elif padding == "left":
+        m[1, : s // 2] = 0
+    elif padding == "one":
+        m[1, : s - 1] = 0
+    else:
+        raise ValueError(padding)
+    return m
+
+
+def batch(family: str, padding: str = "none", seed: int = 1) -> dict:
+    """Inputs with labels for ``family``; padded positions are left in the labels (their rows count)."""
+    g = torch.Generator().manual_seed(seed)
+    k = kind(family)
+    b = 2
+    ids = torch.randint(3, V, (b, S), generator=g)
+    mask = _mask(b, S, padding)
+    out = {}
+    if k in ("mlm", "clm"):
+        out = dict(input_ids=ids, labels=ids.clone())
+        if k == "mlm":
+            out["labels"][torch.rand(b, S, generator=g) < 0.5] = -100
+    elif k == "image":
+        return dict(pixel_values=torch.randn(b, 3, 16, 16, generator=g), labels=torch.tensor([0, 2]))
+    elif k == "clip":
+        out = dict(input_ids=ids, pixel_values=torch.randn(b, 3, 16, 16, generator=g), return_loss=True)
+    elif k == "seq2seq":
+        dec = torch.randint(3, V, (b, 6), generator=g)
+        out = dict(input_ids=ids, decoder_input_ids=dec, labels=dec)
+    elif k == "speech":
+        dec = torch.randint(3, V, (b, 6), generator=g)
+        out = dict(input_features=torch.randn(b, 8, 16, generator=g), decoder_input_ids=dec, labels=dec)
+        if mask is not None:
+            out["decoder_attention_mask"] = _mask(b, 6, padding)
+        return out
+    if mask is not None:
+        out["attention_mask"] = mask
+    return out
+
+
+def float_inputs(batch_: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch_.items()}

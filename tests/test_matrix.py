@@ -1,0 +1,184 @@
+"""Differential matrix: every family leanact claims, patched vs unpatched with identical weights.
+
+Axes: original attention (eager, sdpa) x padding (none, right, left, one real token) x mode (train
+with grad, eval with grad, no_grad, output_attentions, reentrant and non-reentrant checkpointing)
+x precision (fp32, bf16 weights, fp32 + bf16 autocast with backward inside / outside the block) x
+copy (none, deepcopy, pickle round trip). The full product is ~14k cases per family; each family
+gets CASES cases chosen greedily so that every value of every axis appears at least once with the
+family and the pairs vary (deterministic).
+
+Rules (README "Exactness"):
+* fp32: loss within 1e-5 relative, every gradient within 1e-5 relative (norm-wise; gradients that
+  are zero in exact arithmetic compared against 1e-6 of the model's median gradient norm);
+* bf16 weights and autocast: the patched model's error against an fp32 reference is at most twice
+  the unpatched model's own error (floored at one bf16 ulp, 2^-8), on the loss and per gradient;
+* no_grad: outputs bit-identical (the patch runs the original kernels).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import pickle
+import random
+import warnings
+
+import pytest
+import torch
+
+import _families as F
+
+import leanact  # noqa: E402
+
+ATTN = ("eager", "sdpa")
+PADDING = ("none", "right", "left", "one")
+MODES = ("train", "eval", "no_grad", "output_attentions", "ckpt_reentrant", "ckpt")
+PRECISION = ("fp32", "bf16", "autocast_inside", "autocast_outside")
+COPIES = ("none", "deepcopy", "pickle")
+AXES = (ATTN, PADDING, MODES, PRECISION, COPIES)
+CASES = 8
+ULP = 2.0 ** -8
+
+
+def _cases(family: str, n: int = CASES):
+    """n cases covering every axis value: each axis takes its least used value, ties broken by a
+    per-family deterministic RNG."""
+    rng = random.Random(family)
+    counts = [dict.fromkeys(axis, 0) for axis in AXES]
+    out = []
+    for _ in range(n):
+        case = []
+        for axis, c in zip(AXES, counts):
+            low = min(c.values())
+            v = rng.choice([x for x in axis if c[x] == low])
+            c[v] += 1
+            case.append(v)
+        out.append(tuple(case))
+    return out
+
+
+# Known gaps, each a case that fails the 2x rule today (strict: a fix turns them into failures to remove).
+_KNOWN = {
+    "opt-sdpa-left-ckpt-autocast_inside-deepcopy": "bf16 autocast: a fc1 weight gradient 2.6x the unpatched error",
+    "t5-eager-left-train-autocast_inside-deepcopy": "bf16 autocast: a T5 norm weight gradient 2.03x the unpatched error",
+}
+
+
+def _param(f, c):
+    case_id = f"{f}-{'-'.join(c)}"
+    marks = [pytest.mark.xfail(reason=_KNOWN[case_id], strict=True)] if case_id in _KNOWN else []
+    return pytest.param(f, *c, id=case_id, marks=marks)
+
+
+PARAMS = [_param(f, c) for f in F.FAMILIES for c in _cases(f)]
+
+
+def test_every_axis_value_with_every_family():
+    for f in F.FAMILIES:
+        cases = _cases(f)
+        for i, axis in enumerate(AXES):
+            assert {c[i] for c in cases} == set(axis), (f, axis)
+
+
+def _main_output(out) -> torch.Tensor:
+    for k in ("logits", "logits_per_image", "last_hidden_state"):
+        if getattr(out, k, None) is not None:
+            return getattr(out, k)
+    raise AssertionError(f"no main output in {type(out).__name__}")
+
+
+def _run(model, batch, mode, precision):
+    """(loss, main output, {name: grad}) of one step of ``model`` in ``mode`` / ``precision``."""
+    model.zero_grad(set_to_none=True)
+    model.train(mode != "eval" and mode != "no_grad")
+    kw = {"output_attentions": True} if mode == "output_attentions" else {}
+    ac = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.startswith("autocast"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if mode == "no_grad":
+            with torch.no_grad(), ac:
+                out = model(**batch)
+            return out.loss, _main_output(out), {}, out
+        with ac:
+            out = model(**batch, **kw)
+            if precision == "autocast_inside":
+                out.loss.backward()
+        if precision != "autocast_inside":
+            out.loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach().float(), _main_output(out).detach(), grads, out
+
+
+def _attentions(out) -> list:
+    """Which attention probabilities came back (the shapes: None where a layer returned none)."""
+    found = []
+    for key in ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions",
+                "text_model_output", "vision_model_output"):
+        v = getattr(out, key, None)
+        if key.endswith("_output") and v is not None:
+            found += _attentions(v)
+        elif v is not None:
+            found.append((key, [None if a is None else tuple(a.shape) for a in v]))
+    return found
+
+
+def _rel(a, b, floor):
+    return ((a - b).norm() / b.norm().clamp_min(floor)).item()
+
+
+def _copy(model, how):
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    return model
+
+
+@pytest.mark.parametrize("family, attn, padding, mode, precision, copies", PARAMS)
+def test_patched_matches_unpatched(family, attn, padding, mode, precision, copies):
+    try:
+        ref = F.build(family, attn)
+    except F.Unsupported:
+        attn = "sdpa" if attn == "eager" else "eager"  # eager-only / sdpa-less family: the other one
+        ref = F.build(family, attn)
+    if F.kind(family) == "image":
+        padding = "none"  # images have no padding
+    batch = F.batch(family, padding)
+    if precision == "bf16":
+        ref = ref.to(torch.bfloat16)
+    lean = _copy(leanact.patch(copy.deepcopy(ref)), copies)
+    assert leanact.summary(lean) is not None
+    if mode.startswith("ckpt"):  # after copying: HF's reentrant set-up adds a hook that cannot be pickled
+        if not ref.supports_gradient_checkpointing:
+            pytest.skip(f"{type(ref).__name__} does not support gradient checkpointing")
+        for m in (ref, lean):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "ckpt_reentrant"})
+    dtype_batch = F.float_inputs(batch, torch.bfloat16) if precision == "bf16" else batch
+
+    l_ref, o_ref, g_ref, ref_out = _run(ref, dtype_batch, mode, precision)
+    l_lean, o_lean, g_lean, lean_out = _run(lean, dtype_batch, mode, precision)
+    if mode == "no_grad":
+        assert torch.equal(o_lean, o_ref), (o_lean - o_ref).abs().max()
+        assert torch.equal(l_lean, l_ref)
+        return
+    if mode == "output_attentions":
+        assert _attentions(lean_out) == _attentions(ref_out)
+    assert g_ref.keys() == g_lean.keys()
+    median = torch.stack([g.norm() for g in g_ref.values()]).median()
+    if precision == "fp32":
+        assert abs(l_lean - l_ref) <= 1e-5 * abs(l_ref), (l_ref, l_lean)
+        for name, g in g_ref.items():
+            if g.norm() < 1e-6 * median:  # zero in exact arithmetic: rounding noise on both sides
+                assert (g_lean[name] - g).norm() <= 1e-6 * median, name
+            else:
+                assert _rel(g_lean[name], g, 0) <= 1e-5, (name, _rel(g_lean[name], g, 0))
+        return
+    truth = copy.deepcopy(ref).float()  # the same weights (bf16-representable for "bf16"), fp32 arithmetic
+    l32, _, g32, _ = _run(truth, batch, mode, "fp32")
+    assert abs(l_lean - l32) <= 2 * max(abs(l_ref - l32), ULP * abs(l32)), (l32, l_ref, l_lean)
+    # Gradients below one ulp of the median gradient norm (zero in exact arithmetic: key biases) are
+    # rounding noise in both models; they are measured against that floor.
+    median = torch.stack([g.norm() for g in g32.values()]).median()
+    for name, g in g32.items():
+        e_ref, e_lean = _rel(g_ref[name], g, ULP * median), _rel(g_lean[name], g, ULP * median)
+        # (below the floor the error is measured in ulps of the median gradient: up to 1 is noise)
+        assert e_lean <= 2 * max(e_ref, ULP if g.norm() >= ULP * median else 1.0), (name, e_ref, e_lean)
