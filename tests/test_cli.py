@@ -1,5 +1,6 @@
 """`leanact profile` (Hugging Face models, tiny configs written to tmp_path) and `leanact layers`."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,26 @@ def test_budget_without_the_planner_says_so(bert_json, capsys, monkeypatch):
     assert all(m["max_batch"] > 0 for m in out["modes"])
 
 
+def _gpt2_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="gpt2", n_embd=H, n_layer=2, n_head=A, vocab_size=100, n_positions=64)))
+    return str(path)
+
+
+def test_budget_plans_a_causal_lm_with_its_default_config(tmp_path, capsys):
+    """GPT-2's config has use_cache=True: the planner used to fail on it ("planner failed", exit 0)."""
+    out = _json(capsys, ["profile", "--model", _gpt2_json(tmp_path), "--seq", "32", "--repeats", "0", "--budget", "1GiB"])
+    assert "transformer.h.0" in out["plan"] and "transformer.h.1" in out["plan"], out["plan"]
+
+
+@pytest.mark.parametrize("json_output", [True, False])
+def test_planner_failure_exits_1_with_the_error(bert_json, capsys, json_output):
+    argv = _profile(bert_json, "--repeats", "0", "--budget", "1KiB") + (["--json"] if json_output else [])
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: planner failed: InfeasibleBudget" in err and "smallest feasible budget is" in err
+
+
 def test_max_batch_arithmetic():
     assert max_batch(100, 0, 10) == 10 and max_batch(109, 0, 10) == 10 and max_batch(9, 0, 10) == 0
     assert max_batch(100, 5, 10) == 9 and max_batch(3, 5, 10) == 0
@@ -147,8 +168,8 @@ def test_parse_size():
     assert parse_size("16GiB") == 16 * 2**30 and parse_size("512MiB") == 512 * 2**20
     assert parse_size("1e9") == 10**9 and parse_size("10GB") == 10 * 10**9 and parse_size("1.5kib") == 1536
     assert parse_size("100") == 100 and parse_size("3 B") == 3
-    for bad in ("16 GiBs", "abc", "", "-1GB", "0.1"):
-        with pytest.raises(ValueError):
+    for bad in ("16 GiBs", "abc", "", "-1GB", "0.1", "0.5", "inf", "nan", "1e400", "1.2.3", "1.5", "1.5 B"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
             parse_size(bad)
     assert format_bytes(3 * 2**30) == "3.00 GiB" and format_bytes(512) == "512 B"
 
@@ -156,7 +177,9 @@ def test_parse_size():
 @pytest.mark.parametrize("bad, message", [
     (["--model", "bert-huge"], "unknown model 'bert-huge'"),
     (["--model", "/nonexistent/config.json"], "does not exist"),
-    (["--budget", "16 gigs"], "cannot read '16 gigs' as a size"),
+    (["--budget", "16 gigs"], "cannot read size '16 gigs'"),
+    (["--budget", "0.5"], "size '0.5' is less than one byte"),
+    (["--budget", "1e400"], "size '1e400' is more than"),
     (["--seq", "513"], "longer than bert-base's 512 positions"),
     (["--model", "vit-base", "--seq", "100"], "(patches per side)"),
     (["--plot", "chart.jpg"], "PNG"),

@@ -1,6 +1,8 @@
 """leanact.estimate: predicted (fake tensors) vs measured (real tensors, MemTracker, one training
 step on the CPU) on BERT, GPT-2 and LLaMA geometries (h=256, 4 layers, s=128, b=4), fp32/bf16,
 unpatched and leanact.patch'ed; a BERT-Large estimate without real memory; strategies; CUDA model."""
+import logging
+import re
 import resource
 import time
 
@@ -155,6 +157,58 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="device"):
         estimate(model, dict(input_ids=ids, labels=ids), device="xpu")
 
+
+
+@pytest.fixture
+def fake_tensor_errors():
+    """ERROR records of torch's fake-tensor logger (its own handler; it does not propagate)."""
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_bad_arguments_named_before_any_work(fake_tensor_errors):
+    model = _build("gpt2", layers=1, h=64)  # 2*S learned positions
+    x = dict(input_ids=torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 8, dtype=torch.long))
+    assert estimate(model, x, dtype="bf16").to_dict() == estimate(model, x, dtype=torch.bfloat16).to_dict()
+    assert estimate(model, x, dtype="fp16").dtype == "float16" and estimate(model, x, dtype="FP32").dtype == "float32"
+    cases = [(dict(dtype="fp8"), ValueError, "estimate(dtype='fp8'): use a floating torch.dtype"),
+             (dict(dtype=torch.int64), ValueError, "estimate(dtype=torch.int64)"),
+             (dict(dtype=16), TypeError, "estimate(dtype=16)"),
+             (dict(batch=0), ValueError, "estimate(batch=0): batch must be a positive integer"),
+             (dict(seq=-1), ValueError, "estimate(seq=-1)"), (dict(batch=2.0), TypeError, "estimate(batch=2.0)"),
+             (dict(seq=2 * S + 1), ValueError, f"estimate(seq={2 * S + 1}): GPT2LMHeadModel has {2 * S} positions "
+                                               f"(transformer.wpe); use seq={2 * S} or less")]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)) as info:
+            estimate(model, x, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="BertForMaskedLM has 512 positions"):  # BERT's default table
+        estimate_config(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                intermediate_size=64, vocab_size=V), x, seq=513,
+                        model_class=transformers.BertForMaskedLM)
+    assert not fake_tensor_errors  # raised up front: no fake-tensor traceback logged
+    assert estimate(model, x, seq=2 * S).per_layer  # the last position still fits
+
+
+def test_causal_lm_default_config_without_kv_cache():
+    """A training step keeps no KV cache: use_cache=True (the default) and use_cache=False predict
+    the same step, measure() agrees, and the user's configs are left as they were."""
+    model = _build("llama", layers=2, h=64)
+    x = _inputs(2, 32)
+    assert model.config.use_cache
+    for strategy in (None, "full"):
+        default, off = estimate(model, x, strategy), estimate(model, dict(x, use_cache=False), strategy)
+        assert default.to_dict() == off.to_dict() and model.config.use_cache
+    assert measure(model, x).peak == estimate(model, x).peak and model.config.use_cache
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=172, vocab_size=V)
+    built = estimate_config(cfg, x, model_class=transformers.LlamaForCausalLM)
+    assert cfg.use_cache and built.activations == estimate(model, x).activations
 
 
 def _has_strategies():

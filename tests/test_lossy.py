@@ -1,5 +1,6 @@
 """leanact.lossy.apply / remove on Hugging Face BERT and plain modules."""
 import copy
+import re
 
 import pytest
 import torch
@@ -38,6 +39,20 @@ def test_parse_forms():
         lossy.parse("fp4")
     with pytest.raises(ValueError, match="unknown lossy option"):
         lossy.parse({"quantize": 1})
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("fp8,int8", "lossy='fp8,int8' sets compress twice ('fp8' and 'int8'): keep one"),
+    ("int8, compress=fp8", "sets compress twice ('int8' and 'fp8')"),
+    ("fewbit=2,fewbit=3", "sets fewbit twice ('2' and '3')")])
+def test_parse_rejects_an_option_given_twice(spec, message):
+    """Conflicting options used to resolve silently to the last one (``'fp8,int8'`` -> int8)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lossy.parse(spec)
+    model = _bert(layers=1)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lossy.apply(model, spec)
+    assert lossy.state(model) is None
     with pytest.raises(TypeError, match="dict or a string"):
         lossy.parse(3)
 

@@ -138,6 +138,27 @@ def test_unpatch_restores_original_modules():
     unpatch(m)  # no-op on an unpatched model
 
 
+@pytest.mark.parametrize("fn", [patch, unpatch])
+def test_not_a_module_is_a_type_error(fn):
+    with pytest.raises(TypeError, match=rf"leanact.{fn.__name__}\(model\): model must be a torch.nn.Module, got "
+                                        "NoneType None; pass the model object itself"):
+        fn(None)
+
+
+def test_unpatch_of_a_submodule_raises_and_changes_nothing():
+    torch.manual_seed(0)
+    m = BertForMaskedLM(_config())
+    patch(m)
+    patched = dict(m.named_modules())
+    with pytest.raises(ValueError, match="this BertLayer is part of a patched BertForMaskedLM.*call leanact.unpatch "
+                                         "on the BertForMaskedLM given to leanact.patch"):
+        unpatch(m.bert.encoder.layer[0])
+    assert dict(m.named_modules()) == patched and summary(m) is not None
+    unpatch(m)
+    assert not any(type(x).__module__.startswith("leanact") for x in m.modules())
+    assert unpatch(m.bert.encoder.layer[0]) is m.bert.encoder.layer[0]  # nothing patched any more: a no-op
+
+
 def test_patch_twice_and_no_attention_option():
     torch.manual_seed(0)
     m = BertForMaskedLM(_config())

@@ -1,6 +1,7 @@
 """leanact.plan: the DP (against brute force on synthetic costs), budgets met by the measured
 kept bytes of planned models, the infeasible-budget error, unequal layers, explain()."""
 import copy
+import gc
 import itertools
 import re
 
@@ -34,6 +35,19 @@ def test_parse_budget():
         parse_budget("10 parsecs")
     with pytest.raises(ValueError, match="positive"):
         parse_budget(0)
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (float("inf"), ValueError, "not a finite number"), (float("nan"), ValueError, "not a finite number"),
+    ("1e400", ValueError, "more than"), ("1.2.3", ValueError, "cannot read budget '1.2.3'"),
+    ("inf", ValueError, "cannot read budget 'inf'"), ("0.5", ValueError, "less than one byte"),
+    (0.5, ValueError, "less than one byte"), ("1.5", ValueError, "not a whole number"),
+    (1.5, ValueError, "not a whole number"), (-1, ValueError, "less than one byte"),
+    (True, TypeError, "budget must be"), (None, TypeError, "budget must be")])
+def test_parse_budget_is_strict(bad, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        parse_budget(bad)
+    assert "budget" in str(info.value) and "GiB" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_module_is_callable():
@@ -222,3 +236,92 @@ def test_offload_is_planned_only_where_asked_and_never_last():
     r = lplan.plan(m, (x,), smallest, costs=q.costs, strategies=["lean", "offload", "full"])
     assert r.choices[-1] != "offload"
     assert any(s == "offload" for s in r.choices), r.choices  # keeps 0 device bytes above the threshold
+
+
+# ---- causal LMs with their default config, graphs freed, an applied plan kept, bad arguments -------------
+
+def _causal_lm(family):
+    T = transformers
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32,
+                                              bos_token_id=1, eos_token_id=2)).train()
+    cfg, cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM)}[family]
+    return cls(cfg(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=64, vocab_size=100, max_position_embeddings=32)).train()
+
+
+def _lm_batch():
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    return dict(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("family, patched", [("gpt2", True), ("llama", False), ("llama", True), ("qwen2", True)])
+def test_plan_causal_lm_with_default_config(family, patched):
+    """Default configs have use_cache=True: the planner measures without the KV cache (re-running a
+    layer on captured arguments used to append to it: a second backward through a freed graph,
+    or silently wrong costs), and leaves the config as it was."""
+    m = _causal_lm(family)
+    if patched:
+        leanact.patch(m)
+    assert m.config.use_cache
+    batch = _lm_batch()
+    p = lplan.plan(m, batch, "1GiB", reps=1)
+    assert p.choices == ["lean", "lean"] and m.config.use_cache
+    flops = lplan.plan(m, batch, "1GiB", time_model="flops").costs
+    off = lplan.plan(m, dict(batch, use_cache=False), "1GiB", time_model="flops").costs
+    assert flops == off and m.config.use_cache
+
+
+def _live_tensors():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def test_plan_frees_what_it_measured():
+    """plan() measures forwards without a backward: it releases their graphs (every call used to
+    keep one alive), so repeated calls leave no tensor behind."""
+    m = leanact.patch(_build_family("bert")).train()
+    batch = _batch("bert")
+    lplan.plan(m, batch, "1GiB", time_model="flops")  # lazily built caches exist from here on
+    before = _live_tensors()
+    for _ in range(3):
+        lplan.plan(m, batch, "1GiB", time_model="flops")
+    assert _live_tensors() <= before
+
+
+def test_plan_keeps_an_applied_plan():
+    m = Unequal()
+    x = torch.randn(8, 32, 32)
+    applied = S.Plan(["blocks.1", "blocks.3"], ["full", "full"]).apply(m)
+    wrapped = m.blocks[1].forward
+    p = lplan.plan(m, (x,), "1GiB", time_model="flops")
+    assert S.applied_plan(m) == S.Plan(["blocks.1", "blocks.3"], ["full", "full"]) and applied is m
+    assert type(m.blocks[1].forward) is type(wrapped) and "forward" not in m.blocks[0].__dict__
+    assert p.costs.layers[1].by_strategy["lean"].kept > p.costs.layers[1].by_strategy["full"].kept  # measured bare
+    p.apply(m)
+    assert S.applied_plan(m) is p
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(reps=0), ValueError, "plan(reps=0): reps must be an integer >= 1"),
+    (dict(reps=2.5), TypeError, "plan(reps=2.5)"),
+    (dict(layers=["no.such"]), ValueError, "Unequal has no submodule 'no.such'"),
+    (dict(layers="blocks.0"), TypeError, "plan(layers='blocks.0'): give a non-empty list"),
+    (dict(layers=[]), TypeError, "plan(layers=[])"),
+    (dict(layers=["blocks.0", "blocks.0"]), ValueError, "names a layer twice"),
+    (dict(time_model="wall"), ValueError, "plan(time_model='wall')"),
+    (dict(offload_threshold=-1), ValueError, "offload_threshold"),
+    (dict(strategies=["lean", "fastest"]), ValueError, "unknown strategies ['fastest']"),
+    (dict(budget="inf"), ValueError, "cannot read budget 'inf'"),
+    (dict(model=None), TypeError, "plan(model=...) must be a torch.nn.Module, got NoneType"),
+])
+def test_plan_bad_arguments_raise_before_any_work(kwargs, error, message, monkeypatch):
+    def no_work(*a, **k):
+        raise AssertionError("measured before checking the arguments")
+
+    monkeypatch.setattr(lplan, "measure_costs", no_work)
+    args = dict(model=Unequal(), sample_inputs=(torch.randn(2, 4, 32),), budget="1GiB") | kwargs
+    with pytest.raises(error, match=re.escape(message)) as info:
+        lplan.plan(args.pop("model"), args.pop("sample_inputs"), args.pop("budget"), **args)
+    assert "\n" not in str(info.value)

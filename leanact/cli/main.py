@@ -120,7 +120,10 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
     if args.json:
         result = profile_cmd.run_profile(cfg)
         if cfg.budget is not None:
-            result.plan = _plan_text(cfg)
+            try:
+                result.plan = _plan_text(cfg)
+            except Exception as e:
+                return _planner_failed(e)
         if args.plot:
             from .plot import plot
 
@@ -144,11 +147,20 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
         plot(result, args.plot)
         console.print(f"wrote {args.plot}")
     if cfg.budget is not None:
-        explained, note = profile_cmd.planner_explanation(cfg)
+        try:
+            explained, note = profile_cmd.planner_explanation(cfg)
+        except Exception as e:
+            return _planner_failed(e)
         console.print(note)
         if explained is not None:
             console.print(explained)
     return 0
+
+
+def _planner_failed(e: Exception) -> int:
+    """Report a failure of leanact.plan under --budget on stderr; the exit status (1)."""
+    print(f"leanact profile: error: planner failed: {type(e).__name__}: {e}", file=sys.stderr)
+    return 1
 
 
 def _plan_text(cfg) -> str:

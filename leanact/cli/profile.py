@@ -199,6 +199,7 @@ def planner_explanation(cfg: ProfileConfig):
     """The planner's ``Plan.explain()`` for the unpatched (sdpa) model under ``cfg.budget``.
 
     Returns (renderable or None, note). leanact.plan is optional: without it the note says so.
+    The planner's errors (an infeasible budget included) propagate: the CLI reports them and exits 1.
     """
     try:
         from leanact.plan import plan
@@ -208,10 +209,7 @@ def planner_explanation(cfg: ProfileConfig):
     cfg = cfg.resolved(geo)
     dtype = DTYPES[cfg.dtype]
     model = geo.build(geo.layers, "sdpa", dtype, cfg.dropout, cfg.seq, cfg.seed)
-    try:
-        explained = plan(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.budget).explain()
-    except Exception as e:  # the planner is a separate component: report, do not fail the profile
-        return None, f"planner failed: {type(e).__name__}: {e}"
+    explained = plan(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.budget).explain()
     return explained, f"plan for the unpatched model under {format_bytes(cfg.budget)}"
 
 

@@ -1,26 +1,55 @@
-"""Byte sizes on the command line: ``16GiB``, ``512MiB``, ``10GB``, ``1e9``."""
+"""Byte sizes (budgets): ``16GiB``, ``512MiB``, ``10GB``, ``1e9``, or a number of bytes."""
 from __future__ import annotations
 
+import math
+import numbers
 import re
+from fractions import Fraction
 
-__all__ = ["parse_size", "format_bytes"]
+__all__ = ["parse_size", "format_bytes", "MAX_SIZE"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+MAX_SIZE = 2**63 - 1  # the largest byte count accepted (int64)
+_EXAMPLES = "e.g. '16GiB', '512MiB', '10GB', '1e9' or a whole number of bytes"
 
 
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: a number with an optional unit (B, KB/MB/GB/TB = powers of 1000,
-    KiB/MiB/GiB/TiB = powers of 1024; case-insensitive). Raises ValueError on anything else."""
-    m = _PATTERN.match(text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: use e.g. 16GiB, 512MiB, 10GB or 1e9 (bytes)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value < 1:
-        raise ValueError(f"size {text!r} is less than one byte")
-    return int(value)
+def _rational(number):
+    return number if isinstance(number, (str, numbers.Rational)) else float(number)
+
+
+def parse_size(value: str | int | float, what: str = "size") -> int:
+    """Bytes in ``value``: a whole number of bytes, or a string with a number and an optional unit
+    (B, KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024; case-insensitive). The
+    result must be a whole number of bytes from 1 to :data:`MAX_SIZE`; anything else raises
+    ValueError (TypeError for a non-number), naming ``what``, the value and the fix."""
+    if isinstance(value, str):
+        m = _PATTERN.match(value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {what} {value!r}: use a number with an optional unit, {_EXAMPLES} "
+                             f"(units: {', '.join(u for u in _UNITS if u)})")
+        number, unit = m.group(1), _UNITS[m.group(2).lower()]
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not isinstance(value, numbers.Integral) and not math.isfinite(value):
+            raise ValueError(f"{what} {value!r} is not a finite number of bytes: give one, {_EXAMPLES}")
+        number, unit = value, 1
+    else:
+        raise TypeError(f"{what} must be a number of bytes or a string, {_EXAMPLES}; got {type(value).__name__} "
+                        f"{value!r}")
+    try:  # the range first: an exact Fraction of '1e999999999' would take forever
+        approx = float(number) * unit
+    except OverflowError:
+        approx = math.inf
+    exact = Fraction(_rational(number)) * unit if 0.5 <= approx <= 2 * MAX_SIZE else Fraction(approx > 1)
+    if exact < 1:
+        raise ValueError(f"{what} {value!r} is less than one byte: give a positive size, {_EXAMPLES}")
+    if approx > 2 * MAX_SIZE or exact > MAX_SIZE:
+        raise ValueError(f"{what} {value!r} is more than {MAX_SIZE:,} bytes (2**63 - 1): give the memory to plan "
+                         f"for, {_EXAMPLES}")
+    if exact.denominator != 1:
+        raise ValueError(f"{what} {value!r} is not a whole number of bytes: give whole bytes, {_EXAMPLES}")
+    return int(exact)
 
 
 def format_bytes(n: float) -> str:

@@ -7,6 +7,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from leanact.strategies.cache import caches_off
+
 from .compat import cpu_dropout_allocations, value_decisions, warm_lean_caches
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
@@ -54,6 +56,55 @@ def _device_kind(device: Any, model: nn.Module) -> str:
     return "cpu" if kind == "meta" else kind
 
 
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+                "fp64": torch.float64, "float64": torch.float64, "double": torch.float64}
+
+
+def _dtype_arg(dtype: Any) -> torch.dtype | None:
+    """``dtype=``: None, a floating ``torch.dtype`` or a name such as "bf16", "fp16", "fp32"."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    raise (ValueError if isinstance(dtype, (str, torch.dtype)) else TypeError)(
+        f"estimate(dtype={dtype!r}): use a floating torch.dtype (e.g. torch.bfloat16) or one of "
+        f"{', '.join(repr(n) for n in _DTYPE_NAMES)}")
+
+
+def _size_arg(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"estimate({name}={value!r}): {name} must be a positive integer (or None: the sample's)")
+    if value < 1:
+        raise ValueError(f"estimate({name}={value!r}): {name} must be a positive integer (or None: the sample's)")
+
+
+def _position_limit(model: nn.Module) -> tuple[int, str] | None:
+    """The longest sequence ``model``'s learned position embeddings allow, and the table's name
+    (None without such a table: rotary, relative or no positions)."""
+    best = None
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(m, nn.Embedding) and ("position" in leaf or leaf == "wpe"):
+            offset = int(getattr(m, "offset", 0) or 0)  # OPT / BART tables start after 2 reserved rows
+            if m.padding_idx is not None:  # RoBERTa: positions start after the padding index
+                offset = max(offset, m.padding_idx + 1)
+            if best is None or m.num_embeddings - offset < best[0]:
+                best = (m.num_embeddings - offset, name)
+    return best
+
+
+def _check_sizes(model: nn.Module, batch: Any, seq: Any) -> None:
+    _size_arg("batch", batch)
+    _size_arg("seq", seq)
+    limit = _position_limit(model) if seq is not None else None
+    if limit is not None and seq > limit[0]:
+        raise ValueError(f"estimate(seq={seq}): {type(model).__name__} has {limit[0]} positions ({limit[1]}); "
+                         f"use seq={limit[0]} or less")
+
+
 def _dtype_of(model: nn.Module) -> torch.dtype:
     p = next((p for p in model.parameters() if p.is_floating_point()), None)
     return p.dtype if p is not None else torch.float32
@@ -92,7 +143,7 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         plan.apply(fake_model)
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else contextlib.nullcontext()
-        with value_decisions(real_of), emulate, mode:
+        with value_decisions(real_of), emulate, caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)
     finally:
@@ -113,9 +164,14 @@ def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None,
     keyword arguments or tuple (real or fake tensors), resized to ``batch`` / ``seq`` if given.
     ``dtype`` casts weights and floating inputs. ``device="cuda"`` models CUDA from the CPU trace
     (see :data:`CUDA_NOTES`). ``loss_fn(out, inputs)``: default the model's ``.loss``.
+    ``dtype`` also takes a name ("bf16", "fp16", "fp32", "bfloat16", ...). Hugging Face KV caches
+    are off for the step (``use_cache=False``: training does not read them; restored after).
+    Bad arguments (``batch=0``, ``seq`` beyond the model's learned positions, ...) raise first.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    dtype = _dtype_arg(dtype)
+    _check_sizes(model, batch, seq)
     kind = _device_kind(device, model)
     mode = new_mode()
     fake_model, real_of = fake_copy(model, mode, dtype)
@@ -137,9 +193,13 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
         config, build = build, (lambda: model_class(config))
     if not callable(build):
         raise TypeError("estimate_config needs a callable returning the model, or a config with model_class=...")
+    dtype = _dtype_arg(dtype)
+    _size_arg("batch", batch)
+    _size_arg("seq", seq)
     kind = "cpu" if device is None else _device_kind(device, nn.Module())
     mode = new_mode()
     fake_model = build_fake(build, mode, dtype)
+    _check_sizes(fake_model, batch, seq)
     if patch:
         import leanact
 

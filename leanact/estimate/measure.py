@@ -7,6 +7,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from leanact.strategies.cache import caches_off
+
 from .result import Estimate
 
 __all__ = ["measure"]
@@ -36,12 +38,13 @@ def measure(model: nn.Module, inputs: Any, strategy_or_plan: Any = None, *, opti
     if plan is not None:
         plan.apply(m)
     try:
-        if warmup:  # one untracked forward + backward: lazily built caches exist before the measured step
-            loss = (loss_fn or default_loss)(_call(m, inputs), inputs)
-            loss.backward()
-            del loss
-            m.zero_grad(set_to_none=True)
-        mem = run_step(m, inputs, optimizer=optimizer, loss_fn=loss_fn)
+        with caches_off(m, inputs) as inputs:  # as leanact.estimate does
+            if warmup:  # one untracked forward + backward: lazily built caches exist before the measured step
+                loss = (loss_fn or default_loss)(_call(m, inputs), inputs)
+                loss.backward()
+                del loss
+                m.zero_grad(set_to_none=True)
+            mem = run_step(m, inputs, optimizer=optimizer, loss_fn=loss_fn)
     finally:
         if plan is not None:
             plan.remove(m)

@@ -54,11 +54,13 @@ def parse(lossy: Any) -> dict[str, dict]:
             key, _, value = part.partition("=")
             key = key.strip()
             if key in ("fp8", "int8") and not value:
-                spec["compress"] = key
-            elif key in OPTIONS:
-                spec[key] = value.strip() if value else True
-            else:
+                key, value = "compress", key
+            elif key not in OPTIONS:
                 raise ValueError(f"unknown lossy option {key!r}; use {OPTIONS} (e.g. 'fewbit=2,compress=fp8') or 'fp8'/'int8'")
+            if key in spec:
+                raise ValueError(f"lossy={lossy!r} sets {key} twice ({spec[key]!r} and {value.strip() or True!r}): "
+                                 f"keep one, e.g. lossy={part!r}")
+            spec[key] = value.strip() if value else True
         lossy = spec
     if not isinstance(lossy, dict):
         raise TypeError(f"lossy must be a dict or a string, got {type(lossy).__name__}")

@@ -16,6 +16,7 @@ printed as a table with ``verbose=True``.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -190,6 +191,23 @@ def _config_path(model: nn.Module, config) -> str:
     return "?"
 
 
+_PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules given to patch()
+
+
+def _check_module(fn: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"leanact.{fn}(model): model must be a torch.nn.Module, got {type(model).__name__} "
+                        f"{model!r:.60}; pass the model object itself, e.g. leanact.{fn}(model)")
+
+
+def _check_not_inside_patched(model: nn.Module) -> None:
+    for root in list(_PATCHED):
+        if root is not model and getattr(root, _ATTR, None) is not None and any(m is model for m in root.modules()):
+            raise ValueError(f"leanact.unpatch(model): this {type(model).__name__} is part of a patched "
+                             f"{type(root).__name__}, and unpatch undoes a whole patch: call leanact.unpatch on "
+                             f"the {type(root).__name__} given to leanact.patch")
+
+
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
           lossy: str | dict | None = None) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
@@ -201,10 +219,12 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     ``"fp8"`` or ``"fewbit=2,compress=fp8"`` (see :mod:`leanact.lossy`).
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
+    _check_module("patch", model)
     if attention not in (False, *_ATTENTION_MODES):
         raise ValueError(f"attention must be one of {_ATTENTION_MODES} or False, got {attention!r}")
     if getattr(model, _ATTR, None) is not None:
         unpatch(model)
+    _PATCHED.add(model)
     summary = PatchSummary()
     originals: list = []
     records: list = []
@@ -228,9 +248,12 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch`: the original module objects and attention implementations come back."""
+    """Undo :func:`patch`: the original module objects and attention implementations come back.
+    ``model`` must be the module given to :func:`patch`: a submodule of it raises ValueError."""
+    _check_module("unpatch", model)
     state: _PatchState | None = getattr(model, _ATTR, None)
     if state is None:
+        _check_not_inside_patched(model)
         return model
     from .. import lossy as _lossy
     from . import attention_hf

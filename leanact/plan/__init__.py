@@ -11,13 +11,13 @@ This module is callable: ``leanact.plan(...)`` is ``leanact.plan.plan(...)``.
 """
 from __future__ import annotations
 
-import re
 import sys
 import types
 from typing import Any, Callable, Iterable
 
 from torch import nn
 
+from leanact.cli.sizes import parse_size
 from leanact.strategies.layers import find_layers
 from leanact.strategies.offload import DEFAULT_THRESHOLD
 from leanact.strategies.plan import LOSSY, STRATEGIES, Plan
@@ -29,9 +29,6 @@ from .explain import fmt_bytes
 __all__ = ["plan", "parse_budget", "InfeasibleBudget", "measure_costs", "predict", "ModelCosts", "LayerCosts",
            "StrategyCost", "Solution", "fmt_bytes"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
 
 class InfeasibleBudget(ValueError):
     """No plan meets the budget; ``smallest`` is the smallest budget (bytes) that one meets."""
@@ -42,22 +39,34 @@ class InfeasibleBudget(ValueError):
 
 
 def parse_budget(budget: str | int | float) -> int:
-    """``"10GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"2e9"`` or a number of bytes → bytes."""
-    if isinstance(budget, bool):
-        raise TypeError("budget must be bytes (int) or a string such as '10GiB'")
-    if isinstance(budget, (int, float)):
-        value = budget
-    elif isinstance(budget, str):
-        m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read budget {budget!r}: use bytes or a number with a unit such as '10GiB', "
-                             f"'512MiB' or '2GB' (units: {', '.join(u for u in _UNITS if u)})")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    else:
-        raise TypeError(f"budget must be bytes (int) or a string such as '10GiB', got {type(budget).__name__}")
-    if value <= 0:
-        raise ValueError(f"budget must be positive, got {budget!r}")
-    return int(value)
+    """``"10GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"2e9"`` or a whole number of bytes → bytes (at
+    least 1). Raises ValueError / TypeError naming the value and the fix for anything else
+    (``inf``, ``nan``, ``"0.5"``, fractional bytes, ``"1.2.3"``)."""
+    return parse_size(budget, "budget")
+
+
+def _check_int(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"plan({name}={value!r}): {name} must be an integer >= {least}")
+    if value < least:
+        raise ValueError(f"plan({name}={value!r}): {name} must be an integer >= {least}")
+
+
+def _named_layers(model: nn.Module, layers: Any) -> list[tuple[str, nn.Module]]:
+    """``[(name, module)]`` for ``plan(layers=...)``, checked before any work."""
+    if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(n, str) for n in layers):
+        raise TypeError(f"plan(layers={layers!r}): give a non-empty list of qualified module names, e.g. "
+                        "[n for n, _ in leanact.strategies.find_layers(model)]")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"plan(layers={layers!r}) names a layer twice: give each layer once")
+    found = []
+    for n in layers:
+        try:
+            found.append((n, model.get_submodule(n)))
+        except AttributeError:
+            raise ValueError(f"plan(layers=[..., {n!r}, ...]): {type(model).__name__} has no submodule {n!r}; use "
+                             "names from model.named_modules(), e.g. leanact.strategies.find_layers(model)") from None
+    return found
 
 
 def _default_strategies(device: str, allow_lossy: bool) -> list[str]:
@@ -85,31 +94,39 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     tensors stored in fp8/int8: they change gradients); without it they are never chosen, and
     naming one in ``strategies`` raises.
 
-    Runs one forward of the model and a few forward/backward passes of each distinct layer.
-    Any plan already applied to ``model`` is removed. Raises :class:`InfeasibleBudget` with the
-    smallest feasible budget when none fits. Returns a :class:`~leanact.strategies.Plan` (not
-    applied: call ``.apply(model)``).
+    Runs one forward of the model and a few forward/backward passes of each distinct layer, with
+    Hugging Face KV caches off (``use_cache=False`` for the measurement only). A plan already
+    applied to ``model`` stays applied: it is set aside while measuring and re-applied. Bad
+    arguments raise ValueError / TypeError before any work. Raises :class:`InfeasibleBudget` with
+    the smallest feasible budget when none fits. Returns a :class:`~leanact.strategies.Plan` (not
+    applied: call ``.apply(model)``, which replaces the plan applied before).
     """
     del loss_fn
-    if strategies is not None and not allow_lossy:
-        strategies = list(strategies)
-        lossy = [s for s in strategies if s in LOSSY]
-        if lossy:
-            raise ValueError(f"strategies {lossy} are lossy (they change gradients): pass allow_lossy=True to use them")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan(model=...) must be a torch.nn.Module, got {type(model).__name__}: pass the model")
     budget_bytes = parse_budget(budget)
-    found = find_layers(model) if layers is None else [(n, model.get_submodule(n)) for n in layers]
+    _check_int("reps", reps, 1)
+    _check_int("offload_threshold", offload_threshold, 0)
+    if time_model not in ("measure", "flops"):
+        raise ValueError(f"plan(time_model={time_model!r}): use 'measure' (time each layer) or 'flops' (count FLOPs)")
+    if strategies is not None:
+        strategies = list(strategies)
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"plan(strategies=...): unknown strategies {unknown}; choose among {list(STRATEGIES)}")
+        lossy = [s for s in strategies if s in LOSSY]
+        if lossy and not allow_lossy:
+            raise ValueError(f"strategies {lossy} are lossy (they change gradients): pass allow_lossy=True to use them")
+    found = find_layers(model) if layers is None else _named_layers(model, layers)
     names = [n for n, _ in found]
     if costs is None:
         device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) else "cpu"
-        chosen = list(strategies) if strategies is not None else _default_strategies(device, allow_lossy)
-        for s in chosen:
-            if s not in STRATEGIES:
-                raise ValueError(f"unknown strategy {s!r}; choose among {list(STRATEGIES)}")
+        chosen = strategies if strategies is not None else _default_strategies(device, allow_lossy)
         measured = list(dict.fromkeys(["lean", *chosen]))
         costs = measure_costs(model, sample_inputs, found, measured, reps=reps, threshold=offload_threshold,
                               time_model=time_model)
     else:
-        chosen = list(strategies) if strategies is not None else [
+        chosen = strategies if strategies is not None else [
             s for s in costs.layers[0].by_strategy if allow_lossy or s not in LOSSY]
     for layer in costs.layers:
         base = layer.by_strategy["lean"].time

@@ -19,8 +19,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from leanact.memory import SavedTensorMeter
+from leanact.strategies.cache import caches_off, strip_caches
 from leanact.strategies.offload import split_kept
-from leanact.strategies.plan import Plan, remove
+from leanact.strategies.plan import Plan, applied_plan, remove
 
 FLOP_RATE = 1e11  # nominal FLOP/s of the "flops" time model
 COPY_RATE = 1e10  # nominal bytes/s of offload copies in the "flops" time model
@@ -110,6 +111,10 @@ def _measure_one(model: nn.Module, name: str, layer: nn.Module, args: tuple, kwa
         keys = {r.storage_key for r in meter.counted()}
         keeps_in = x is not None and _storage_key(x) in keys
         keeps_out = y is not None and _storage_key(y) in keys
+        out_bytes = y.untyped_storage().nbytes() if y is not None else 0
+        device = y.device if y is not None else torch.device("cpu")
+        meter.release()  # no backward runs through this forward: free its graph
+        del out, y, meter
         if time_model == "flops":
             a, k = _fresh(args), _fresh(kwargs)
             with FlopCounterMode(display=False) as fc:
@@ -117,13 +122,11 @@ def _measure_one(model: nn.Module, name: str, layer: nn.Module, args: tuple, kwa
                 if o is not None and o.requires_grad:
                     o.backward(torch.ones_like(o))
             seconds = fc.get_total_flops() / FLOP_RATE + 2 * split.offloaded / COPY_RATE
-            out_bytes = y.untyped_storage().nbytes() if y is not None else 0
-            del out
             return StrategyCost(split.device, split.offloaded, seconds, keeps_in, keeps_out), out_bytes
         times = []
         for rep in range(reps + 1):
             a, k = _fresh(args), _fresh(kwargs)
-            _sync(y.device if y is not None else torch.device("cpu"))
+            _sync(device)
             t0 = time.perf_counter()
             o = _first_float(layer(*a, **k))
             if o is not None and o.requires_grad:
@@ -131,8 +134,6 @@ def _measure_one(model: nn.Module, name: str, layer: nn.Module, args: tuple, kwa
             _sync(o.device if o is not None else torch.device("cpu"))
             if rep:  # the first run warms up
                 times.append(time.perf_counter() - t0)
-        out_bytes = y.untyped_storage().nbytes() if y is not None else 0
-        del out
         return StrategyCost(split.device, split.offloaded, min(times), keeps_in, keeps_out), out_bytes
     finally:
         remove(model)
@@ -151,16 +152,24 @@ def measure_costs(model: nn.Module, sample_inputs: Any, layers: list[tuple[str, 
     ``time_model``: ``"measure"`` (forward+backward of the layer alone, best of ``reps`` after a
     warm-up run) or ``"flops"`` (deterministic: FLOPs of forward+backward counted by torch's
     FlopCounterMode, recomputation included, at :data:`FLOP_RATE`, plus offload copies, out and
-    back, at :data:`COPY_RATE`; memory-bound recomputation counts as free)."""
+    back, at :data:`COPY_RATE`; memory-bound recomputation counts as free).
+
+    Hugging Face KV caches are off while measuring (:func:`~leanact.strategies.cache.caches_off`).
+    A plan applied to ``model`` is set aside while measuring and applied again afterwards."""
     if time_model not in ("measure", "flops"):
         raise ValueError(f"time_model must be 'measure' or 'flops', got {time_model!r}")
     # the measurement runs backward passes and draws random numbers: leave no trace of them
     grads = {p: p.grad for p in model.parameters()}
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    previous = applied_plan(model)
     try:
-        return _measure_costs(model, sample_inputs, layers, strategies, reps, threshold, time_model)
+        with caches_off(model, sample_inputs) as inputs:
+            return _measure_costs(model, inputs, layers, strategies, reps, threshold, time_model)
     finally:
+        remove(model)
+        if previous is not None:
+            previous.apply(model)
         for p, g in grads.items():
             p.grad = g
         torch.set_rng_state(rng)
@@ -174,7 +183,7 @@ def _measure_costs(model, sample_inputs, layers, strategies, reps, threshold, ti
     hooks = []
     for name, layer in layers:
         def pre(mod, args, kwargs, name=name):
-            captured.setdefault(name, (args, kwargs))
+            captured.setdefault(name, strip_caches(args, kwargs)[:2])
         hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
     meter = SavedTensorMeter(model)
     try:
@@ -194,6 +203,7 @@ def _measure_costs(model, sample_inputs, layers, strategies, reps, threshold, ti
             outside[r.storage_key] = r.counted_bytes
     device = _first_float(out)
     device = str(device.device) if device is not None else "cpu"
+    meter.release()  # no backward runs through this forward: free its graph
     del out, meter
 
     cache: dict[tuple, dict[str, StrategyCost]] = {}

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import recompute
+from .cache import strip_caches
 from .layers import find_layers
 from .offload import DEFAULT_THRESHOLD, HostPool, OffloadTransform
 
@@ -76,26 +77,16 @@ class _Wrapped:
         return out
 
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 _warned: set[str] = set()
-
-
-def _is_cache(x: Any) -> bool:
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
 
 
 def _no_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A recomputed layer must not write a KV cache (the replay would append a second time), as
     in Hugging Face's gradient checkpointing: ``use_cache=False``, no past key values (a
     transformers ``Cache`` passed positionally becomes None too)."""
-    changed = [k for k in ("use_cache", *_CACHE_KWARGS) if kwargs.get(k) not in (None, False)]
-    cache_pos = [i for i, a in enumerate(args) if _is_cache(a)]
-    if not changed and not cache_pos:
+    args, kwargs, changed = strip_caches(args, kwargs)
+    if not changed:
         return args, kwargs
-    kwargs = dict(kwargs)
-    for k in changed:
-        kwargs[k] = False if k == "use_cache" else None
-    args = tuple(None if i in cache_pos else a for i, a in enumerate(args))
     name = type(layer).__name__
     if name not in _warned:
         _warned.add(name)
