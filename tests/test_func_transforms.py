@@ -15,6 +15,8 @@ import leanact.functional as LF
 from leanact.ops.layer_norm import from_output_ok
 from leanact.recompute import producers as P
 
+from _tiny import tiny_batch, tiny_hf
+
 pytestmark = pytest.mark.timeout(300)
 
 H = 16
@@ -84,36 +86,8 @@ def test_from_output_ok_on_wrapped_weights():
     assert seen == [True, False, False]
 
 
-def _build(family):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if family == "bert":
-        cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                                      vocab_size=50, max_position_embeddings=16, attn_implementation="sdpa",
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        model = transformers.BertForMaskedLM(cfg)
-    else:
-        cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                       intermediate_size=64, vocab_size=50, max_position_embeddings=16,
-                                       attn_implementation="sdpa")
-        model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # non-trivial norm weights and biases (HF initialises them to 1 and 0)
-        for name, p in model.named_parameters():
-            if "norm" in name.lower():
-                p.add_(0.1 * torch.randn_like(p))
-    return model.train()
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 50, (2, 8), generator=g)
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, 5:] = 0
-    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-
-
 def _func_grads(model):
-    batch = _batch()
+    batch = tiny_batch()
     params = {k: v.detach() for k, v in model.named_parameters()}
     return grad(lambda p: functional_call(model, p, (), batch).loss)(params)
 
@@ -129,13 +103,14 @@ def _assert_close(ours, ref, tol=1e-5):
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_func_grad_of_patched_model_matches_unpatched(family):
-    ref = _func_grads(_build(family))
-    model = leanact.patch(_build(family), attention=False)
+    pytest.importorskip("transformers")
+    ref = _func_grads(tiny_hf(family))
+    model = leanact.patch(tiny_hf(family), attention=False)
     replaced = {old for _, old, _ in leanact.summary(model).replaced}
     assert replaced >= ({"LayerNorm", "GELUActivation"} if family == "bert" else {"LlamaRMSNorm", "LlamaMLP"}), replaced
     ours = _func_grads(model)
     _assert_close(ours, ref)
     # and the same gradients as ordinary autograd on the patched model (lean ops active there)
     model.zero_grad()
-    model(**_batch()).loss.backward()
+    model(**tiny_batch()).loss.backward()
     _assert_close(ours, {k: p.grad for k, p in model.named_parameters()})

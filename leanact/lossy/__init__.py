@@ -92,8 +92,9 @@ class LossyState:
 def _activation_function(m: nn.Module) -> str | None:
     """'gelu' / 'gelu_tanh' / 'silu' for the activation modules few-bit backward covers."""
     from .. import nn as lnn
+    from ..patching.modules import hook_kinds
 
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+    if hook_kinds(m):  # a replacement would not fire them
         return None
     t = type(m)
     if t is nn.GELU or isinstance(m, lnn.GELU):
@@ -123,6 +124,8 @@ def _in_layer_stack(model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 
 def _swap_modules(model: nn.Module, state: LossyState) -> None:
+    from ..patching.modules import hook_kinds
+
     fewbit, rl = state.options.get("fewbit"), state.options.get("randomized_linear")
     select = None
     if rl is not None:
@@ -137,7 +140,7 @@ def _swap_modules(model: nn.Module, state: LossyState) -> None:
             if fewbit is not None and (fn := _activation_function(child)) is not None:
                 new = FewBitActivation(fn, int(fewbit.get("bits", 2)))
                 new.train(child.training)
-            elif rl is not None and type(child) is nn.Linear and select(qual, child):
+            elif rl is not None and type(child) is nn.Linear and select(qual, child) and not hook_kinds(child):
                 new = RandomizedLinear.from_linear(child, float(rl.get("ratio", 0.5)),
                                                    int(rl.get("block", DEFAULT_BLOCK)))
             if new is not None:

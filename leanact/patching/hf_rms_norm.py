@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from ..ops.layer_norm import from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.transforms import functorch_active
+from .modules import lean_subclass
 
 __all__ = ["hf_rms_norm_replacement", "is_hf_rms_norm"]
 
@@ -42,7 +43,6 @@ _STANDARD = [
     r"return\s+self\.weight\s*\*\s*hidden_states\.to\(input_dtype\)",
 ]
 _checked: dict[type, str | None] = {}
-_subclasses: dict[type, type] = {}
 
 
 def is_hf_rms_norm(m: nn.Module) -> bool:
@@ -116,9 +116,7 @@ class _LeanHFRMSNorm:
 
 
 def _subclass(t: type) -> type:
-    if t not in _subclasses:
-        _subclasses[t] = type(f"Lean{t.__name__}", (_LeanHFRMSNorm, t), {"__module__": __name__})
-    return _subclasses[t]
+    return lean_subclass(_LeanHFRMSNorm, t)
 
 
 def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
