@@ -34,10 +34,10 @@ AdamW updates parameters without bumping ``_version``), so it runs once per opti
 outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
 kernel) are not seen: pass ``from_output`` explicitly or call :func:`clear_decision_cache` after
 them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
-the check reads the values of the wrapped γ, β (functorch wrappers have no storage) and is not
-cached. Under torch.compile the automatic check graph-breaks (it is wrapped
-in ``torch.compiler.disable``); the op itself traces with ``fullgraph=True`` when ``from_output``
-is given.
+the op is torch's own layer_norm, and the check, when called there, reads the values of the
+wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
+check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
+``fullgraph=True`` when ``from_output`` is given.
 
 Caveats: the output is saved for backward, so modifying it in place before backward raises (torch's
 LayerNorm allows it); double backward raises (``once_differentiable``) on the from-output path.
