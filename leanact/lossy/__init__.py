@@ -16,7 +16,9 @@ Options (a dict, or a string such as ``"fp8"`` or ``"fewbit=2,randomized_linear=
 * ``"compress": "fp8" | "int8"`` (or a dict of :class:`CompressTransform` arguments): every
   eligible saved 16-bit tensor is kept in 8 bits with per-block scales (fp8 e4m3: round to
   nearest, relative error <= 2**-4; int8: stochastic rounding, unbiased). *Approximates* every
-  gradient that reads a saved activation (:mod:`leanact.lossy.compress`).
+  gradient that reads a saved activation (:mod:`leanact.lossy.compress`). Active only inside the
+  model's forward: ``model.forward`` is a :class:`CompressedForward` while the option is applied
+  (same signature), which enters the transform with ``with``, so no exception can leave it on.
 
 Where each pays off (BERT-Large bf16 layer, ``benchmarks/approx.py``): ``leanact.patch`` keeps
 20.6 B/sbh, + ``compress="fp8"`` 10.9. A few-bit activation pays only when the next layer does not
@@ -37,8 +39,8 @@ from .compress import CompressTransform, keep_exact
 from ..ops.randomized_linear import DEFAULT_BLOCK
 from .modules import FewBitActivation, RandomizedLinear
 
-__all__ = ["apply", "remove", "parse", "state", "LossyState", "CompressTransform", "FewBitActivation", "RandomizedLinear",
-           "keep_exact", "OPTIONS"]
+__all__ = ["apply", "remove", "parse", "state", "LossyState", "CompressTransform", "CompressedForward", "FewBitActivation",
+           "RandomizedLinear", "keep_exact", "OPTIONS"]
 
 OPTIONS = ("fewbit", "randomized_linear", "compress")
 _ATTR = "_leanact_lossy"
@@ -89,13 +91,15 @@ class LossyState:
     replaced: list[tuple[str, str, str]] = field(default_factory=list)  # (name, was, now)
     transform: CompressTransform | None = None
     handles: list = field(default_factory=list)
+    forward: "CompressedForward | None" = None  # set as model.forward while compress is applied
 
 
 def _activation_function(m: nn.Module) -> str | None:
     """'gelu' / 'gelu_tanh' / 'silu' for the activation modules few-bit backward covers."""
     from .. import nn as lnn
+    from ..patching.modules import hook_kinds
 
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+    if hook_kinds(m):  # a replacement would not fire them
         return None
     t = type(m)
     if t is nn.GELU or isinstance(m, lnn.GELU):
@@ -125,6 +129,8 @@ def _in_layer_stack(model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 
 def _swap_modules(model: nn.Module, state: LossyState) -> None:
+    from ..patching.modules import hook_kinds
+
     fewbit, rl = state.options.get("fewbit"), state.options.get("randomized_linear")
     select = None
     if rl is not None:
@@ -139,7 +145,7 @@ def _swap_modules(model: nn.Module, state: LossyState) -> None:
             if fewbit is not None and (fn := _activation_function(child)) is not None:
                 new = FewBitActivation(fn, int(fewbit.get("bits", 2)))
                 new.train(child.training)
-            elif rl is not None and type(child) is nn.Linear and select(qual, child):
+            elif rl is not None and type(child) is nn.Linear and select(qual, child) and not hook_kinds(child):
                 new = RandomizedLinear.from_linear(child, float(rl.get("ratio", 0.5)),
                                                    int(rl.get("block", DEFAULT_BLOCK)))
             if new is not None:
@@ -152,26 +158,61 @@ def _swap_modules(model: nn.Module, state: LossyState) -> None:
     visit(model, "")
 
 
-def _compress_hooks(model: nn.Module, state: LossyState) -> None:
-    from ..recompute.recipes import foreign_hooks
+class CompressedForward:
+    """``model.forward`` while the ``compress`` option is applied: the model's own forward called
+    inside ``with transform`` (one frame), so that no exception -- KeyboardInterrupt included --
+    can leave compression on for the thread (a forward pre-hook / forward hook pair would: torch
+    runs always-called hooks after an ``Exception`` only). Not entered without grad, while
+    compiling, under foreign saved-tensor hooks (a checkpointed region) or torch.func transforms.
 
+    ``previous``: a forward set on the instance before (None: the class's); ``inspect.signature``
+    sees the model's own signature (Trainer and ``generate`` read it)."""
+
+    def __init__(self, model: nn.Module, transform: CompressTransform, previous: Callable | None = None):
+        self.model, self.transform, self.previous = model, transform, previous
+
+    def _forward(self) -> Callable:
+        return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.signature(self._forward())
+
+    def __call__(self, *args, **kwargs):
+        from ..recompute.recipes import foreign_hooks
+
+        forward = self._forward()
+        if (self.transform is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or foreign_hooks()):
+            return forward(*args, **kwargs)
+        with self.transform:
+            return forward(*args, **kwargs)
+
+
+def _compress_forward(model: nn.Module, state: LossyState) -> None:
     args = dict(state.options["compress"])
     tr = state.transform = CompressTransform(args.pop("format", "fp8"), **args)
-    entered: list[bool] = []
+    # Around the whole forward: outside every transform entered inside it (recipes of the lean
+    # modules; a recipe scope on the model itself is outside it, but CompressTransform leaves
+    # tensors an active RecipeTransform keeps as recipes to it), so tensors kept as recipes are
+    # not compressed, the rest are.
+    state.forward = CompressedForward(model, tr, model.__dict__.get("forward"))
+    model.__dict__["forward"] = state.forward
 
-    def pre(mod, inputs):
-        entered.append(torch.is_grad_enabled() and not torch.compiler.is_compiling() and not foreign_hooks())
-        if entered[-1]:
-            tr.__enter__()
 
-    def post(mod, inputs, out):
-        if entered and entered.pop():
-            tr.__exit__(None, None, None)
-
-    # registered first on the root: entered before (outside) any inner transform (recipes), so
-    # tensors those keep as recipes are not compressed, the rest are
-    state.handles += [model.register_forward_pre_hook(pre, prepend=True),
-                      model.register_forward_hook(post, always_call=True)]
+def _restore_forward(model: nn.Module, state: LossyState) -> None:
+    wrapper = state.forward
+    if wrapper is None:
+        return
+    if model.__dict__.get("forward") is wrapper:
+        if wrapper.previous is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = wrapper.previous
+    else:  # wrapped again since (e.g. by another library): leave the chain, make this link inert
+        wrapper.transform = None
 
 
 def apply(model: nn.Module, lossy: Any) -> nn.Module:
@@ -187,7 +228,7 @@ def apply(model: nn.Module, lossy: Any) -> nn.Module:
     state = LossyState(options)
     _swap_modules(model, state)
     if "compress" in options:
-        _compress_hooks(model, state)
+        _compress_forward(model, state)
     object.__setattr__(model, _ATTR, state)
     return model
 
@@ -204,6 +245,7 @@ def remove(model: nn.Module) -> nn.Module:
         parent._modules[name] = original
     for h in state.handles:
         h.remove()
+    _restore_forward(model, state)
     object.__delattr__(model, _ATTR)
     return model
 

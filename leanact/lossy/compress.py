@@ -22,11 +22,13 @@ keeping one tensor (or views of it: Q/K/V of a fused projection, a reshape) shar
 each unpack returns its view (``as_strided``) of the decompressed storage (one decompression per
 backward while the decompressed storage is alive).
 
-Left as they are: parameters and tensors whose storage is a parameter's, leaves requiring grad,
-non-floating or non-strided tensors, dtypes outside ``dtypes`` (default: 16-bit floats, so the
-float32 statistics leanact's ops keep next to 16-bit activations (attention log-sum-exp, norm
-rstd) stay exact), storages smaller than ``min_numel`` elements, tensors whose last dimension is
-1, tensors marked with :func:`keep_exact`, and anything ``select(t)`` returns False for.
+Left as they are: tensors an active :class:`~leanact.recompute.RecipeTransform` keeps as a recipe
+(inside or outside this transform: an exact recipe beats a compressed copy), parameters and tensors
+whose storage is a parameter's, leaves requiring grad, non-floating or non-strided tensors, dtypes
+outside ``dtypes`` (default: 16-bit floats, so the float32 statistics leanact's ops keep next to
+16-bit activations (attention log-sum-exp, norm rstd) stay exact), storages smaller than
+``min_numel`` elements, tensors whose last dimension is 1, tensors marked with :func:`keep_exact`,
+and anything ``select(t)`` returns False for.
 
 In-place safety: a tensor saved and modified in place afterwards raises at backward as torch
 does, when the tensor (or any view object that was saved) is still alive at backward, or when it
@@ -43,6 +45,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from leanact.recompute import recipes
 from leanact.saved import SavedTensorTransform
 
 __all__ = ["CompressTransform", "compress", "decompress", "compressed_nbytes", "keep_exact", "FORMATS"]
@@ -108,6 +111,12 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _kept_as_recipe(t: torch.Tensor) -> bool:
+    """Whether an active RecipeTransform (inside or outside this one) keeps ``t`` as a recipe: left to
+    it, so that compression never replaces an exact recipe, whatever the nesting order."""
+    return recipes.is_active() and recipes._find(t) is not None
+
+
 class _Entry:
     """One compressed storage (shared by every save of it at this version)."""
 
@@ -171,6 +180,15 @@ class CompressTransform(SavedTensorTransform):
         self.compressed = 0
         self.reused = 0
 
+    def __getstate__(self) -> dict:
+        """Pickling (``torch.save(model)``): the settings and counters; not the per-run caches
+        (compressed storages of graphs alive now, generators) nor entered contexts."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_live", "_generators", "_hook_cms")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._generators, self._live = {}, weakref.WeakValueDictionary()
+
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)
         if g is None:
@@ -192,7 +210,7 @@ class CompressTransform(SavedTensorTransform):
         return self.select is None or bool(self.select(t))
 
     def pack(self, t: torch.Tensor) -> Any | None:
-        if not self.eligible(t):
+        if not self.eligible(t) or _kept_as_recipe(t):
             return None
         key = _key(t)
         entry = self._live.get(key)

@@ -19,9 +19,11 @@ from .random import (
     _eager_chunks,
     _range_words,
     draw_seed,
+    keep_mask_like,
     keep_threshold,
     seed_keys,
 )
+from .transforms import functorch_active, unwrap
 
 __all__ = ["dropout", "dropout_seeded"]
 
@@ -78,7 +80,18 @@ class _SeededDropout(torch.autograd.Function):
         return _run(dy, seed, ctx.p, False), None, None, None
 
 
+def _under_functorch(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+    """The same mask, applied with differentiable torch ops (torch.func transforms cannot run the
+    custom Function; :mod:`leanact.ops.transforms`): keeps the mask, as torch's dropout does."""
+    with torch._C._DisableFuncTorch():
+        keep = keep_mask_like(unwrap(seed), x.shape, p, x.device)
+    scale = 1.0 / (1.0 - p)
+    return x.mul_(keep).mul_(scale) if inplace else x * keep * scale
+
+
 def _run(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+    if functorch_active():
+        return _under_functorch(x, seed, p, inplace)
     if torch.is_grad_enabled() and x.requires_grad:
         return _SeededDropout.apply(x, seed, p, inplace)
     return _apply(x, seed, p, inplace)  # no graph: nothing to save

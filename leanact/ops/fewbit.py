@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .fewbit_tables import TABLES
+from .transforms import functorch_active
 
 __all__ = ["FUNCTIONS", "FewBitFunction", "fewbit_activation", "fewbit_index", "fewbit_derivative",
            "fewbit_packed_nbytes", "table"]
@@ -136,5 +137,10 @@ def fewbit_activation(x: torch.Tensor, function: str = "gelu", bits: int = 2) ->
     if not x.is_floating_point():
         raise TypeError(f"few-bit activations need a floating-point input, got {x.dtype}")
     if torch.is_grad_enabled() and x.requires_grad:
+        if functorch_active():
+            raise RuntimeError(
+                "leanact.lossy few-bit activations cannot run under torch.func transforms (grad, vmap, ...): "
+                "their approximate derivative is a custom autograd Function; remove the lossy options "
+                "(leanact.lossy.remove(model)) or call the model outside the transform")
         return FewBitFunction.apply(x, function, bits)
     return _forward(x, function)

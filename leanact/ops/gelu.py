@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from .bitpack import pack_bits, unpack_bits
+from .transforms import functorch_active
 
 __all__ = ["gelu", "GeluFunction", "gelu_minimum", "gelu_grad_from_output"]
 
@@ -904,10 +905,13 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU that keeps only its output and 1 bit per element for backward (exact gradient).
 
     Same signature and semantics as ``torch.nn.functional.gelu``. Without autograd (no grad mode
-    or ``x`` not requiring grad) nothing is kept and no bits are packed.
+    or ``x`` not requiring grad) nothing is kept and no bits are packed. Under ``torch.func``
+    transforms this is ``torch.nn.functional.gelu`` (:mod:`leanact.ops.transforms`).
     """
     _check(approximate)
     _work_dtype(x.dtype)
+    if functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
+        return torch.nn.functional.gelu(x, approximate=approximate)
     if torch.is_grad_enabled() and x.requires_grad:
         return GeluFunction.apply(x, approximate)
     return _forward(x, approximate, with_bits=False)[0]

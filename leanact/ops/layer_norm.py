@@ -28,12 +28,16 @@ i.e. the worst channel loses about 3 bits of y's precision. Note the rule is per
 channel moves the whole tensor to the fallback.
 
 The decision reads γ and β on the host (one tiny reduction and one sync) and is cached per weight
-tensor, keyed on (data_ptr, _version) of γ and β, so it runs once per optimizer step (in-place
-updates bump _version; writes through ``.data`` do not, so after ``p.data.copy_(...)`` pass
-``from_output`` explicitly or call :func:`clear_decision_cache`). Callers can skip the check with
-``from_output=True/False``. Under torch.compile the automatic check graph-breaks (it is wrapped
-in ``torch.compiler.disable``); the op itself traces with ``fullgraph=True`` when ``from_output``
-is given.
+tensor, keyed on (data_ptr, _version) of γ and β and on the number of optimizer steps taken so far
+(a global ``torch.optim`` step post-hook counts every ``Optimizer.step()``, fused or not: a fused
+AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step. Writes
+outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
+kernel) are not seen: pass ``from_output`` explicitly or call :func:`clear_decision_cache` after
+them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
+the op is torch's own layer_norm, and the check, when called there, reads the values of the
+wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
+check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
+``fullgraph=True`` when ``from_output`` is given.
 
 Caveats: the output is saved for backward, so modifying it in place before backward raises (torch's
 LayerNorm allows it); double backward raises (``once_differentiable``) on the from-output path.
@@ -45,17 +49,31 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .transforms import functorch_active, is_wrapped, unwrap
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO"]
 
 DEFAULT_MAX_RATIO = 8.0
 
 _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _STEPS[0] += 1
+
+
+# Every torch.optim.Optimizer's step() runs the global post-hooks, fused kernels included: the
+# cached decisions are keyed on this count, so a step that skips _version still invalidates them.
+register_optimizer_step_post_hook(_count_step)
 
 
 def clear_decision_cache() -> None:
-    """Forget cached from-output decisions (needed only after writes that skip ``_version``)."""
+    """Forget cached from-output decisions (needed only after writes outside an optimizer step that
+    skip ``_version``, e.g. ``p.data.copy_(...)``)."""
     _DECISIONS.clear()
 
 
@@ -80,16 +98,52 @@ def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
         return bool(ok.all())
 
 
+def _check_unwrapped(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
+    """:func:`_check` on the values under functorch wrappers. Under ``vmap`` these carry batch
+    dimensions (anywhere) that γ and β need not share: then the rule is applied to the extremes,
+    min|γ| against max|β| (a sufficient condition for every channel of every batch entry)."""
+    w = None if weight is None else unwrap(weight)
+    b = None if bias is None else unwrap(bias)
+    if all(u is None or u.shape == t.shape for u, t in ((w, weight), (b, bias))):
+        return _check(w, b, n, dtype, max_ratio)
+    ref = w if w is not None else b
+    ct = torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
+    fi = torch.finfo(dtype)
+    with torch.no_grad():
+        g = w.detach().to(ct).abs() if w is not None else torch.ones(1, dtype=ct)
+        bb = b.detach().to(ct).abs() if b is not None else torch.zeros(1, dtype=ct)
+        if not (torch.isfinite(g).all() and torch.isfinite(bb).all()):
+            return False
+        g_min, g_max, b_max = g.min().item(), g.max().item(), bb.max().item()
+    return g_min >= fi.tiny and b_max <= max_ratio * g_min and g_max * math.sqrt(n) + b_max <= fi.max
+
+
+def _identity(t: torch.Tensor):
+    """(data_ptr, _version) of a tensor with storage; None for wrappers without one."""
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:  # e.g. "Cannot access data pointer of Tensor that doesn't have storage"
+        return None
+
+
 @torch.compiler.disable
 def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = DEFAULT_MAX_RATIO) -> bool:
     """True when x̂ can be recovered from a ``dtype`` output y = γ·x̂ + β accurately (see module doc).
 
-    ``n`` is the number of normalized elements per row. Cached per weight on (data_ptr, _version).
+    ``n`` is the number of normalized elements per row. Cached per weight on (data_ptr, _version)
+    and the optimizer step count; functorch-wrapped γ, β (``torch.func``) are checked by value
+    (under ``vmap``: every batch entry must pass), uncached.
     """
     if weight is None and bias is None:
         return True
+    if any(t is not None and is_wrapped(t) for t in (weight, bias)):
+        with torch._C._DisableFuncTorch():
+            return _check_unwrapped(weight, bias, n, dtype, max_ratio)
     ref = weight if weight is not None else bias
-    key = tuple((t.data_ptr(), t._version) if t is not None else None for t in (weight, bias)) + (n, dtype, max_ratio)
+    ids = tuple(None if t is None else _identity(t) for t in (weight, bias))
+    if any(t is not None and i is None for t, i in zip((weight, bias), ids)):
+        return _check(weight, bias, n, dtype, max_ratio)  # no storage identity to cache on
+    key = ids + (_STEPS[0], n, dtype, max_ratio)
     hit = _DECISIONS.get(ref)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -146,11 +200,12 @@ def layer_norm(
         which keeps the input; None (default) = decide from γ, β with :func:`from_output_ok`
         (cached; graph-breaks under torch.compile).
     max_ratio: largest |β|/|γ| accepted by the automatic decision (see module doc).
-    Without grad (no_grad, eval with frozen inputs) this is plain ``F.layer_norm``, saving nothing.
+    Without grad (no_grad, eval with frozen inputs) this is plain ``F.layer_norm``, saving nothing;
+    under ``torch.func`` transforms it is ``F.layer_norm`` too (:mod:`leanact.ops.transforms`).
     """
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not needs_grad:
+    if not needs_grad or functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
         return F.layer_norm(x, shape, weight, bias, eps)
     if from_output is None:
         from_output = from_output_ok(weight, bias, math.prod(shape), x.dtype, max_ratio)

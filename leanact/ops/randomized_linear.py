@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .random import draw_seed, keep_mask_like
+from .transforms import functorch_active
 
 __all__ = ["RandomizedLinearFunction", "randomized_linear", "sketch_rows", "sketch", "weight_grad", "DEFAULT_BLOCK"]
 
@@ -134,4 +135,9 @@ def randomized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
                                            or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
+    if functorch_active():
+        raise RuntimeError(
+            "leanact.lossy randomized_linear cannot run under torch.func transforms (grad, vmap, ...): its "
+            "randomized weight gradient is a custom autograd Function; remove the lossy options "
+            "(leanact.lossy.remove(model)) or call the model outside the transform")
     return RandomizedLinearFunction.apply(x, weight, bias, ratio, block, seed)

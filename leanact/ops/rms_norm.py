@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .layer_norm import compute_dtype, from_output_ok
+from .transforms import functorch_active
 
 __all__ = ["RMSNormFunction", "rms_norm"]
 
@@ -94,11 +95,11 @@ def rms_norm(
 
     eps None = as torch: ``finfo(compute dtype).eps`` in torch 2.13 (fp32's for 16-bit inputs). from_output: True = recover x̂ = y/γ; False = keep
     the input; None (default) = decide from γ (cached; graph-breaks under torch.compile).
-    Without grad this is plain ``F.rms_norm``, saving nothing.
+    Without grad this is plain ``F.rms_norm``, saving nothing; under ``torch.func`` transforms too.
     """
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
-    if not needs_grad:
+    if not needs_grad or functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
         return F.rms_norm(x, shape, weight, eps)
     if from_output is None:
         from_output = from_output_ok(weight, None, math.prod(shape), x.dtype, math.inf)

@@ -2,7 +2,10 @@
 
 Each rule looks at one module and returns either a replacement (built around the *same*
 Parameter objects, so state_dict keys and values, optimizer references and tying are unchanged) or
-a reason to leave it. Only exact types are replaced: a subclass may override ``forward``.
+a reason to leave it. Only exact types are replaced: a subclass may override ``forward``. A module
+with hooks registered on it (any kind: forward, forward-pre, backward, backward-pre, state-dict) is
+left, with that reason: its replacement would be another module object, on which they would not
+fire. Hooks registered on a replacement after patching fire as on any module.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from torch import nn
 from .. import nn as lnn
 from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
 from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
-from .modules import PatchedGELU
+from .modules import PatchedGELU, hooks_reason
 
 __all__ = ["replacement_for"]
 
@@ -69,12 +72,17 @@ def _hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
 def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     """(new module, None) to replace ``m``; (None, reason) to leave it and report why; (None, None)
     when there is nothing to report (containers, Linear, modules that are already lean)."""
+    new, reason = _replacement(m)
+    if new is not None and (hooks := hooks_reason(m)) is not None:
+        return None, hooks  # a module with hooks stays, so that they keep firing
+    return new, reason
+
+
+def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """:func:`replacement_for` before the check for hooks registered on ``m``."""
     t = type(m)
     if isinstance(m, _LEAN_TYPES):
         return None, None
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
-        if t in (nn.GELU, nn.LayerNorm, nn.Dropout) or t.__module__ == "transformers.activations":
-            return None, "has hooks registered on it"
     if t is nn.GELU:
         new = PatchedGELU(m.approximate, reference=m)
     elif t is nn.LayerNorm:
@@ -92,8 +100,6 @@ def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         new = lnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
         new.weight = m.weight
     elif is_hf_rms_norm(m):
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
-            return None, "has hooks registered on it"
         new, reason = hf_rms_norm_replacement(m)
         if new is None:
             return None, reason

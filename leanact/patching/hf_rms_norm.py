@@ -30,6 +30,8 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.layer_norm import from_output_ok
 from ..ops.rms_norm import RMSNormFunction
+from ..ops.transforms import functorch_active
+from .modules import lean_subclass
 
 __all__ = ["hf_rms_norm_replacement", "is_hf_rms_norm"]
 
@@ -41,7 +43,6 @@ _STANDARD = [
     r"return\s+self\.weight\s*\*\s*hidden_states\.to\(input_dtype\)",
 ]
 _checked: dict[type, str | None] = {}
-_subclasses: dict[type, type] = {}
 
 
 def is_hf_rms_norm(m: nn.Module) -> bool:
@@ -102,8 +103,8 @@ class _LeanHFRMSNorm:
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
-            return type(self).__mro__[2].forward(self, hidden_states)
+        if not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)) or functorch_active():
+            return type(self).__mro__[2].forward(self, hidden_states)  # (torch.func: leanact.ops.transforms)
         if w.dtype != torch.float32 and w.dtype != hidden_states.dtype:
             return type(self).__mro__[2].forward(self, hidden_states)  # mixed precision: HF's promotion
         n = hidden_states.shape[-1]
@@ -115,9 +116,7 @@ class _LeanHFRMSNorm:
 
 
 def _subclass(t: type) -> type:
-    if t not in _subclasses:
-        _subclasses[t] = type(f"Lean{t.__name__}", (_LeanHFRMSNorm, t), {"__module__": __name__})
-    return _subclasses[t]
+    return lean_subclass(_LeanHFRMSNorm, t)
 
 
 def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:

@@ -10,9 +10,11 @@ inputs) and the product (down_proj's input). The replacement keeps g and u only:
 down_proj's backward with the same kernels (bitwise equal), so it costs nothing.
 
 Outputs and gradients are torch's own (the same kernels in the same order). Without autograd
-(``torch.no_grad``, inference), while compiling (``torch.compile`` traces HF's forward) or under
-someone else's saved-tensor hooks (a ``torch.utils.checkpoint`` region) the module runs HF's own
-forward, so inference is bit-identical to the unpatched model.
+(``torch.no_grad``, inference), while compiling (``torch.compile`` traces HF's forward), under
+someone else's saved-tensor hooks (a ``torch.utils.checkpoint`` region) or ``torch.func``
+transforms, and whenever ``act_fn`` has hooks (registered after patching) or a forward of its own,
+the module runs HF's own forward, so inference is bit-identical to the unpatched model and the
+hooks fire.
 
 Recognised: a module whose class name ends in ``MLP``, defined in ``transformers.models.*``,
 with ``nn.Linear`` children ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn`` that is
@@ -31,11 +33,11 @@ from torch import nn
 
 from ..recompute import producers
 from ..recompute.recipes import RecipeTransform, foreign_hooks
+from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, lean_subclass
 
 __all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp"]
 
 _checked: dict[type, str | None] = {}
-_subclasses: dict[type, type] = {}
 _HOOK_DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
@@ -47,11 +49,6 @@ def is_hf_swiglu_mlp(m: nn.Module) -> bool:
     t = type(m)
     return (t.__name__.endswith("MLP") and t.__module__.startswith("transformers.models.")
             and all(isinstance(m._modules.get(k), nn.Module) for k in ("gate_proj", "up_proj", "down_proj")))
-
-
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None))
 
 
 def _body(fn) -> tuple[str, str] | None:
@@ -93,10 +90,15 @@ def _unsupported_forward(t: type) -> str | None:
     return _checked[t]
 
 
-def _still_silu(act: nn.Module | None) -> bool:
-    """Cheap per-call check that act_fn is still a SiLU class (the full check ran at patch time)."""
+def _lean_act_fn(act: nn.Module | None) -> bool:
+    """Cheap per-call check that the lean path may skip calling act_fn: still a SiLU class (the full
+    check ran at patch time), no forward replaced on the instance and no hooks on it (registered
+    since patching: HF's forward calls act_fn, so they fire)."""
     t = type(act)
-    return t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")
+    if not (t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")):
+        return False
+    return not (act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks
+                or "forward" in act.__dict__)
 
 
 def _silu_reason(act: nn.Module | None) -> str | None:
@@ -113,8 +115,8 @@ def _silu_reason(act: nn.Module | None) -> str | None:
         return f"act_fn is {t.__name__}, not SiLU (only the SiLU gate is covered)"
     if "forward" in act.__dict__:
         return "act_fn's forward was replaced on the instance (e.g. a hub kernel)"
-    if _has_hooks(act):
-        return "act_fn has hooks registered on it"
+    if hook_kinds(act, RUN_TIME_HOOKS):
+        return f"act_fn has hooks registered on it ({', '.join(hook_kinds(act, RUN_TIME_HOOKS))})"
     return None
 
 
@@ -127,8 +129,9 @@ class _LeanHFSwiGLU:
     def forward(self, *args, **kwargs) -> torch.Tensor:
         hf_forward = type(self).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or foreign_hooks() or not _still_silu(self._modules.get("act_fn"))):
-            # (act_fn swapped since patching, e.g. by leanact.lossy's few-bit SiLU: HF's forward calls it)
+                or foreign_hooks() or not _lean_act_fn(self._modules.get("act_fn"))):
+            # (act_fn swapped since patching, e.g. by leanact.lossy's few-bit SiLU, or hooked: HF's
+            # forward calls it)
             return hf_forward(self, *args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))  # the one argument, by position or name
         with RecipeTransform():
@@ -138,9 +141,7 @@ class _LeanHFSwiGLU:
 
 
 def _subclass(t: type) -> type:
-    if t not in _subclasses:
-        _subclasses[t] = type(f"Lean{t.__name__}", (_LeanHFSwiGLU, t), {"__module__": __name__})
-    return _subclasses[t]
+    return lean_subclass(_LeanHFSwiGLU, t)
 
 
 def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
@@ -148,8 +149,8 @@ def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     t = type(m)
     if isinstance(m, _LeanHFSwiGLU):
         return None, None
-    if _has_hooks(m):
-        return None, "has hooks registered on it"
+    if (reason := hooks_reason(m)) is not None:
+        return None, reason
     names = ("gate_proj", "up_proj", "down_proj")
     if any(type(m._modules[k]) is not nn.Linear for k in names):
         kinds = ", ".join(f"{k}: {type(m._modules[k]).__name__}" for k in names)

@@ -6,8 +6,59 @@ from torch import nn
 
 from ..nn.activation import GELU
 from ..ops.gelu import gelu
+from ..ops.transforms import functorch_active
 
-__all__ = ["PatchedGELU"]
+__all__ = ["PatchedGELU", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS", "lean_subclass"]
+
+_LEAN_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def lean_subclass(mixin: type, base: type) -> type:
+    """``Lean<base>``: the class deriving from ``(mixin, base)``, created once per pair.
+
+    Such a class is made at run time (one per Hugging Face class met), so pickle cannot find it by
+    name: its instances reduce to :func:`_new_lean` with ``mixin`` and ``base``, both importable,
+    which rebuilds the class where the object is loaded (``torch.save(model)`` then ``torch.load``
+    in a fresh process, ``copy.deepcopy``)."""
+    key = (mixin, base)
+    cls = _LEAN_SUBCLASSES.get(key)
+    if cls is None:
+        cls = type(f"Lean{base.__name__}", (mixin, base), {"__module__": mixin.__module__, "__reduce_ex__": _reduce_ex})
+        _LEAN_SUBCLASSES[key] = cls
+    return cls
+
+
+def _new_lean(mixin: type, base: type) -> nn.Module:
+    """An empty instance of ``lean_subclass(mixin, base)`` (unpickling then sets its state)."""
+    cls = lean_subclass(mixin, base)
+    return cls.__new__(cls)
+
+
+def _reduce_ex(self, protocol):
+    mixin, base = type(self).__bases__
+    state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__.copy()
+    return _new_lean, (mixin, base), state
+
+# (attribute of nn.Module, name in messages). Forward hooks registered with ``with_kwargs`` or
+# ``always_call`` live in ``_forward_hooks`` too; ``register_full_backward_hook`` and the old
+# ``register_backward_hook`` both in ``_backward_hooks``.
+RUN_TIME_HOOKS = (("_forward_pre_hooks", "forward-pre"), ("_forward_hooks", "forward"),
+                  ("_backward_pre_hooks", "backward-pre"), ("_backward_hooks", "backward"))
+_STATE_HOOKS = (("_state_dict_pre_hooks", "state_dict-pre"), ("_state_dict_hooks", "state_dict"),
+                ("_load_state_dict_pre_hooks", "load_state_dict-pre"),
+                ("_load_state_dict_post_hooks", "load_state_dict-post"))
+
+
+def hook_kinds(m: nn.Module, kinds=RUN_TIME_HOOKS + _STATE_HOOKS) -> list[str]:
+    """The kinds of hooks registered on ``m`` itself (not its children), e.g. ``["forward", "backward-pre"]``."""
+    return [name for attr, name in kinds if getattr(m, attr, None)]
+
+
+def hooks_reason(m: nn.Module) -> str | None:
+    """Why ``m`` is left as it is when hooks are registered on it (None: no hooks). A replacement
+    would be a different module object: the hooks registered on ``m`` would not fire."""
+    kinds = hook_kinds(m)
+    return f"has hooks registered on it ({', '.join(kinds)}): left as is so that they keep firing" if kinds else None
 
 
 class PatchedGELU(GELU):
@@ -16,7 +67,7 @@ class PatchedGELU(GELU):
     With autograd the output is leanact's (the float64 truth rounded once; it can differ from
     torch's kernel by one ulp); without it (``torch.no_grad``, inference) the replaced module
     computes the output, so that a patched model's inference outputs are bit-identical to the
-    unpatched model's. The replaced module is kept as a plain attribute (not a submodule: it has
+    unpatched model's; so does it under ``torch.func`` transforms (:mod:`leanact.ops.transforms`). The replaced module is kept as a plain attribute (not a submodule: it has
     no state and must not show up in ``modules()`` or the state dict).
     """
 
@@ -25,7 +76,7 @@ class PatchedGELU(GELU):
         self.__dict__["_reference"] = reference
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and input.requires_grad:
+        if torch.is_grad_enabled() and input.requires_grad and not functorch_active():
             return gelu(input, approximate=self.approximate)
         ref = self.__dict__.get("_reference")
         if ref is not None:

@@ -29,6 +29,7 @@ from torch.autograd import Function
 
 from leanact.ops.dropout import dropout_seeded
 from leanact.ops.random import draw_seed
+from leanact.ops.transforms import functorch_active
 
 from .recipes import register, release
 
@@ -38,7 +39,10 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 
 
 def _needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+    """Whether the lean (custom Function) path runs; under torch.func transforms the plain torch
+    ops run instead (:mod:`leanact.ops.transforms`)."""
+    return (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+            and not functorch_active())
 
 
 def _autocast_fp32(x: torch.Tensor, *ts):

@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from leanact.saved import SavedTensorTransform, active_transforms, disabled
 from leanact.saved import _pack as _pipeline_pack
+from leanact.ops.transforms import functorch_active
 
 __all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "foreign_hooks", "scope", "counters", "reset_counters",
            "cached_bytes", "live_recipes"]
@@ -102,7 +103,10 @@ def _key(t: torch.Tensor) -> int | None:
 def foreign_hooks() -> bool:
     """Whether torch's innermost saved-tensor hooks are someone else's (e.g. inside a
     ``torch.utils.checkpoint`` region or its recompute). Entering a transform there would shadow
-    them (torch applies only the innermost hooks), so modules and :func:`scope` then stay out."""
+    them (torch applies only the innermost hooks), so modules and :func:`scope` then stay out.
+    Also True under ``torch.func`` transforms, which disable saved-tensor hooks altogether."""
+    if functorch_active():
+        return True
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     hooks = top(False) if top is not None else None
     return hooks is not None and hooks[0] is not _pipeline_pack
