@@ -101,11 +101,12 @@ def _assert_close(ours, ref, tol=1e-5):
         assert (ours[k] - ref[k]).norm().item() <= tol * max(ref[k].norm().item(), 1e-3 * scale), k
 
 
+@pytest.mark.parametrize("attention", ["recompute", False])
 @pytest.mark.parametrize("family", ["bert", "llama"])
-def test_func_grad_of_patched_model_matches_unpatched(family):
+def test_func_grad_of_patched_model_matches_unpatched(family, attention):
     pytest.importorskip("transformers")
     ref = _func_grads(tiny_hf(family))
-    model = leanact.patch(tiny_hf(family), attention=False)
+    model = leanact.patch(tiny_hf(family), attention=attention)
     replaced = {old for _, old, _ in leanact.summary(model).replaced}
     assert replaced >= ({"LayerNorm", "GELUActivation"} if family == "bert" else {"LlamaRMSNorm", "LlamaMLP"}), replaced
     ours = _func_grads(model)

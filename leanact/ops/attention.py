@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .amp import autocast_dtype, autocast_off
 from .attention_core import RecomputeAttention, TempoAttention
 from .random import _as_seed, draw_seed
+from .transforms import functorch_active
 
 __all__ = ["attention", "default_block_size", "MODES", "BLOCK_ELEMENTS"]
 
@@ -149,6 +150,8 @@ def attention(
     )
     eager = not torch.compiler.is_compiling()
     gqa = {"enable_gqa": True} if enable_gqa else {}  # (the keyword needs torch >= 2.5)
+    if functorch_active() and p == 0.0:  # torch.func transforms: torch's own op (its memory, its results)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
     if p == 0.0 and (not grad or _sdpa_is_lean(q, k, v, mask4)):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
         if not grad or not eager or out.grad_fn.name() in _LEAN_NODES:

@@ -216,6 +216,8 @@ def _weights_requested(kwargs) -> bool:
     or (transformers >= 5) an output collector of the running model recording attentions."""
     if kwargs.get("output_attentions", False):
         return True
+    if torch.compiler.is_compiling():  # dynamo cannot trace ContextVar.get; compiled steps record none
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # pragma: no cover - transformers without output capturing
