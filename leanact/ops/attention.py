@@ -12,16 +12,17 @@ What is kept for backward, by path (per call; "mask" = the caller's own mask ten
 shared by all layers that use it):
 
 * ``mode="recompute"`` (default, flash-style, :class:`~leanact.ops.attention_core.RecomputeAttention`):
-  q, k, v (the caller's tensors: views of one fused QKV buffer count once), the output, the fp32
-  (fp64 for fp64 inputs) log-sum-exp per row (b·H·s_q·4 bytes), the 8-byte seed, the mask.
-  Backward recomputes the scores per query block (one extra QK^T matmul), P = exp(S - lse), the
-  block's dropout mask, and uses D = rowsum(dO * O): the s x s matrix never exists whole.
+  q, k, v (the caller's tensors: views of one fused QKV buffer count once), the fp32 (fp64 for
+  fp64 inputs) log-sum-exp per row (b·H·s_q·4 bytes), the 8-byte seed, the mask. Backward
+  recomputes the scores per query block (one extra QK^T matmul), P = exp(S - lse), the block's
+  dropout mask, and D = rowsum(P * dP) in fp32: the s x s matrix never exists whole. (The output
+  is not kept: the next projection keeps it as its input, in the same storage.)
 * ``mode="tempo"`` (dropout > 0 only): q, k, v, the softmax output P (input dtype) and the seed;
   backward recomputes the dropout output P * mask / (1 - p). No mask, no dropout output kept.
 * dropout 0 (``dropout_p=0`` or ``training=False``), either mode: the cheapest exact path.
   Without autograd it is ``F.scaled_dot_product_attention``. With autograd it is also SDPA when
   its fused kernel is known to keep only q, k, v, out, lse (see :func:`_sdpa_is_lean`: CPU flash
-  kernel for q laid out as (b, s, H, d), no mask / a float mask of q's dtype / a bool mask without
+  kernel in fp32/fp64 for q laid out as (b, s, H, d), no mask / a float mask of q's dtype / a bool mask without
   a query dimension, which SDPA converts to a small float copy), else the recompute path.
 * CUDA, dropout > 0, ``mode="recompute"``, no explicit ``seed``/``generator``, eager: SDPA's fused
   kernels (flash / memory-efficient / cuDNN keep q, k, v, out, lse and an RNG state), falling back
@@ -90,7 +91,9 @@ def _sdpa_is_lean(q, k, v, mask4) -> bool:
         elif mask4.dtype != q.dtype:
             return False
     if q.device.type == "cpu":
-        return q.stride(1) <= q.stride(2)  # the output follows q's layout: (b, s, H, d) needed
+        # The CPU flash kernel's 16-bit backward loses accuracy (measured: gradients 10x further from
+        # fp32 than the eager composition's on a tiny OPT); leanact's core accumulates in fp32.
+        return q.dtype in (torch.float32, torch.float64) and q.stride(1) <= q.stride(2)  # (b, s, H, d) layout
     return q.device.type == "cuda" and q.dtype != torch.float64  # no fused fp64 kernels; checked after the call
 
 

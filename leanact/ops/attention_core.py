@@ -150,9 +150,10 @@ def _setup(q, k, v, p):
 
 
 class RecomputeAttention(torch.autograd.Function):
-    """Flash-style attention. Saves q, k, v (the caller's tensors), the output, the per-row
-    log-sum-exp (b, H, s_q) and the seed (plus the caller's mask, if any): nothing of size s².
-    Backward recomputes each query block's probabilities as exp(S - lse) and its dropout mask."""
+    """Flash-style attention. Saves q, k, v (the caller's tensors), the per-row log-sum-exp
+    (b, H, s_q) and the seed (plus the caller's mask, if any): nothing of size s², not the output.
+    Backward recomputes each query block's probabilities as exp(S - lse) and its dropout mask, and
+    D = rowsum(P * dP) from them in fp32 (the kept output is not read: a 16-bit O would round D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, seed, p, causal, scale, block):
@@ -174,7 +175,7 @@ class RecomputeAttention(torch.autograd.Function):
                 r.mul_(inv)
             o4[:, :, i0:i1] = torch.bmm(s, vc[:, :kend]).view(b, h, i1 - i0, dv).mul_(r)
         lse._leanact_exact = True  # a softmax statistic: lossy compression must leave it exact
-        ctx.save_for_backward(q, k, v, out, lse, mask, seed)
+        ctx.save_for_backward(q, k, v, lse, mask, seed)
         ctx.args = (p, causal, scale, block)
         return out
 
@@ -182,12 +183,12 @@ class RecomputeAttention(torch.autograd.Function):
     @once_differentiable
     @no_autocast_backward
     def backward(ctx, dout):
-        q, k, v, out, lse, mask, seed = ctx.saved_tensors
+        q, k, v, lse, mask, seed = ctx.saved_tensors
         p, causal, scale, block = ctx.args
         b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
         dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
-        do4, o4 = dout.transpose(1, 2), out.transpose(1, 2)
+        do4 = dout.transpose(1, 2)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros((bk, s_k, d), dtype=c, device=q.device)
         dvv = torch.zeros((bk, s_k, dv), dtype=c, device=q.device)
@@ -202,15 +203,16 @@ class RecomputeAttention(torch.autograd.Function):
             s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h)
             s4.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P; rows with lse = +inf (fully masked) give 0
             dob = _rows(do4, i0, i1, c, bk)
-            dd = (dob.view(b, h, i1 - i0, dv) * o4[:, :, i0:i1]).sum(-1).view(bk, -1, 1)  # D = rowsum(dO * O)
             dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropout output
             if dropper is not None:
                 keep = dropper(i0, i1, kend).view(s.shape)
                 dvv[:, :kend].baddbmm_((s * keep).transpose(1, 2), dob, alpha=inv)
                 dp.mul_(keep)
-                dd = dd.div_(inv) if inv else dd.zero_()
             else:
                 dvv[:, :kend].baddbmm_(s.transpose(1, 2), dob)
+            # D / dscale = rowsum(P * dP') in the compute dtype: the same value as rowsum(dO * O) / dscale,
+            # without the rounding of a 16-bit O (which cancels badly where dP' is close to D).
+            dd = (s * dp).sum(-1, keepdim=True)
             ds = dp.sub_(dd).mul_(s)  # dS / dscale
             if dmask is not None:
                 _mask_grad(dmask, ds.view(b, h, i1 - i0, kend).mul(dscale), i0, i1)
