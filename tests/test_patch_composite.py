@@ -153,7 +153,7 @@ def test_features_outside_the_core_run_the_original_and_say_so(build, feature):
     ref = build()
     lean = leanact.patch(copy.deepcopy(ref))
     (path, was, after), = leanact.summary(lean).attention
-    assert after == f"left: eager (leanact's core has no {feature})"
+    assert after == f"left: {ref.config._attn_implementation} (leanact's core has no {feature})"
     ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
