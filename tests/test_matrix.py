@@ -186,3 +186,37 @@ def test_patched_matches_unpatched(family, attn, padding, mode, precision, copie
     for name, g in g32.items():
         e_ref, e_lean = _rel(g_ref[name], g, ULP * median), _rel(g_lean[name], g, ULP * median)
         assert e_lean <= 4 * max(e_ref, ULP if g.norm() >= ULP * median else 1.0), (name, e_ref, e_lean)
+
+
+@pytest.mark.parametrize("family", F.FAMILIES)
+def test_summary_is_truthful(family, monkeypatch):
+    """Every attention row that says "leanact" ran leanact's core in a training step; every row
+    that says "left" did not."""
+    from leanact.patching import attention_hf
+
+    try:
+        model = leanact.patch(F.build(family, "sdpa"))
+    except F.Unsupported:
+        model = leanact.patch(F.build(family, "eager"))
+    seen, last = set(), []
+    state_of, core = attention_hf.module_state, attention_hf._lean_attention
+
+    def spy_state(module):
+        last[:] = [state_of(module)]
+        return last[0]
+
+    def spy_core(*args, **kwargs):
+        seen.add(id(last[0]))
+        return core(*args, **kwargs)
+
+    monkeypatch.setattr(attention_hf, "module_state", spy_state)
+    monkeypatch.setattr(attention_hf, "_lean_attention", spy_core)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(**F.batch(family, "right")).loss.backward()
+    s = leanact.summary(model)
+    rows = [(path, after) for path, _, after in s.attention if path in s.attention_states]
+    assert rows, s.attention
+    for path, after in rows:
+        ran = id(s.attention_states[path]) in seen
+        assert ran == after.startswith("leanact"), (path, after, ran)

@@ -171,7 +171,7 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
             if state.fallbacks:
                 names = ", ".join(sorted(_FEATURES.get(f, f) for f in state.fallbacks))
                 summary.attention.append((path, was, f"left: {was} (leanact's core has no {names})"))
-            elif any(not isinstance(m, PreTrainedModel) for m in users) or c is getattr(model, "config", None):
+            elif any(not isinstance(m, PreTrainedModel) for m in users):  # (a composite's top config has no layers)
                 summary.attention.append((path, was, f"leanact ({mode})"))
     for m in model.modules():  # the state travels with the modules (deepcopy, pickle)
         state = states.get(id(getattr(m, "config", None)))
