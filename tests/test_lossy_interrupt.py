@@ -92,7 +92,7 @@ def test_compressed_forward_keeps_signature_copies_and_removes():
     model = leanact.patch(tiny_hf("llama"), attention=False, lossy="fp8")
     assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert twin.forward.model is twin and lossy.state(twin).forward is twin.forward
+        assert twin.forward.module is twin and lossy.state(twin).forward is twin.forward
         lossy.remove(twin)
         assert "forward" not in twin.__dict__
     assert isinstance(model, transformers.LlamaForCausalLM)
@@ -115,3 +115,24 @@ def test_tensors_kept_as_recipes_are_not_compressed():
     # fc2's weight gradient (ones^T · GELU output) reads only the kept GELU output: a recipe, exact
     assert torch.equal(model[2].weight.grad, exact[2])
     assert not torch.equal(model[0].weight.grad, exact[0])  # fc1's input was compressed
+
+
+def test_recipe_scope_survives_keyboard_interrupt():
+    """recompute.scope enters its RecipeTransform (saved-tensor hooks) around the forward in one
+    frame: an interrupt inside the forward leaves no hooks active."""
+    import leanact
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4))
+
+    def boom(mod, args):
+        raise KeyboardInterrupt
+
+    handle = leanact.recompute.scope(model)
+    h = model[1].register_forward_pre_hook(boom)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4, requires_grad=True))
+    h.remove()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # nothing left pushed
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()  # and the scope still works
+    handle.remove()
+    assert "forward" not in model.__dict__

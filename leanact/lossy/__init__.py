@@ -37,6 +37,7 @@ from torch import nn
 
 from .compress import CompressTransform, keep_exact
 from ..ops.randomized_linear import DEFAULT_BLOCK
+from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from .modules import FewBitActivation, RandomizedLinear
 
 __all__ = ["apply", "remove", "parse", "state", "LossyState", "CompressTransform", "CompressedForward", "FewBitActivation",
@@ -158,37 +159,10 @@ def _swap_modules(model: nn.Module, state: LossyState) -> None:
     visit(model, "")
 
 
-class CompressedForward:
-    """``model.forward`` while the ``compress`` option is applied: the model's own forward called
-    inside ``with transform`` (one frame), so that no exception -- KeyboardInterrupt included --
-    can leave compression on for the thread (a forward pre-hook / forward hook pair would: torch
-    runs always-called hooks after an ``Exception`` only). Not entered without grad, while
-    compiling, under foreign saved-tensor hooks (a checkpointed region) or torch.func transforms.
-
-    ``previous``: a forward set on the instance before (None: the class's); ``inspect.signature``
-    sees the model's own signature (Trainer and ``generate`` read it)."""
-
-    def __init__(self, model: nn.Module, transform: CompressTransform, previous: Callable | None = None):
-        self.model, self.transform, self.previous = model, transform, previous
-
-    def _forward(self) -> Callable:
-        return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
-
-    @property
-    def __signature__(self):
-        import inspect
-
-        return inspect.signature(self._forward())
-
-    def __call__(self, *args, **kwargs):
-        from ..recompute.recipes import foreign_hooks
-
-        forward = self._forward()
-        if (self.transform is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or foreign_hooks()):
-            return forward(*args, **kwargs)
-        with self.transform:
-            return forward(*args, **kwargs)
+# ``model.forward`` while the ``compress`` option is applied: the model's own forward called inside
+# ``with transform`` (one frame), so no exception -- KeyboardInterrupt included -- can leave
+# compression on for the thread.
+CompressedForward = ContextForward
 
 
 def _compress_forward(model: nn.Module, state: LossyState) -> None:
@@ -198,21 +172,11 @@ def _compress_forward(model: nn.Module, state: LossyState) -> None:
     # modules; a recipe scope on the model itself is outside it, but CompressTransform leaves
     # tensors an active RecipeTransform keeps as recipes to it), so tensors kept as recipes are
     # not compressed, the rest are.
-    state.forward = CompressedForward(model, tr, model.__dict__.get("forward"))
-    model.__dict__["forward"] = state.forward
+    state.forward = wrap_forward(model, tr)
 
 
 def _restore_forward(model: nn.Module, state: LossyState) -> None:
-    wrapper = state.forward
-    if wrapper is None:
-        return
-    if model.__dict__.get("forward") is wrapper:
-        if wrapper.previous is None:
-            del model.__dict__["forward"]
-        else:
-            model.__dict__["forward"] = wrapper.previous
-    else:  # wrapped again since (e.g. by another library): leave the chain, make this link inert
-        wrapper.transform = None
+    unwrap_forward(model, state.forward)
 
 
 def apply(model: nn.Module, lossy: Any) -> nn.Module:

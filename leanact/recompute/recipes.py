@@ -372,15 +372,16 @@ class RecipeTransform(SavedTensorTransform):
 
 
 class _ScopeHandle:
-    """Returned by :func:`scope`: ``remove()`` (or leaving a ``with`` block) removes the hooks."""
+    """Returned by :func:`scope`: ``remove()`` (or leaving a ``with`` block) puts the forward back."""
 
-    def __init__(self, transform: RecipeTransform, handles: list):
-        self.transform, self._handles = transform, handles
+    def __init__(self, transform: RecipeTransform, module: nn.Module, wrapper):
+        self.transform, self._module, self._wrapper = transform, module, wrapper
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        from .context_forward import unwrap_forward
+
+        unwrap_forward(self._module, self._wrapper)
+        self._wrapper = None
 
     def __enter__(self) -> "_ScopeHandle":
         return self
@@ -390,25 +391,16 @@ class _ScopeHandle:
 
 
 def scope(module: nn.Module, transform: RecipeTransform | None = None) -> _ScopeHandle:
-    """Activate a :class:`RecipeTransform` around every forward of ``module`` (forward pre-hook
-    enters it, an always-called forward hook leaves it); no change to the forward or state_dict.
-    Not entered without grad, while compiling, or under foreign saved-tensor hooks
+    """Activate a :class:`RecipeTransform` around every forward of ``module``: ``module.forward`` runs
+    inside ``with transform`` in one frame (:class:`~leanact.recompute.context_forward.ContextForward`),
+    so no exception, KeyboardInterrupt included, leaves it active; the class and state_dict are
+    unchanged. Not entered without grad, while compiling, or under foreign saved-tensor hooks
     (:func:`foreign_hooks`: a checkpointed region keeps checkpoint's behaviour).
 
     Recipes matter only where producers run (leanact.nn.fused's ``Recipe*`` modules, LeanMLP,
     LayerNormLinears or the functions of :mod:`leanact.recompute.producers`).
     """
+    from .context_forward import wrap_forward
+
     tr = transform if transform is not None else RecipeTransform()
-    entered: list[bool] = []
-
-    def pre(mod, args):
-        entered.append(torch.is_grad_enabled() and not torch.compiler.is_compiling() and not foreign_hooks())
-        if entered[-1]:
-            tr.__enter__()
-
-    def post(mod, args, out):
-        if entered and entered.pop():
-            tr.__exit__(None, None, None)
-
-    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
-    return _ScopeHandle(tr, handles)
+    return _ScopeHandle(tr, module, wrap_forward(module, tr))
