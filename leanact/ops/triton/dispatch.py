@@ -1,0 +1,250 @@
+"""Kernel or PyTorch path: one function per op and direction.
+
+Each function returns what the op's PyTorch path would return (same dtypes, shapes and, where
+the op keeps tensors for backward, the same tensors to keep), computed by a Triton kernel, or
+``None``: the caller then runs its PyTorch path. The kernels run when
+
+- ``LEANACT_TRITON`` is not ``0`` (read at every call),
+- every tensor is a plain CUDA tensor (not fake, not a subclass, not a functorch wrapper),
+- no ``torch.compile`` trace is running (the PyTorch path is what inductor fuses),
+- Triton imports (checked once), and the op's dtype and sizes are covered (float16, bfloat16,
+  float32; normalized size up to :data:`kernels.MAX_N`); otherwise the PyTorch path.
+
+Tests run the kernels on CPU tensors under Triton's interpreter through :func:`use_kernels`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+__all__ = ["available", "enabled", "use_kernels", "dropout", "keep_mask_like", "layer_norm_forward",
+           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "gelu_forward", "gelu_backward"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_STATE: dict = {"kernels": None, "failed": False, "cpu": False}
+
+
+def _kernels():
+    """The kernels module (imported once), or None when Triton is missing or fails to import."""
+    if _STATE["kernels"] is None and not _STATE["failed"]:
+        try:
+            from . import kernels
+        except Exception:  # ImportError, or a Triton that cannot initialize on this machine
+            _STATE["failed"] = True
+        else:
+            _STATE["kernels"] = kernels
+    return _STATE["kernels"]
+
+
+def available() -> bool:
+    """Whether the kernels can run on this machine (Triton imports and a CUDA device is present)."""
+    return torch.cuda.is_available() and _kernels() is not None
+
+
+def enabled() -> bool:
+    """``LEANACT_TRITON`` is not set to ``0``."""
+    return os.environ.get("LEANACT_TRITON", "1").strip() != "0"
+
+
+@contextlib.contextmanager
+def use_kernels(module):
+    """Tests: run ``module``'s kernels (e.g. a copy loaded under ``TRITON_INTERPRET=1``) and
+    accept CPU tensors, for the duration of the block."""
+    saved = dict(_STATE)
+    _STATE.update(kernels=module, failed=False, cpu=True)
+    try:
+        yield
+    finally:
+        _STATE.clear()
+        _STATE.update(saved)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_fake(t):
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return False
+    dev = t.device.type
+    return dev == "cuda" or (dev == "cpu" and _STATE["cpu"])
+
+
+def _usable(*tensors) -> object:
+    """The kernels module when every tensor may run a kernel (see the module doc), else None."""
+    if not enabled() or torch.compiler.is_compiling():
+        return None
+    if not all(t is None or _plain(t) for t in tensors):
+        return None
+    return _kernels()
+
+
+def _on(t: torch.Tensor):
+    """Launch on ``t``'s device (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+# -- dropout ---------------------------------------------------------------------------------------
+
+
+def dropout(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool):
+    """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into x when ``inplace``), or None."""
+    from ..random import keep_threshold
+
+    thr = keep_threshold(p)
+    if x.dtype not in _DTYPES or thr >= 1 << 32:
+        return None
+    k = _usable(x, seed)
+    if k is None:
+        return None
+    scale = 1.0 / (1.0 - p)
+    with _on(x):
+        if inplace:
+            src = x if x.is_contiguous() else x.contiguous()
+            k.dropout_apply(src, src, seed.reshape(()), thr, scale)
+            return x if src is x else x.copy_(src)
+        src = x.contiguous()
+        return k.dropout_apply(src, torch.empty(x.shape, dtype=x.dtype, device=x.device), seed.reshape(()), thr, scale)
+
+
+def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, offset: int):
+    """The bool keep-mask of a ``shape`` tensor whose element j has index ``offset + j``, or None."""
+    from ..random import keep_threshold
+
+    thr = keep_threshold(p)
+    if thr >= 1 << 32 or seed.device != device:
+        return None
+    k = _usable(seed)
+    if k is None:
+        return None
+    out = torch.empty(tuple(shape), dtype=torch.bool, device=device)
+    if out.numel():
+        with _on(seed):
+            k.keep_mask_range(seed.reshape(()), out, thr, offset)
+    return out
+
+
+# -- LayerNorm / RMSNorm ---------------------------------------------------------------------------
+
+
+def _norm_ok(k, x: torch.Tensor, n: int, *params) -> bool:
+    return (k is not None and 0 < n <= k.MAX_N and x.dtype in _DTYPES
+            and all(t is None or t.dtype in _DTYPES for t in params))
+
+
+def _flat(t):
+    return None if t is None else t.contiguous().reshape(-1)
+
+
+def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
+    return tuple(x.shape[: x.dim() - k]) + (1,) * k
+
+
+def layer_norm_forward(x, shape, weight, bias, eps: float):
+    """``(y, rstd)`` as ``torch.native_layer_norm`` returns them (rstd float32 on CUDA; torch's
+    CPU op returns x's dtype, mirrored for the interpreter tests), or None."""
+    n = math.prod(shape)
+    k = _usable(x, weight, bias)
+    if not _norm_ok(k, x, n, weight, bias):
+        return None
+    with _on(x):
+        y, rstd = k.norm_forward(x.contiguous(), n, _flat(weight), _flat(bias), float(eps), rms=False)
+    rstd = rstd.view(_stat_shape(x, len(shape)))
+    return y, (rstd.to(x.dtype) if x.device.type == "cpu" else rstd)
+
+
+def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
+    """``(dx, dγ, dβ)`` of LayerNorm from its output (None where not needed), or None."""
+    n = math.prod(shape)
+    k = _usable(dy, y, rstd, weight, bias)
+    if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _DTYPES:
+        return None
+    need_dw, need_db = weight is not None and needs[1], bias is not None and needs[2]
+    with _on(y):
+        dx, dw, db = k.norm_backward(dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight), _flat(bias),
+                                     n, rms=False, from_output=True, need_dx=bool(needs[0]), need_dw=need_dw,
+                                     need_db=need_db)
+    dw = None if dw is None else dw.sum(0).to(weight.dtype).view(weight.shape)
+    db = None if db is None else db.sum(0).to(bias.dtype).view(bias.shape)
+    return dx, dw, db
+
+
+def rms_norm_forward(x, shape, weight, eps):
+    """``(y, rstd)`` as ``torch.ops.aten._fused_rms_norm`` returns them (rstd float32), or None."""
+    n = math.prod(shape)
+    k = _usable(x, weight)
+    if not _norm_ok(k, x, n, weight):
+        return None
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps  # the compute dtype's (float32 for 16-bit and float32)
+    with _on(x):
+        y, rstd = k.norm_forward(x.contiguous(), n, _flat(weight), None, float(eps), rms=True)
+    return y, rstd.view(_stat_shape(x, len(shape)))
+
+
+def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: bool, need_dw: bool):
+    """``(dx, dγ)`` of RMSNorm (``t`` = y when ``from_output`` else x), or None."""
+    k = _usable(dy, t, rstd, weight)
+    if not _norm_ok(k, t, n, weight) or dy.dtype not in _DTYPES:
+        return None
+    need_dw = weight is not None and need_dw
+    with _on(t):
+        dx, dw, _ = k.norm_backward(dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None, n,
+                                    rms=True, from_output=from_output, need_dx=need_dx, need_dw=need_dw,
+                                    need_db=False)
+    if dw is not None:
+        dw = dw.sum(0)
+        if from_output:
+            dw = dw / _flat(weight).to(torch.float32)
+        dw = dw.to(weight.dtype).view(weight.shape)
+    return dx, dw
+
+
+# -- GELU ------------------------------------------------------------------------------------------
+
+
+def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
+    """``(y, packed bits of x > x* or None)`` as ``leanact.ops.gelu._forward``, or None."""
+    if x.dtype not in _DTYPES:
+        return None
+    k = _usable(x)
+    if k is None:
+        return None
+    from .. import gelu as G
+
+    n = x.numel()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
+    with _on(x):
+        if x.dtype == torch.float32:
+            thr = G._THRESHOLDS[torch.float32][approximate][0]
+            k.gelu_forward32(x.contiguous(), y, bits, thr, approximate == "tanh")
+        else:
+            table = G._ACCESSORS["y16", G._dtype_name(x.dtype), approximate](str(x.device))
+            k.gelu_forward16(x.contiguous(), y, bits, table, G._THRESHOLDS[x.dtype][approximate][1])
+    return y, bits
+
+
+def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approximate: str):
+    """``dy * GELU'(x)`` rebuilt from y and the packed bits, as ``leanact.ops.gelu._backward``, or None."""
+    if y.dtype not in _DTYPES or dy.dtype != y.dtype:
+        return None
+    k = _usable(y, bits, dy)
+    if k is None:
+        return None
+    from .. import gelu as G
+
+    dev = str(y.device)
+    out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    with _on(y):
+        if y.dtype == torch.float32:
+            ab = G._ACCESSORS["ab32", "float32", approximate](dev)
+            h = G._ACCESSORS["h32", "float32", approximate](dev)
+            k.gelu_backward32(y.contiguous(), bits, dy.contiguous(), out, ab, h, G._C32[approximate],
+                              approximate == "tanh")
+        else:
+            table = G._ACCESSORS["g16", G._dtype_name(y.dtype), approximate](dev)
+            k.gelu_backward16(y.contiguous(), bits, dy.contiguous(), out, table)
+    return out
