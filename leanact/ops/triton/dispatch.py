@@ -73,8 +73,9 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _usable(*tensors) -> object:
-    """The kernels module when every tensor may run a kernel (see the module doc), else None."""
-    if not enabled() or torch.compiler.is_compiling():
+    """The kernels module when every tensor may run a kernel (see the module doc), else None.
+    Called first by every op below: under a torch.compile trace nothing else is looked at."""
+    if torch.compiler.is_compiling() or not enabled():
         return None
     if not all(t is None or _plain(t) for t in tensors):
         return None
@@ -91,13 +92,13 @@ def _on(t: torch.Tensor):
 
 def dropout(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool):
     """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into x when ``inplace``), or None."""
+    k = _usable(x, seed)
+    if k is None or x.dtype not in _DTYPES:
+        return None
     from ..random import keep_threshold
 
     thr = keep_threshold(p)
-    if x.dtype not in _DTYPES or thr >= 1 << 32:
-        return None
-    k = _usable(x, seed)
-    if k is None:
+    if thr >= 1 << 32:
         return None
     scale = 1.0 / (1.0 - p)
     with _on(x):
@@ -111,13 +112,13 @@ def dropout(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool):
 
 def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, offset: int):
     """The bool keep-mask of a ``shape`` tensor whose element j has index ``offset + j``, or None."""
+    k = _usable(seed)
+    if k is None or seed.device != device:
+        return None
     from ..random import keep_threshold
 
     thr = keep_threshold(p)
-    if thr >= 1 << 32 or seed.device != device:
-        return None
-    k = _usable(seed)
-    if k is None:
+    if thr >= 1 << 32:
         return None
     out = torch.empty(tuple(shape), dtype=torch.bool, device=device)
     if out.numel():
@@ -145,8 +146,8 @@ def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
 def layer_norm_forward(x, shape, weight, bias, eps: float):
     """``(y, rstd)`` as ``torch.native_layer_norm`` returns them (rstd float32 on CUDA; torch's
     CPU op returns x's dtype, mirrored for the interpreter tests), or None."""
-    n = math.prod(shape)
     k = _usable(x, weight, bias)
+    n = math.prod(shape)
     if not _norm_ok(k, x, n, weight, bias):
         return None
     with _on(x):
@@ -157,8 +158,8 @@ def layer_norm_forward(x, shape, weight, bias, eps: float):
 
 def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
     """``(dx, dγ, dβ)`` of LayerNorm from its output (None where not needed), or None."""
-    n = math.prod(shape)
     k = _usable(dy, y, rstd, weight, bias)
+    n = math.prod(shape)
     if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _DTYPES:
         return None
     need_dw, need_db = weight is not None and needs[1], bias is not None and needs[2]
@@ -173,8 +174,8 @@ def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
 
 def rms_norm_forward(x, shape, weight, eps):
     """``(y, rstd)`` as ``torch.ops.aten._fused_rms_norm`` returns them (rstd float32), or None."""
-    n = math.prod(shape)
     k = _usable(x, weight)
+    n = math.prod(shape)
     if not _norm_ok(k, x, n, weight):
         return None
     if eps is None:
@@ -207,10 +208,8 @@ def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: b
 
 def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     """``(y, packed bits of x > x* or None)`` as ``leanact.ops.gelu._forward``, or None."""
-    if x.dtype not in _DTYPES:
-        return None
     k = _usable(x)
-    if k is None:
+    if k is None or x.dtype not in _DTYPES:
         return None
     from .. import gelu as G
 
@@ -229,10 +228,8 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
 
 def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approximate: str):
     """``dy * GELU'(x)`` rebuilt from y and the packed bits, as ``leanact.ops.gelu._backward``, or None."""
-    if y.dtype not in _DTYPES or dy.dtype != y.dtype:
-        return None
     k = _usable(y, bits, dy)
-    if k is None:
+    if k is None or y.dtype not in _DTYPES or dy.dtype != y.dtype:
         return None
     from .. import gelu as G
 
