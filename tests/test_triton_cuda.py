@@ -5,7 +5,7 @@ lowering: division, FMA contraction, float64 exp, bf16 rounding). Skipped withou
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.cuda, pytest.mark.triton,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 import leanact.ops.gelu as G  # noqa: E402
@@ -129,3 +129,25 @@ def test_patched_tiny_model_matches_the_torch_path(monkeypatch, family):
     assert torch.allclose(loss, loss0, rtol=1e-5, atol=1e-6)
     for g, g0 in zip(grads, grads0):
         assert torch.allclose(g, g0, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_patched_equals_unpatched_on_cuda(family):
+    """leanact.patch on CUDA (kernels on): the loss and gradients of the unpatched model."""
+    pytest.importorskip("transformers")
+    import leanact
+    from _tiny import tiny_batch, tiny_hf
+
+    batch = {k: v.cuda() for k, v in tiny_batch().items()}
+    results = []
+    for patch in (False, True):
+        model = tiny_hf(family).cuda()
+        if patch:
+            leanact.patch(model)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and g0.keys() == g1.keys()
+    for name in g0:
+        assert torch.allclose(g1[name], g0[name], rtol=1e-4, atol=1e-5), name

@@ -35,6 +35,9 @@ from leanact.ops import gelu as _gelu
 
 #: Elements per program of the elementwise kernels (a multiple of 8: a program packs whole bytes).
 BLOCK = 1024
+#: Launch options: contraction into FMAs allowed (the norms) or not (the float64 GELU rebuild, whose
+#: rounding sequence is torch's). Always explicit: Triton 3.9 warns when it is left to its default.
+FUSED, UNFUSED = {"enable_fp_fusion": True}, {"enable_fp_fusion": False}
 
 # -- shared helpers --------------------------------------------------------------------------------
 
@@ -134,7 +137,7 @@ def _grid(n: int, block: int):
 def dropout_apply(x: torch.Tensor, out: torch.Tensor, seed: torch.Tensor, thr: int, scale: float, block: int = BLOCK):
     """``out = x * keep_mask_like(seed, x.shape, p) * scale`` for contiguous x, out (may alias)."""
     n = x.numel()
-    _dropout_kernel[_grid(n, block)](x, out, seed, n, 0, thr, scale, APPLY=True, BLOCK=block)
+    _dropout_kernel[_grid(n, block)](x, out, seed, n, 0, thr, scale, APPLY=True, BLOCK=block, **FUSED)
     return out
 
 
@@ -142,7 +145,7 @@ def keep_mask_range(seed: torch.Tensor, out: torch.Tensor, thr: int, offset: int
     """``out`` (contiguous bool) = keep decisions of the indices offset .. offset + numel - 1."""
     n = out.numel()
     o = out.view(torch.uint8)
-    _dropout_kernel[_grid(n, block)](o, o, seed, n, offset, thr, 1.0, APPLY=False, BLOCK=block)
+    _dropout_kernel[_grid(n, block)](o, o, seed, n, offset, thr, 1.0, APPLY=False, BLOCK=block, **FUSED)
     return out
 
 
@@ -258,7 +261,7 @@ def norm_forward(x: torch.Tensor, n: int, weight, bias, eps: float, rms: bool):
         block_n = triton.next_power_of_2(n)
         _ln_fwd_kernel[(rows,)](x, y, weight if weight is not None else x, bias if bias is not None else x, rstd,
                                 n, eps, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
-                                BLOCK_N=block_n, num_warps=_warps(block_n))
+                                BLOCK_N=block_n, num_warps=_warps(block_n), **FUSED)
     return y, rstd
 
 
@@ -279,7 +282,7 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
                              db if db is not None else dummy, rows, n, triton.cdiv(rows, p),
                              HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, FROM_OUTPUT=from_output,
                              NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=block_n,
-                             num_warps=_warps(block_n))
+                             num_warps=_warps(block_n), **FUSED)
     return dx, dw, db
 
 
@@ -437,7 +440,7 @@ def erfc64(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """:func:`_erfc64` of a contiguous float64 tensor (for tests)."""
     y = torch.empty_like(x)
     if x.numel():
-        _erfc64_kernel[_grid(x.numel(), block)](x, y, x.numel(), BLOCK=block, enable_fp_fusion=False)
+        _erfc64_kernel[_grid(x.numel(), block)](x, y, x.numel(), BLOCK=block, **UNFUSED)
     return y
 
 _SQRT1_2 = tl.constexpr(_gelu._SQRT1_2)
@@ -536,21 +539,21 @@ def gelu_forward16(x: torch.Tensor, y: torch.Tensor, bits, table: torch.Tensor, 
     if n:
         _gelu16_fwd_kernel[_grid(n, block)](x.view(torch.int16), y.view(torch.int16),
                                             bits if bits is not None else y, table.view(torch.int16), n, u,
-                                            WITH_BITS=bits is not None, BLOCK=block)
+                                            WITH_BITS=bits is not None, BLOCK=block, **FUSED)
 
 
 def gelu_backward16(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
                     block: int = BLOCK):
     n = y.numel()
     if n:
-        _gelu16_bwd_kernel[_grid(n, block)](y.view(torch.int16), bits, dy, out, table, n, BLOCK=block)
+        _gelu16_bwd_kernel[_grid(n, block)](y.view(torch.int16), bits, dy, out, table, n, BLOCK=block, **FUSED)
 
 
 def gelu_forward32(x: torch.Tensor, y: torch.Tensor, bits, thr: float, tanh: bool, block: int = BLOCK):
     n = x.numel()
     if n:
         _gelu32_fwd_kernel[_grid(n, block)](x, y, bits if bits is not None else y, n, thr, TANH=tanh,
-                                            WITH_BITS=bits is not None, BLOCK=block, enable_fp_fusion=False)
+                                            WITH_BITS=bits is not None, BLOCK=block, **UNFUSED)
 
 
 def gelu_backward32(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, ab: torch.Tensor,
@@ -558,4 +561,4 @@ def gelu_backward32(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: 
     n = y.numel()
     if n:
         _gelu32_bwd_kernel[_grid(n, block)](y, bits, dy, out, ab.view(torch.float32), h, n, c32, TANH=tanh,
-                                            BLOCK=block, enable_fp_fusion=False)
+                                            BLOCK=block, **UNFUSED)
