@@ -279,6 +279,7 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
 
     if not dispatch.available():
         rec.note("Triton kernels unavailable here: the leanact column is the PyTorch path")
+    os.environ["LEANACT_TRITON"] = "strict"  # a failing kernel is an error here, not a silent fallback
     deadline = time.perf_counter() + limit_s - 10
     for name, dt, shape, lean, ref, liger in op_cases():
         if time.perf_counter() > deadline:
@@ -294,7 +295,7 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
             try:
                 t_path = _time_fwd_bwd(lean, x, dy)
             finally:
-                os.environ.pop("LEANACT_TRITON")
+                os.environ["LEANACT_TRITON"] = "strict"
             t_liger = _time_fwd_bwd(liger, x, dy) if liger is not None else float("nan")
             ratio = t_lean / t_ref
             rec.row(name, dt, "x".join(map(str, shape)), t_ref, t_lean, f"{ratio:.2f}x", "ok" if ratio <= 1.2 else "no",

@@ -17,9 +17,10 @@ from leanact.ops.triton import dispatch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _kernels_present():
+def _kernels_present(monkeypatch):
     if not dispatch.available():
         pytest.skip("Triton does not import here")
+    monkeypatch.setenv("LEANACT_TRITON", "strict")  # a failing kernel raises (no silent fallback)
 
 
 def _torch_path(monkeypatch, fn, *args):
@@ -27,7 +28,7 @@ def _torch_path(monkeypatch, fn, *args):
     try:
         return fn(*args)
     finally:
-        monkeypatch.setenv("LEANACT_TRITON", "1")
+        monkeypatch.setenv("LEANACT_TRITON", "strict")
 
 
 def _same(a, b):

@@ -283,6 +283,26 @@ def test_dispatch_declines_without_cuda_or_when_disabled(monkeypatch):
         assert dropout_seeded(x.double(), seed, 0.5).shape == x.shape
 
 
+def test_a_failing_kernel_warns_once_and_its_op_takes_the_pytorch_path():
+    calls = []
+
+    class Broken:
+        MAX_N = 1 << 15
+
+        def dropout_apply(self, *args):
+            calls.append(1)
+            raise RuntimeError("no such instruction")
+
+    x, seed = torch.randn(3, 40), torch.tensor(5)
+    ref = dropout_seeded(x, seed, 0.2)
+    with dispatch.use_kernels(Broken(), strict=False):
+        with pytest.warns(RuntimeWarning, match="dropout uses its PyTorch path"):
+            assert torch.equal(dropout_seeded(x, seed, 0.2), ref)
+        assert torch.equal(dropout_seeded(x, seed, 0.2), ref) and len(calls) == 1  # not tried again
+    with dispatch.use_kernels(Broken()), pytest.raises(RuntimeError, match="no such instruction"):
+        dropout_seeded(x, seed, 0.2)  # strict: raises
+
+
 def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:

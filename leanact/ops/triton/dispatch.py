@@ -10,13 +10,17 @@ the op keeps tensors for backward, the same tensors to keep), computed by a Trit
 - Triton imports (checked once), and the op's dtype and sizes are covered (float16, bfloat16,
   float32; normalized size up to :data:`kernels.MAX_N`); otherwise the PyTorch path.
 
-Tests run the kernels on CPU tensors under Triton's interpreter through :func:`use_kernels`.
+A kernel that fails to compile or launch (e.g. an untested Triton version) warns once and leaves
+its op on the PyTorch path for the rest of the process; ``LEANACT_TRITON=strict`` raises instead
+(the tests and the GPU suite set it). Tests run the kernels on CPU tensors under Triton's
+interpreter through :func:`use_kernels`.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -25,7 +29,8 @@ __all__ = ["available", "enabled", "use_kernels", "dropout", "keep_mask_like", "
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "gelu_forward", "gelu_backward"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_STATE: dict = {"kernels": None, "failed": False, "cpu": False}
+_STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False}
+_BROKEN: set[str] = set()  # kernels that raised: their ops take the PyTorch path from then on
 
 
 def _kernels():
@@ -50,17 +55,24 @@ def enabled() -> bool:
     return os.environ.get("LEANACT_TRITON", "1").strip() != "0"
 
 
+def _strict() -> bool:
+    return os.environ.get("LEANACT_TRITON", "").strip() == "strict" or _STATE["strict"]
+
+
 @contextlib.contextmanager
-def use_kernels(module):
-    """Tests: run ``module``'s kernels (e.g. a copy loaded under ``TRITON_INTERPRET=1``) and
-    accept CPU tensors, for the duration of the block."""
-    saved = dict(_STATE)
-    _STATE.update(kernels=module, failed=False, cpu=True)
+def use_kernels(module, strict: bool = True):
+    """Tests: run ``module``'s kernels (e.g. :mod:`.kernels` imported under ``TRITON_INTERPRET=1``)
+    and accept CPU tensors, for the duration of the block; ``strict``: a failing kernel raises."""
+    saved, broken = dict(_STATE), set(_BROKEN)
+    _STATE.update(kernels=module, failed=False, cpu=True, strict=strict)
+    _BROKEN.clear()
     try:
         yield
     finally:
         _STATE.clear()
         _STATE.update(saved)
+        _BROKEN.clear()
+        _BROKEN.update(broken)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -82,9 +94,27 @@ def _usable(*tensors) -> object:
     return _kernels()
 
 
-def _on(t: torch.Tensor):
-    """Launch on ``t``'s device (Triton launches on the current CUDA device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+_FAILED = object()
+
+
+def _launch(name: str, t: torch.Tensor, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a launcher of :mod:`.kernels`) on ``t``'s device (Triton launches
+    on the current CUDA device), or :data:`_FAILED` when the kernel raised (compilation or launch:
+    nothing written then): warned once, and ``name`` takes the PyTorch path from then on. Under
+    ``LEANACT_TRITON=strict`` it raises."""
+    if name in _BROKEN:
+        return _FAILED
+    try:
+        with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
+            return fn(*args, **kwargs)
+    except Exception as e:
+        if _strict():
+            raise
+        _BROKEN.add(name)
+        warnings.warn(f"leanact: the Triton kernel of {name} failed ({type(e).__name__}: {str(e)[:300]}); {name} "
+                      "uses its PyTorch path from now on (LEANACT_TRITON=strict raises instead)", RuntimeWarning,
+                      stacklevel=3)
+        return _FAILED
 
 
 # -- dropout ---------------------------------------------------------------------------------------
@@ -101,13 +131,11 @@ def dropout(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool):
     if thr >= 1 << 32:
         return None
     scale = 1.0 / (1.0 - p)
-    with _on(x):
-        if inplace:
-            src = x if x.is_contiguous() else x.contiguous()
-            k.dropout_apply(src, src, seed.reshape(()), thr, scale)
-            return x if src is x else x.copy_(src)
-        src = x.contiguous()
-        return k.dropout_apply(src, torch.empty(x.shape, dtype=x.dtype, device=x.device), seed.reshape(()), thr, scale)
+    src = x if x.is_contiguous() else x.contiguous()
+    out = src if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if _launch("dropout", x, k.dropout_apply, src, out, seed.reshape(()), thr, scale) is _FAILED:
+        return None
+    return x.copy_(out) if inplace and out is not x else out
 
 
 def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, offset: int):
@@ -121,9 +149,8 @@ def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, of
     if thr >= 1 << 32:
         return None
     out = torch.empty(tuple(shape), dtype=torch.bool, device=device)
-    if out.numel():
-        with _on(seed):
-            k.keep_mask_range(seed.reshape(()), out, thr, offset)
+    if out.numel() and _launch("dropout", seed, k.keep_mask_range, seed.reshape(()), out, thr, offset) is _FAILED:
+        return None
     return out
 
 
@@ -150,8 +177,10 @@ def layer_norm_forward(x, shape, weight, bias, eps: float):
     n = math.prod(shape)
     if not _norm_ok(k, x, n, weight, bias):
         return None
-    with _on(x):
-        y, rstd = k.norm_forward(x.contiguous(), n, _flat(weight), _flat(bias), float(eps), rms=False)
+    r = _launch("layer_norm", x, k.norm_forward, x.contiguous(), n, _flat(weight), _flat(bias), float(eps), rms=False)
+    if r is _FAILED:
+        return None
+    y, rstd = r
     rstd = rstd.view(_stat_shape(x, len(shape)))
     return y, (rstd.to(x.dtype) if x.device.type == "cpu" else rstd)
 
@@ -163,10 +192,11 @@ def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
     if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _DTYPES:
         return None
     need_dw, need_db = weight is not None and needs[1], bias is not None and needs[2]
-    with _on(y):
-        dx, dw, db = k.norm_backward(dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight), _flat(bias),
-                                     n, rms=False, from_output=True, need_dx=bool(needs[0]), need_dw=need_dw,
-                                     need_db=need_db)
+    r = _launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight),
+                _flat(bias), n, rms=False, from_output=True, need_dx=bool(needs[0]), need_dw=need_dw, need_db=need_db)
+    if r is _FAILED:
+        return None
+    dx, dw, db = r
     dw = None if dw is None else dw.sum(0).to(weight.dtype).view(weight.shape)
     db = None if db is None else db.sum(0).to(bias.dtype).view(bias.shape)
     return dx, dw, db
@@ -180,8 +210,10 @@ def rms_norm_forward(x, shape, weight, eps):
         return None
     if eps is None:
         eps = torch.finfo(torch.float32).eps  # the compute dtype's (float32 for 16-bit and float32)
-    with _on(x):
-        y, rstd = k.norm_forward(x.contiguous(), n, _flat(weight), None, float(eps), rms=True)
+    r = _launch("rms_norm", x, k.norm_forward, x.contiguous(), n, _flat(weight), None, float(eps), rms=True)
+    if r is _FAILED:
+        return None
+    y, rstd = r
     return y, rstd.view(_stat_shape(x, len(shape)))
 
 
@@ -191,10 +223,11 @@ def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: b
     if not _norm_ok(k, t, n, weight) or dy.dtype not in _DTYPES:
         return None
     need_dw = weight is not None and need_dw
-    with _on(t):
-        dx, dw, _ = k.norm_backward(dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None, n,
-                                    rms=True, from_output=from_output, need_dx=need_dx, need_dw=need_dw,
-                                    need_db=False)
+    r = _launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
+                n, rms=True, from_output=from_output, need_dx=need_dx, need_dw=need_dw, need_db=False)
+    if r is _FAILED:
+        return None
+    dx, dw, _ = r
     if dw is not None:
         dw = dw.sum(0)
         if from_output:
@@ -216,14 +249,13 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     n = x.numel()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
-    with _on(x):
-        if x.dtype == torch.float32:
-            thr = G._THRESHOLDS[torch.float32][approximate][0]
-            k.gelu_forward32(x.contiguous(), y, bits, thr, approximate == "tanh")
-        else:
-            table = G._ACCESSORS["y16", G._dtype_name(x.dtype), approximate](str(x.device))
-            k.gelu_forward16(x.contiguous(), y, bits, table, G._THRESHOLDS[x.dtype][approximate][1])
-    return y, bits
+    if x.dtype == torch.float32:
+        r = _launch("gelu", x, k.gelu_forward32, x.contiguous(), y, bits, G._THRESHOLDS[torch.float32][approximate][0],
+                    approximate == "tanh")
+    else:
+        table = G._ACCESSORS["y16", G._dtype_name(x.dtype), approximate](str(x.device))
+        r = _launch("gelu", x, k.gelu_forward16, x.contiguous(), y, bits, table, G._THRESHOLDS[x.dtype][approximate][1])
+    return None if r is _FAILED else (y, bits)
 
 
 def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approximate: str):
@@ -235,13 +267,12 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
 
     dev = str(y.device)
     out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    with _on(y):
-        if y.dtype == torch.float32:
-            ab = G._ACCESSORS["ab32", "float32", approximate](dev)
-            h = G._ACCESSORS["h32", "float32", approximate](dev)
-            k.gelu_backward32(y.contiguous(), bits, dy.contiguous(), out, ab, h, G._C32[approximate],
-                              approximate == "tanh")
-        else:
-            table = G._ACCESSORS["g16", G._dtype_name(y.dtype), approximate](dev)
-            k.gelu_backward16(y.contiguous(), bits, dy.contiguous(), out, table)
-    return out
+    if y.dtype == torch.float32:
+        ab = G._ACCESSORS["ab32", "float32", approximate](dev)
+        h = G._ACCESSORS["h32", "float32", approximate](dev)
+        r = _launch("gelu", y, k.gelu_backward32, y.contiguous(), bits, dy.contiguous(), out, ab, h, G._C32[approximate],
+                    approximate == "tanh")
+    else:
+        table = G._ACCESSORS["g16", G._dtype_name(y.dtype), approximate](dev)
+        r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table)
+    return None if r is _FAILED else out
