@@ -42,6 +42,18 @@ def test_dropout_mask_is_the_cpu_mask(monkeypatch):
         assert torch.equal(cuda.cpu(), keep_mask_like(seed, (7, 333), p, offset=offset))
 
 
+def test_attention_dropout_blocks_are_the_cpu_mask():
+    from leanact.ops.attention_core import _Dropper
+    from leanact.ops.random import keep_mask
+
+    seed = torch.tensor(777)
+    drop = _Dropper(seed.cuda(), 0.1, 2, 3, 40, 56, torch.device("cuda"))
+    for i0, i1, kend in ((0, 40, 56), (8, 16, 20)):
+        got = drop(i0, i1, kend).cpu()  # (b*h, rows, kend) uint8
+        n, i, j = torch.meshgrid(torch.arange(6), torch.arange(i0, i1), torch.arange(kend), indexing="ij")
+        assert torch.equal(got.bool(), keep_mask(seed, (n * 40 + i) * 56 + j, 0.1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dropout_bitwise(monkeypatch, dtype):
     seed = torch.tensor(31337)

@@ -86,6 +86,16 @@ def test_keep_mask_bitwise(K, p):
 
 
 @interp
+def test_keep_mask_rows_bitwise(K):
+    """Attention's dropout blocks: rows of consecutive indices from arbitrary starts."""
+    seed, p = torch.tensor(-99), 0.15
+    starts = torch.tensor([0, 5000, 123456789, (1 << 32) - 7, 7 << 32])
+    with dispatch.use_kernels(K):
+        out = dispatch.keep_mask_rows(seed, starts, 300, p)
+    assert torch.equal(out, keep_mask(seed, starts[:, None] + torch.arange(300), p))
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dropout_bitwise(K, dtype):
     seed, p = torch.tensor(998877), 0.3
@@ -328,6 +338,8 @@ def build(fn, sig, consts, **opts):
 t0 = time.time()
 build(K._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "n": "i64", "offset": "i64",
       "thr": "i64", "scale": "fp32"}, {"APPLY": True, "BLOCK": 1024}, **K.FUSED)
+build(K._keep_rows_kernel, {"starts_ptr": "*i64", "out_ptr": "*u8", "seed_ptr": "*i64", "length": "i32", "thr": "i64"},
+      {"BLOCK": 1024}, **K.FUSED)
 build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
       "N": "i32", "eps": "fp32"}, {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024}, **K.FUSED)
 build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",

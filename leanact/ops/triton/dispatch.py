@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["available", "enabled", "use_kernels", "dropout", "keep_mask_like", "layer_norm_forward",
+__all__ = ["available", "enabled", "use_kernels", "dropout", "keep_mask_like", "keep_mask_rows", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "gelu_forward", "gelu_backward"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -150,6 +150,23 @@ def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, of
         return None
     out = torch.empty(tuple(shape), dtype=torch.bool, device=device)
     if out.numel() and _launch("dropout", seed, k.keep_mask_range, seed.reshape(()), out, thr, offset) is _FAILED:
+        return None
+    return out
+
+
+def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, length: int, p: float):
+    """``keep_mask(seed, starts[:, None] + arange(length), p)`` (bool (rows, length)), or None."""
+    k = _usable(seed, starts)
+    if k is None or starts.dim() != 1 or starts.device != seed.device or length >= 65535 * k.BLOCK:
+        return None
+    from ..random import keep_threshold
+
+    thr = keep_threshold(p)
+    if thr >= 1 << 32:
+        return None
+    out = torch.empty((starts.numel(), length), dtype=torch.bool, device=seed.device)
+    if out.numel() and _launch("dropout", seed, k.keep_mask_rows, seed.reshape(()), starts.to(torch.int64).contiguous(),
+                               out, thr) is _FAILED:
         return None
     return out
 

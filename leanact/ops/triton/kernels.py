@@ -149,6 +149,25 @@ def keep_mask_range(seed: torch.Tensor, out: torch.Tensor, thr: int, offset: int
     return out
 
 
+@triton.jit(do_not_specialize=["length", "thr"])
+def _keep_rows_kernel(starts_ptr, out_ptr, seed_ptr, length, thr, BLOCK: tl.constexpr):
+    """out[r, j] = keep(starts[r] + j) for j < length (uint8): attention's dropout blocks."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < length
+    k0, k1 = _seed_keys(seed_ptr)
+    keep = _keep(tl.load(starts_ptr + r) + cols, k0, k1, thr)
+    tl.store(out_ptr + r * length + cols, keep.to(tl.uint8), mask=m)
+
+
+def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, thr: int, block: int = BLOCK):
+    """``out`` (contiguous bool (rows, length)) = keep decisions of the indices starts[r] + j."""
+    rows, length = out.shape
+    o = out.view(torch.uint8)
+    _keep_rows_kernel[(rows, triton.cdiv(length, block))](starts, o, seed, length, thr, BLOCK=block, **FUSED)
+    return out
+
+
 # -- LayerNorm / RMSNorm ------------------------------------------------------------------------
 
 
