@@ -8,7 +8,7 @@ the op keeps tensors for backward, the same tensors to keep), computed by a Trit
 - every tensor is a plain CUDA tensor (not fake, not a subclass, not a functorch wrapper),
 - no ``torch.compile`` trace is running (the PyTorch path is what inductor fuses),
 - Triton imports (checked once), and the op's dtype and sizes are covered (float16, bfloat16,
-  float32; normalized size up to :data:`kernels.MAX_N`); otherwise the PyTorch path.
+  float32; normalized size up to :data:`MAX_N`); otherwise the PyTorch path.
 
 A kernel that fails to compile or launch (e.g. an untested Triton version) warns once and leaves
 its op on the PyTorch path for the rest of the process; ``LEANACT_TRITON=strict`` raises instead
@@ -29,7 +29,11 @@ __all__ = ["available", "enabled", "use_kernels", "dropout", "keep_mask_like", "
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "gelu_forward", "gelu_backward"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False}
+#: Elements per program of the elementwise kernels (a multiple of 8: a program packs whole bytes).
+BLOCK = 1024
+#: Largest normalized size handled by the one-block-per-row norm kernels (larger: the PyTorch path).
+MAX_N = 32768
+_STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False, "fake": False}
 _BROKEN: set[str] = set()  # kernels that raised: their ops take the PyTorch path from then on
 
 
@@ -60,11 +64,12 @@ def _strict() -> bool:
 
 
 @contextlib.contextmanager
-def use_kernels(module, strict: bool = True):
-    """Tests: run ``module``'s kernels (e.g. :mod:`.kernels` imported under ``TRITON_INTERPRET=1``)
-    and accept CPU tensors, for the duration of the block; ``strict``: a failing kernel raises."""
+def use_kernels(module, strict: bool = True, fake: bool = False):
+    """For the duration of the block, run ``module``'s launchers: tests pass :mod:`.kernels`
+    imported under ``TRITON_INTERPRET=1`` and CPU tensors are accepted; ``fake=True`` accepts fake
+    tensors only (:data:`SHAPES_ONLY`: leanact.estimate). ``strict``: a failing kernel raises."""
     saved, broken = dict(_STATE), set(_BROKEN)
-    _STATE.update(kernels=module, failed=False, cpu=True, strict=strict)
+    _STATE.update(kernels=module, failed=False, cpu=not fake, strict=strict, fake=fake)
     _BROKEN.clear()
     try:
         yield
@@ -76,7 +81,9 @@ def use_kernels(module, strict: bool = True):
 
 
 def _plain(t: torch.Tensor) -> bool:
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_fake(t):
+    if is_fake(t):
+        return _STATE["fake"]
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or _STATE["fake"]:
         return False
     if torch._C._functorch.is_functorch_wrapped_tensor(t):
         return False
@@ -95,6 +102,17 @@ def _usable(*tensors) -> object:
 
 
 _FAILED = object()
+
+
+class _ShapesOnly:
+    """Launchers that launch nothing: the ops allocate exactly what they allocate around a real
+    kernel (outputs, partial sums). leanact.estimate runs them on fake tensors to model CUDA."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+SHAPES_ONLY = _ShapesOnly()
 
 
 def _launch(name: str, t: torch.Tensor, fn, *args, **kwargs):
@@ -157,7 +175,7 @@ def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, of
 def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, length: int, p: float):
     """``keep_mask(seed, starts[:, None] + arange(length), p)`` (bool (rows, length)), or None."""
     k = _usable(seed, starts)
-    if k is None or starts.dim() != 1 or starts.device != seed.device or length >= 65535 * k.BLOCK:
+    if k is None or starts.dim() != 1 or starts.device != seed.device or length >= 65535 * BLOCK:
         return None
     from ..random import keep_threshold
 
@@ -175,7 +193,7 @@ def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, length: int, p: flo
 
 
 def _norm_ok(k, x: torch.Tensor, n: int, *params) -> bool:
-    return (k is not None and 0 < n <= k.MAX_N and x.dtype in _DTYPES
+    return (k is not None and 0 < n <= MAX_N and x.dtype in _DTYPES
             and all(t is None or t.dtype in _DTYPES for t in params))
 
 
@@ -187,6 +205,27 @@ def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
     return tuple(x.shape[: x.dim() - k]) + (1,) * k
 
 
+def _norm_outputs(x: torch.Tensor, n: int):
+    """y (x's shape and dtype, contiguous) and rstd (float32, one per row)."""
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.numel() // n, dtype=torch.float32, device=x.device))
+
+
+def _programs(rows: int, device: torch.device) -> int:
+    """Backward programs sharing the rows: 4 per SM on CUDA (each keeps one partial dγ, dβ row)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(rows, 4 * sms))
+
+
+def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool):
+    """dx (dy's dtype) and the zeroed float32 partial sums of dγ, dβ, each None where not needed."""
+    p = _programs(t.numel() // n, t.device)
+    dev = t.device
+    return (torch.empty(t.shape, dtype=dy.dtype, device=dev) if need_dx else None,
+            torch.zeros((p, n), dtype=torch.float32, device=dev) if need_dw else None,
+            torch.zeros((p, n), dtype=torch.float32, device=dev) if need_db else None)
+
+
 def layer_norm_forward(x, shape, weight, bias, eps: float):
     """``(y, rstd)`` as ``torch.native_layer_norm`` returns them (rstd float32 on CUDA; torch's
     CPU op returns x's dtype, mirrored for the interpreter tests), or None."""
@@ -194,12 +233,12 @@ def layer_norm_forward(x, shape, weight, bias, eps: float):
     n = math.prod(shape)
     if not _norm_ok(k, x, n, weight, bias):
         return None
-    r = _launch("layer_norm", x, k.norm_forward, x.contiguous(), n, _flat(weight), _flat(bias), float(eps), rms=False)
-    if r is _FAILED:
+    y, rstd = _norm_outputs(x, n)
+    if _launch("layer_norm", x, k.norm_forward, x.contiguous(), y, rstd, n, _flat(weight), _flat(bias), float(eps),
+               rms=False) is _FAILED:
         return None
-    y, rstd = r
     rstd = rstd.view(_stat_shape(x, len(shape)))
-    return y, (rstd.to(x.dtype) if x.device.type == "cpu" else rstd)
+    return y, (rstd.to(x.dtype) if x.device.type == "cpu" and not _STATE["fake"] else rstd)
 
 
 def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
@@ -208,12 +247,10 @@ def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
     n = math.prod(shape)
     if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _DTYPES:
         return None
-    need_dw, need_db = weight is not None and needs[1], bias is not None and needs[2]
-    r = _launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight),
-                _flat(bias), n, rms=False, from_output=True, need_dx=bool(needs[0]), need_dw=need_dw, need_db=need_db)
-    if r is _FAILED:
+    dx, dw, db = _grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
+    if _launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight),
+               _flat(bias), dx, dw, db, n, rms=False, from_output=True) is _FAILED:
         return None
-    dx, dw, db = r
     dw = None if dw is None else dw.sum(0).to(weight.dtype).view(weight.shape)
     db = None if db is None else db.sum(0).to(bias.dtype).view(bias.shape)
     return dx, dw, db
@@ -227,10 +264,10 @@ def rms_norm_forward(x, shape, weight, eps):
         return None
     if eps is None:
         eps = torch.finfo(torch.float32).eps  # the compute dtype's (float32 for 16-bit and float32)
-    r = _launch("rms_norm", x, k.norm_forward, x.contiguous(), n, _flat(weight), None, float(eps), rms=True)
-    if r is _FAILED:
+    y, rstd = _norm_outputs(x, n)
+    if _launch("rms_norm", x, k.norm_forward, x.contiguous(), y, rstd, n, _flat(weight), None, float(eps),
+               rms=True) is _FAILED:
         return None
-    y, rstd = r
     return y, rstd.view(_stat_shape(x, len(shape)))
 
 
@@ -239,12 +276,10 @@ def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: b
     k = _usable(dy, t, rstd, weight)
     if not _norm_ok(k, t, n, weight) or dy.dtype not in _DTYPES:
         return None
-    need_dw = weight is not None and need_dw
-    r = _launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
-                n, rms=True, from_output=from_output, need_dx=need_dx, need_dw=need_dw, need_db=False)
-    if r is _FAILED:
+    dx, dw, _ = _grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False)
+    if _launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
+               dx, dw, None, n, rms=True, from_output=from_output) is _FAILED:
         return None
-    dx, dw, _ = r
     if dw is not None:
         dw = dw.sum(0)
         if from_output:

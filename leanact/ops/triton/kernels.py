@@ -33,8 +33,7 @@ import triton.language as tl
 
 from leanact.ops import gelu as _gelu
 
-#: Elements per program of the elementwise kernels (a multiple of 8: a program packs whole bytes).
-BLOCK = 1024
+from .dispatch import BLOCK  # elements per program of the elementwise kernels
 #: Launch options: contraction into FMAs allowed (the norms) or not (the float64 GELU rebuild, whose
 #: rounding sequence is torch's). Always explicit: Triton 3.9 warns when it is left to its default.
 FUSED, UNFUSED = {"enable_fp_fusion": True}, {"enable_fp_fusion": False}
@@ -257,42 +256,27 @@ def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
         tl.store(db_ptr + pid * N + cols, db_acc, mask=m)
 
 
-#: Largest normalized size handled by the one-block-per-row kernels (larger: the PyTorch path).
-MAX_N = 32768
-
-
-def _programs(m: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return max(1, min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(m, 4))
-
-
 def _warps(block_n: int) -> int:
     return max(1, min(16, block_n // 256))
 
 
-def norm_forward(x: torch.Tensor, n: int, weight, bias, eps: float, rms: bool):
-    """(y, rstd) for contiguous x viewed as (rows, n); rstd float32 of shape (rows,)."""
-    rows = x.numel() // n if n else 0
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+def norm_forward(x: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, n: int, weight, bias, eps: float, rms: bool):
+    """y (x's shape and dtype) and rstd (float32, one per row) of contiguous x viewed as (rows, n)."""
+    rows = rstd.numel()
     if rows:
         block_n = triton.next_power_of_2(n)
         _ln_fwd_kernel[(rows,)](x, y, weight if weight is not None else x, bias if bias is not None else x, rstd,
                                 n, eps, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
                                 BLOCK_N=block_n, num_warps=_warps(block_n), **FUSED)
-    return y, rstd
 
 
-def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight, bias, n: int, rms: bool,
-                  from_output: bool, need_dx: bool, need_dw: bool, need_db: bool, programs: int | None = None):
-    """(dx or None, dγ partial sums (programs, n) float32 or None, dβ partials or None)."""
-    rows = t.numel() // n if n else 0
-    dev = t.device
-    p = programs or _programs(rows, dev)
-    dx = torch.empty(t.shape, dtype=dy.dtype, device=dev) if need_dx else None
-    dw = torch.zeros((p, n), dtype=torch.float32, device=dev) if need_dw else None
-    db = torch.zeros((p, n), dtype=torch.float32, device=dev) if need_db else None
+def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight, bias, dx, dw, db, n: int, rms: bool,
+                  from_output: bool):
+    """dx (or None) and the per-program partial sums of dγ, dβ (zeroed float32 (programs, n), or
+    None); ``dw.shape[0]`` (or ``db``'s) programs share the rows; one program without partials."""
+    rows = rstd.numel()
+    parts = dw if dw is not None else db
+    p = parts.shape[0] if parts is not None else max(1, min(rows, 1024))
     if rows:
         block_n = triton.next_power_of_2(n)
         dummy = t
@@ -300,9 +284,8 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
                              rstd, dx if dx is not None else dummy, dw if dw is not None else dummy,
                              db if db is not None else dummy, rows, n, triton.cdiv(rows, p),
                              HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, FROM_OUTPUT=from_output,
-                             NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=block_n,
+                             NEED_DX=dx is not None, NEED_DW=dw is not None, NEED_DB=db is not None, BLOCK_N=block_n,
                              num_warps=_warps(block_n), **FUSED)
-    return dx, dw, db
 
 
 # -- GELU ----------------------------------------------------------------------------------------
