@@ -34,6 +34,7 @@ import triton.language as tl
 from leanact.ops import gelu as _gelu
 
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
+
 #: Launch options: contraction into FMAs allowed (the norms) or not (the float64 GELU rebuild, whose
 #: rounding sequence is torch's). Always explicit: Triton 3.9 warns when it is left to its default.
 FUSED, UNFUSED = {"enable_fp_fusion": True}, {"enable_fp_fusion": False}
@@ -49,7 +50,7 @@ def _f64(v: tl.constexpr):
 
 @triton.jit
 def _store(ptr, v, mask):
-    """Store the float32 (or float64) ``v`` into ``ptr``'s dtype, rounded once to nearest even."""
+    """Store the float32 ``v`` into ``ptr``'s dtype, rounded once to nearest even."""
     if ptr.dtype.element_ty == tl.bfloat16:
         u = v.to(tl.float32).to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
