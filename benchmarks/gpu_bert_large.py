@@ -105,11 +105,10 @@ def _free(model=None, opt=None) -> None:
     torch.cuda.empty_cache()
 
 
-def measure(label: str, attn: str, lean: str | None, precision: str, cast: str, seq: int, steps: int,
-            limit: int) -> Row:
-    model = build(attn, lean, precision, cast, seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    step = make_step(model, opt, precision, cast, seq)
+def measure_step(step: Callable[[int], None], limit: int, steps: int, opt=None) -> tuple[int, float, float]:
+    """(largest batch for which ``step(b)`` fits, sequences/s at it (median of ``steps`` timed steps
+    after two warm-up steps), peak GiB over the timed steps); (0, 0, 0) if not even 1 fits. ``opt``'s
+    gradients are dropped after each try (an out-of-memory step may leave them allocated)."""
 
     def fits(b: int) -> bool:
         try:
@@ -119,7 +118,7 @@ def measure(label: str, attn: str, lean: str | None, precision: str, cast: str, 
         except torch.cuda.OutOfMemoryError:
             return False
         finally:
-            _free(model, opt)
+            _free(None, opt)
 
     batch = largest_fitting(fits, limit)
     speed, peak = 0.0, 0.0
@@ -136,6 +135,15 @@ def measure(label: str, attn: str, lean: str | None, precision: str, cast: str, 
             times.append(time.perf_counter() - t0)
         speed = batch / statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30
+    return batch, speed, peak
+
+
+def measure(label: str, attn: str, lean: str | None, precision: str, cast: str, seq: int, steps: int,
+            limit: int) -> Row:
+    model = build(attn, lean, precision, cast, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = make_step(model, opt, precision, cast, seq)
+    batch, speed, peak = measure_step(step, limit, steps, opt)
     del step, opt, model
     _free()
     return Row(precision, label, batch, speed, peak)

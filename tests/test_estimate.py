@@ -134,6 +134,18 @@ def test_cuda_model_rounds_to_blocks():
     assert cuda.per_layer == cpu.per_layer  # kept bytes are the meter's exact storages
 
 
+def test_cuda_models_the_triton_kernels(monkeypatch):
+    """device="cuda": leanact's ops allocate what their Triton kernels allocate (outputs only), so
+    the peak is at most the PyTorch path's (LEANACT_TRITON=0) and what is kept is the same."""
+    model = _build("bert", layers=2, h=64)  # dropout 0.1, GELU, LayerNorm
+    leanact.patch(model)
+    kernels = estimate(model, _inputs(2, 32), device="cuda")
+    monkeypatch.setenv("LEANACT_TRITON", "0")
+    torch_path = estimate(model, _inputs(2, 32), device="cuda")
+    assert kernels.per_layer == torch_path.per_layer and kernels.saved == torch_path.saved
+    assert kernels.peak <= torch_path.peak and kernels.temporaries < torch_path.temporaries
+
+
 def test_table_and_dict():
     est = estimate(_build("llama", layers=2, h=64), _inputs(2, 32), optimizer="sgd")
     d = est.to_dict()

@@ -1,7 +1,6 @@
 """``leanact.estimate``: the memory of one training step, predicted on fake tensors."""
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -9,7 +8,7 @@ from torch import nn
 
 from leanact.strategies.cache import caches_off
 
-from .compat import cpu_dropout_allocations, value_decisions, warm_lean_caches
+from .compat import cpu_dropout_allocations, triton_allocations, value_decisions, warm_lean_caches
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -25,6 +24,8 @@ CUDA_NOTES = [
     "SDPA: the CPU trace uses the CPU flash kernel, which keeps q, k, v, out and a float32 logsumexp "
     "(b, heads, s); CUDA's flash/efficient kernels keep the same tensors (efficient pads logsumexp "
     "to 32 rows, dropout adds two 8-byte philox scalars); the math fallback would keep the probabilities",
+    "leanact's dropout, GELU and norms allocate what their Triton kernels allocate on CUDA (outputs only; "
+    "LEANACT_TRITON=0: their PyTorch path's temporaries)",
     "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
     "not modelled: cuBLAS/cuDNN workspaces, allocator fragmentation (reserved > allocated), CUDA context; "
     "with offload strategies the host copies are counted as device memory (over-predicts)",
@@ -142,7 +143,7 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
     if plan is not None:
         plan.apply(fake_model)
     try:
-        emulate = cpu_dropout_allocations() if kind == "cpu" else contextlib.nullcontext()
+        emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
         with value_decisions(real_of), emulate, caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)

@@ -14,6 +14,8 @@ manager and restored on exit; the owners' files are not modified):
 * leanact's seeded dropout and attention-core dropout take their generic (CUDA-like) path on fake
   tensors -- the eager CPU path reads the seed as Python ints -- which allocates per-element int64
   indices: :func:`cpu_dropout_allocations` allocates like the eager CPU path instead.
+* On CUDA leanact's ops run Triton kernels (:mod:`leanact.ops.triton`) that allocate their outputs
+  only: :func:`triton_allocations` makes the ops on fake tensors allocate exactly that.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["value_decisions", "warm_lean_caches", "cpu_dropout_allocations", "warm_cpu_dropout"]
+__all__ = ["value_decisions", "warm_lean_caches", "cpu_dropout_allocations", "warm_cpu_dropout", "triton_allocations"]
 
 
 @contextlib.contextmanager
@@ -149,3 +151,18 @@ def warm_cpu_dropout() -> None:
     _arange(CHUNK)
 
 
+@contextlib.contextmanager
+def triton_allocations():
+    """While active, leanact's ops (dropout, attention-core dropout blocks, GELU, LayerNorm and
+    RMSNorm from output) on fake tensors allocate what their Triton kernels allocate on CUDA --
+    outputs, the norms' per-program partial sums -- instead of the temporaries of their PyTorch path
+    (per-element int64 hash words, the GELU rebuild's slices, the norms' float32 copies); the kept
+    tensors are the same either way. Nothing changes under ``LEANACT_TRITON=0``: the GPU then runs
+    the PyTorch path too."""
+    from leanact.ops.triton import dispatch
+
+    if not dispatch.enabled():
+        yield
+        return
+    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=True):
+        yield

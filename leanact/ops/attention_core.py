@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .amp import no_autocast_backward
 from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
+from .triton import dispatch as _triton
 
 _INF = math.inf
 _COL: list[torch.Tensor] = []  # cached int32 arange for the eager CPU mask chunks
@@ -108,7 +109,9 @@ class _Dropper:
         else:
             starts, length = starts.view(-1), kend
         if not self.fast:
-            keep = keep_mask(self.seed, starts.unsqueeze(1) + torch.arange(length, device=dev), self.p)
+            keep = _triton.keep_mask_rows(self.seed, starts, length, self.p)  # CUDA: one kernel
+            if keep is None:
+                keep = keep_mask(self.seed, starts.unsqueeze(1) + torch.arange(length, device=dev), self.p)
             return keep.view(torch.uint8).view(-1, rows, kend)
         k0, k1 = self.keys
         k0, thr = _signed32(k0), self.thr - (1 << 31)  # int32 lanes (see random._rounds32_)

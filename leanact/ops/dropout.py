@@ -24,6 +24,7 @@ from .random import (
     seed_keys,
 )
 from .transforms import functorch_active, unwrap
+from .triton import dispatch as _triton
 
 __all__ = ["dropout", "dropout_seeded"]
 
@@ -35,6 +36,9 @@ def _check_p(p: float) -> None:
 
 def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
     """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into ``x`` when ``inplace``)."""
+    out = _triton.dropout(x, seed, p, inplace)  # CUDA: one Triton kernel (None: this path)
+    if out is not None:
+        return out
     thr, scale = keep_threshold(p), 1.0 / (1.0 - p)
     n = x.numel()
     if not _eager_chunks(x.device, n, x, seed):

@@ -64,6 +64,7 @@ import torch
 
 from .bitpack import pack_bits, unpack_bits
 from .transforms import functorch_active
+from .triton import dispatch as _triton
 
 __all__ = ["gelu", "GeluFunction", "gelu_minimum", "gelu_grad_from_output"]
 
@@ -812,6 +813,9 @@ def _slices(n: int, device: torch.device):
 def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
     """``(GELU(x), packed bits of x > x* or None)``; ``y`` contiguous, rounded once from the wider
     working precision (16-bit storage: looked up)."""
+    fused = _triton.gelu_forward(x, approximate, with_bits)  # CUDA: one kernel (None: this path)
+    if fused is not None:
+        return fused
     xf = x.reshape(-1)
     n = xf.numel()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -838,6 +842,9 @@ def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
 
 def _backward(y: torch.Tensor, bits: torch.Tensor, grad_y: torch.Tensor, approximate: str) -> torch.Tensor:
     """``grad_y * GELU'(x)`` rebuilt from ``y`` and the packed bits, rounded once to y's dtype."""
+    fused = _triton.gelu_backward(y, bits, grad_y, approximate)  # CUDA: one kernel (None: this path)
+    if fused is not None:
+        return fused
     yf, gf = y.reshape(-1), grad_y.reshape(-1)
     out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     of = out.view(-1)

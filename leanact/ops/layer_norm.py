@@ -53,6 +53,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .transforms import functorch_active, is_wrapped, unwrap
+from .triton import dispatch as _triton
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO"]
 
@@ -157,7 +158,11 @@ class LayerNormFromOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps):
-        y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        fused = _triton.layer_norm_forward(x, normalized_shape, weight, bias, eps)  # CUDA: one kernel
+        if fused is None:
+            y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        else:
+            y, rstd = fused
         ctx.normalized_shape = normalized_shape
         ctx.save_for_backward(y, rstd, weight, bias)
         return y
@@ -169,6 +174,9 @@ class LayerNormFromOutput(torch.autograd.Function):
         # saved rstd, to torch's fused LayerNorm backward: it then sees x̂ = (y − β)/γ and computes
         # exactly dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dγ = Σ dy·x̂, dβ = Σ dy, in one kernel.
         y, rstd, w, b = ctx.saved_tensors
+        fused = _triton.layer_norm_backward(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad)
+        if fused is not None:  # CUDA: one kernel (plus the sum of dγ, dβ partials)
+            return (*fused, None, None)
         ct = compute_dtype(y.dtype)
         r = rstd.to(ct)
         wc = None if w is None else w.to(ct)

@@ -238,6 +238,11 @@ def keep_mask_like(
     for d in shape:
         n *= int(d)
     if not _eager_chunks(device, n, seed):
+        from .triton import dispatch  # CUDA: one Triton kernel (None: the expression below)
+
+        out = dispatch.keep_mask_like(seed, shape, p, device, offset)
+        if out is not None:
+            return out
         return _at_least(_range_words(*seed_keys(seed), offset, offset + n, device), thr).view(shape)
     out = torch.empty(shape, dtype=torch.bool, device=device)
     flat = out.view(-1)

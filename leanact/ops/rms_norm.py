@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .layer_norm import compute_dtype, from_output_ok
 from .transforms import functorch_active
+from .triton import dispatch as _triton
 
 __all__ = ["RMSNormFunction", "rms_norm"]
 
@@ -50,7 +51,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps, from_output):
-        y, rstd = _fused(x, normalized_shape, weight, eps)
+        fused = _triton.rms_norm_forward(x, normalized_shape, weight, eps)  # CUDA: one kernel
+        y, rstd = _fused(x, normalized_shape, weight, eps) if fused is None else fused
         ctx.n = math.prod(normalized_shape)
         ctx.from_output = from_output
         ctx.save_for_backward(y if from_output else x, rstd, weight)
@@ -61,6 +63,10 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         t, rstd, w = ctx.saved_tensors
         n = ctx.n
+        fused = _triton.rms_norm_backward(dy, t, rstd, w, n, ctx.from_output, ctx.needs_input_grad[0],
+                                          ctx.needs_input_grad[1])
+        if fused is not None:  # CUDA: one kernel (plus the sum of the dγ partials)
+            return (*fused, None, None, None)
         m = t.numel() // n if n else 0
         ct = compute_dtype(dy.dtype)
         t2 = t.reshape(m, n).to(ct)

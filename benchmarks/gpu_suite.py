@@ -1,0 +1,562 @@
+"""One command for a CUDA machine: tests, kernel timings, memory and speed, appended to RESULTS.md.
+
+    python benchmarks/gpu_suite.py [--out benchmarks/RESULTS.md] [--parts tests ops bert llama estimate offload]
+
+Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
+context in one part leaves the others running; every part says whether it ran, failed or timed
+out, and what it finished before that):
+
+1. ``tests``: the CUDA subset of the test suite (``-m "cuda or triton"``: the compiled Triton
+   kernels against the PyTorch path on CUDA, patched tiny models against unpatched ones, attention,
+   offload, the dropout mask across devices).
+2. ``ops``: forward+backward time of each lean op (Triton kernels, and the PyTorch path with
+   ``LEANACT_TRITON=0``) against torch's own op of the same role, and Liger-Kernel's RMSNorm /
+   LayerNorm when ``liger_kernel`` imports. Target: leanact ≤ 1.2x torch.
+3. ``bert``: BERT-Large (s=512, bf16 autocast, AdamW) largest batch under a 16 GiB cap
+   (``torch.cuda.set_per_process_memory_fraction``) and throughput at that batch: HF eager, HF sdpa,
+   HF sdpa + gradient checkpointing, leanact. Targets: batch ≥ 1.6x HF sdpa, throughput ≥ 1.15x.
+4. ``llama``: LLaMA-1B-like (Llama-3.2-1B geometry) training-step time at equal batch, HF sdpa vs
+   leanact. Target ≤ 1.05x.
+5. ``estimate``: ``leanact.estimate(device="cuda")`` against ``torch.cuda.max_memory_allocated`` of a
+   real steady-state step. Target: within 5%.
+6. ``offload``: step time and peak with and without CPU offload of every layer (overlap).
+
+The whole run stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
+``--out`` under a header with the device, torch / triton / transformers versions, the git commit and
+the date. Without CUDA it exits with a message and writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload"]
+LIMITS = {"tests": 140, "ops": 70, "bert": 160, "llama": 60, "estimate": 50, "offload": 45}  # seconds
+TOTAL_S = sum(LIMITS.values())  # 525 s, under 9 minutes
+TITLES = {
+    "tests": "CUDA tests",
+    "ops": "Per-op forward+backward time (ms, median)",
+    "bert": "BERT-Large MLM, s=512, bf16 autocast, AdamW, 16 GiB cap",
+    "llama": "LLaMA-1B-like step time at equal batch (bf16 autocast, AdamW)",
+    "estimate": "leanact.estimate(device=\"cuda\") vs torch.cuda.max_memory_allocated (BERT-base, bf16, AdamW)",
+    "offload": "CPU offload of every layer: step time and peak",
+}
+
+
+# -- results: a JSON file per part, written as rows arrive ----------------------------------------
+
+
+class Recorder:
+    """Rows of one part, rewritten to ``path`` after each row: a part that dies or times out
+    still leaves what it finished."""
+
+    def __init__(self, path: str | None, columns: list[str]):
+        self.path, self.data = path, {"columns": columns, "rows": [], "notes": [], "status": "running"}
+        self._flush()
+
+    def row(self, *values) -> None:
+        self.data["rows"].append([_cell(v) for v in values])
+        self._flush()
+
+    def note(self, text: str) -> None:
+        self.data["notes"].append(str(text))
+        self._flush()
+
+    def done(self, status: str = "ok") -> None:
+        self.data["status"] = status
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.path:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.data, f)
+            os.replace(tmp, self.path)
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env: dict | None = None) -> dict:
+    """Run one part in a fresh process (``--worker``); returns its result dict with ``status``
+    "ok", "failed" (with the error) or "timeout", and ``seconds``."""
+    fd, path = tempfile.mkstemp(suffix=f"-{name}.json")
+    os.close(fd)
+    os.unlink(path)
+    cmd = [python, str(pathlib.Path(__file__).resolve()), "--worker", name, "--json", path]
+    t0 = time.perf_counter()
+    env = dict(os.environ, **(extra_env or {}))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+        status, tail = None, (proc.stdout[-1500:] + proc.stderr[-2500:])
+        if proc.returncode != 0:
+            status = "failed"
+    except subprocess.TimeoutExpired as e:
+        status, tail = "timeout", _text(e.stdout)[-1500:] + _text(e.stderr)[-1500:]
+    result = {"columns": [], "rows": [], "notes": [], "status": "failed"}
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result["notes"].append("the part wrote no results")
+    finally:
+        for p in (path, path + ".tmp"):
+            if os.path.exists(p):
+                os.unlink(p)
+    if status == "timeout":
+        result["status"] = "timeout"
+        result["notes"].append(f"stopped after its limit of {limit_s:g} s")
+    elif status == "failed" or result.get("status") != "ok":
+        result["status"] = "failed"
+        if result.get("status") == "running" or not result["notes"]:
+            result["notes"].append("process ended early: " + _last_lines(tail))
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def _text(b) -> str:
+    if b is None:
+        return ""
+    return b.decode(errors="replace") if isinstance(b, bytes) else b
+
+
+def _last_lines(text: str, n: int = 3) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return " / ".join(lines[-n:]) if lines else "(no output)"
+
+
+def markdown(header: dict, results: dict[str, dict]) -> str:
+    """The RESULTS.md section: a header line, then per part its status, its table and notes."""
+    out = [f"## GPU suite — {header.get('device', '?')}, {header.get('date', '?')}", "",
+           ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("device", "date")), ""]
+    for name, res in results.items():
+        status = res.get("status", "failed")
+        took = f", {res['seconds']:.0f} s" if "seconds" in res else ""
+        out.append(f"### {TITLES.get(name, name)} — {status}{took}")
+        out.append("")
+        cols, rows = res.get("columns") or [], res.get("rows") or []
+        if cols and rows:
+            out.append("| " + " | ".join(cols) + " |")
+            out.append("|" + "|".join("---" for _ in cols) + "|")
+            out.extend("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
+            out.append("")
+        elif status != "ok":
+            out.append("(no rows)")
+            out.append("")
+        for note in res.get("notes") or []:
+            out.append(f"- {note}")
+        if res.get("notes"):
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def versions() -> dict:
+    """torch / triton / transformers / liger versions, the git commit; never raises."""
+    import importlib
+
+    info = {}
+    for mod in ("torch", "triton", "transformers", "liger_kernel"):
+        try:
+            info[mod] = getattr(importlib.import_module(mod), "__version__", "?")
+        except Exception:
+            info[mod] = "not installed"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or "?"
+    except Exception:
+        info["commit"] = "?"
+    return info
+
+
+def parse_pytest(output: str) -> dict[str, int]:
+    """Counts from pytest's summary line ("3 passed, 1 failed, 2 skipped in 1.2s")."""
+    counts = {}
+    tail = output.strip().splitlines()[-1] if output.strip() else ""
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", tail):
+        counts["error" if what.startswith("error") else what] = int(n)
+    return counts
+
+
+# -- the parts (run inside --worker processes) -----------------------------------------------------
+
+
+def part_tests(rec: Recorder, limit_s: float) -> None:
+    # the interpreter re-run and the offline compile are the CPU machines' checks: left out here
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda or triton", "-k",
+           "not test_in_subprocess and not compile_for_a_gpu", "tests"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, limit_s - 10))
+    counts = parse_pytest(proc.stdout)
+    for what in ("passed", "failed", "error", "skipped"):
+        rec.row(what, counts.get(what, 0))
+    for line in proc.stdout.splitlines():
+        if line.startswith(("FAILED", "ERROR")):
+            rec.note(line[:300])
+    if proc.returncode not in (0, 5):
+        rec.note(f"pytest exit code {proc.returncode}")
+
+
+def _time_fwd_bwd(fn, x, dy, iters: int = 10) -> float:
+    """Median ms of ``fn(x)`` forward + backward(dy) (CUDA events; 3 warm-up calls)."""
+    import torch
+
+    def once():
+        x.grad = None
+        fn(x).backward(dy)
+
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        once()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _liger():
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception:
+        return None
+    return {"rms": lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps),
+            "ln": lambda x, w, b, eps: LigerLayerNormFunction.apply(x, w, b, eps)}
+
+
+def op_cases(device: str = "cuda", tokens: int = 16384):
+    """(name, dtype name, shape, leanact fn, torch fn, liger fn or None): BERT-Large FFN / hidden and
+    LLaMA-1B hidden sizes at ``tokens`` = b·s rows."""
+    import torch
+    import torch.nn.functional as F
+
+    import leanact.functional as LF
+    from leanact.ops.layer_norm import layer_norm
+    from leanact.ops.rms_norm import rms_norm
+
+    liger = _liger() if device == "cuda" else None
+    w1k, b1k = torch.rand(1024, device=device) + 0.5, torch.randn(1024, device=device) * 0.1
+    w2k = torch.rand(2048, device=device) + 0.5
+    cases = []
+    for dt in ("bfloat16", "float32"):
+        d = getattr(torch, dt)
+        for mode in ("none", "tanh"):
+            cases.append((f"GELU {mode}", dt, (tokens, 4096), lambda x, m=mode: LF.gelu(x, approximate=m),
+                          lambda x, m=mode: F.gelu(x, approximate=m), None))
+        cases.append(("dropout p=0.1", dt, (tokens, 4096), lambda x: LF.dropout(x, 0.1),
+                      lambda x: F.dropout(x, 0.1, training=True), None))
+        w, b, w2 = w1k.to(d), b1k.to(d), w2k.to(d)
+        cases.append(("LayerNorm", dt, (tokens, 1024), lambda x, w=w, b=b: layer_norm(x, (1024,), w, b),
+                      lambda x, w=w, b=b: F.layer_norm(x, (1024,), w, b),
+                      (lambda x, w=w, b=b: liger["ln"](x, w, b, 1e-5)) if liger else None))
+        cases.append(("RMSNorm", dt, (tokens, 2048), lambda x, w=w2: rms_norm(x, (2048,), w, 1e-6),
+                      lambda x, w=w2: F.rms_norm(x, (2048,), w, 1e-6),
+                      (lambda x, w=w2: liger["rms"](x, w, 1e-6)) if liger else None))
+    return cases
+
+
+def part_ops(rec: Recorder, limit_s: float) -> None:
+    import torch
+
+    from leanact.ops.triton import dispatch
+
+    if not dispatch.available():
+        rec.note("Triton kernels unavailable here: the leanact column is the PyTorch path")
+    os.environ["LEANACT_TRITON"] = "strict"  # a failing kernel is an error here, not a silent fallback
+    deadline = time.perf_counter() + limit_s - 10
+    for name, dt, shape, lean, ref, liger in op_cases():
+        if time.perf_counter() > deadline:
+            rec.note(f"stopped before {name} {dt}: time limit")
+            break
+        try:
+            torch.manual_seed(0)
+            x = torch.randn(shape, device="cuda", dtype=getattr(torch, dt), requires_grad=True)
+            dy = torch.randn_like(x)
+            t_ref = _time_fwd_bwd(ref, x, dy)
+            t_lean = _time_fwd_bwd(lean, x, dy)
+            os.environ["LEANACT_TRITON"] = "0"
+            try:
+                t_path = _time_fwd_bwd(lean, x, dy)
+            finally:
+                os.environ["LEANACT_TRITON"] = "strict"
+            t_liger = _time_fwd_bwd(liger, x, dy) if liger is not None else float("nan")
+            ratio = t_lean / t_ref
+            rec.row(name, dt, "x".join(map(str, shape)), t_ref, t_lean, f"{ratio:.2f}x", "ok" if ratio <= 1.2 else "no",
+                    t_path, t_liger)
+        except Exception as e:  # one op failing leaves the others
+            rec.note(f"{name} {dt}: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            torch.cuda.empty_cache()
+
+
+BERT_MODES = [("HF sdpa", "sdpa", None), ("leanact", "sdpa", "patch"), ("HF eager", "eager", None),
+              ("HF sdpa + checkpointing", "sdpa", "checkpointing")]
+
+
+def _bert_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bert_large", HERE / "gpu_bert_large.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bert_ratios(rows: list[tuple[str, int, float]]) -> list[tuple[str, float, float]]:
+    """(mode, batch / HF sdpa's, throughput / HF sdpa's) for rows (mode, batch, seq/s)."""
+    ref = next((r for r in rows if r[0] == "HF sdpa"), None)
+    out = []
+    for mode, batch, speed in rows:
+        rb = batch / ref[1] if ref and ref[1] else float("nan")
+        rs = speed / ref[2] if ref and ref[2] else float("nan")
+        out.append((mode, rb, rs))
+    return out
+
+
+def _bert_mode(gb, attn: str, how: str | None) -> tuple[int, float, float]:
+    """(largest batch, seq/s, peak GiB) of one BERT-Large mode (a function: its model is freed on return)."""
+    import torch
+
+    import leanact
+
+    model = gb.build(attn, None, "bf16", "autocast", 512)
+    if how == "patch":
+        leanact.patch(model)
+    elif how == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return gb.measure_step(gb.make_step(model, opt, "bf16", "autocast", 512), limit=256, steps=3, opt=opt)
+
+
+def part_bert(rec: Recorder, limit_s: float, cap_gib: float = 16.0) -> None:
+    import torch
+
+    gb = _bert_module()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
+    rec.note(f"cap {cap_gib:g} GiB of {total / 2**30:.0f} GiB; targets: leanact batch ≥ 1.6x HF sdpa's, "
+             "throughput at its largest batch ≥ 1.15x HF sdpa's at its own")
+    done = []
+    for label, attn, how in BERT_MODES:
+        batch, speed, peak = _bert_mode(gb, attn, how)
+        gb._free()
+        done.append((label, batch, speed))
+        rb, rs = {m: (rb, rs) for m, rb, rs in bert_ratios(done)}[label]
+        rec.row(label, batch, f"{rb:.2f}x", speed, f"{rs:.2f}x", peak)
+
+
+def _llama(attn: str):
+    import torch
+    import transformers
+
+    from leanact.models.geometries import GEOMETRIES
+
+    g = GEOMETRIES["llama-1b-like"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = getattr(transformers, g.model_cls)(g.make_config(attn=attn, dropout=0.0))
+    return model.train()
+
+
+def _step_time(step, steps: int) -> tuple[float, float]:
+    """(median seconds per step, peak GiB) after one warm-up step."""
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def _train_step(model, opt, inputs: dict, autocast: bool):
+    import torch
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _llama_time(lean: bool, batch: int, seq: int) -> tuple[float, float]:
+    import torch
+
+    import leanact
+
+    model = _llama("sdpa")
+    if lean:
+        leanact.patch(model)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return _step_time(_train_step(model, opt, dict(input_ids=ids, labels=ids), True), steps=4)
+
+
+def part_llama(rec: Recorder, limit_s: float, batch: int = 4, seq: int = 1024) -> None:
+    import torch
+
+    rec.note(f"batch {batch}, seq {seq}; target: leanact ≤ 1.05x HF sdpa's step time")
+    ref = None
+    for label in ("HF sdpa", "leanact"):
+        t, peak = _llama_time(label == "leanact", batch, seq)
+        torch.cuda.empty_cache()
+        ref = ref or t
+        rec.row(label, batch, seq, t * 1000, f"{t / ref:.3f}x", peak)
+
+
+def _estimate_and_measure(lean: bool, batch: int, seq: int = 512) -> tuple[float, float]:
+    """(estimated peak, measured max_memory_allocated) in bytes of one steady-state step of BERT-base
+    (bf16 weights, dropout 0.1, AdamW foreach)."""
+    import torch
+    import transformers
+
+    import leanact
+    from leanact.models.geometries import GEOMETRIES
+
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(GEOMETRIES["bert-base"].make_config(attn="sdpa"))
+    model = model.to(device="cuda", dtype=torch.bfloat16).train()
+    if lean:
+        leanact.patch(model)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    inputs = dict(input_ids=ids, labels=ids)
+    est = leanact.estimate(model, inputs, None, device="cuda", optimizer="adamw")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    _, peak = _step_time(_train_step(model, opt, inputs, False), steps=1)
+    return est.peak, peak * 2**30
+
+
+def part_estimate(rec: Recorder, limit_s: float, batch: int = 8) -> None:
+    import torch
+
+    for label, lean in (("BERT-base s=512, HF sdpa", False), ("BERT-base s=512, leanact", True)):
+        est, measured = _estimate_and_measure(lean, batch)
+        torch.cuda.empty_cache()
+        rec.row(label, batch, est / 2**30, measured / 2**30, f"{est / measured:.3f}",
+                "ok" if abs(est / measured - 1) <= 0.05 else "no")
+
+
+def _offload_time(gb, offload: bool, batch: int) -> tuple[float, float]:
+    import torch
+
+    import leanact
+    from leanact import strategies
+
+    model = gb.build("sdpa", None, "bf16", "autocast", 512)
+    leanact.patch(model)
+    if offload:
+        strategies.uniform(model, "offload").apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = gb.make_step(model, opt, "bf16", "autocast", 512)
+    return _step_time(lambda: step(batch), steps=3)
+
+
+def part_offload(rec: Recorder, limit_s: float, batch: int = 8) -> None:
+    gb = _bert_module()
+    ref = None
+    for label, offload in (("leanact", False), ("leanact + offload (every layer)", True)):
+        t, peak = _offload_time(gb, offload, batch)
+        gb._free()
+        ref = ref or t
+        rec.row(label, batch, t * 1000, f"{t / ref:.3f}x", peak)
+
+
+def _selftest(kind: str):
+    """Parts for the suite's own tests (no CUDA needed): a row, an error, a hang."""
+
+    def part(rec: Recorder, limit_s: float) -> None:
+        rec.row("first", 1.5)
+        if kind == "fail":
+            raise RuntimeError("boom")
+        if kind == "hang":
+            time.sleep(60)
+        rec.row("second", 2)
+
+    return part
+
+
+WORKERS = {"tests": part_tests, "ops": part_ops, "bert": part_bert, "llama": part_llama,
+           "estimate": part_estimate, "offload": part_offload,
+           "_selftest_ok": _selftest("ok"), "_selftest_fail": _selftest("fail"), "_selftest_hang": _selftest("hang")}
+COLUMNS = {
+    "tests": ["outcome", "count"],
+    "ops": ["op", "dtype", "shape", "torch", "leanact", "leanact/torch", "≤ 1.2x", "leanact PyTorch path",
+            "Liger"],
+    "bert": ["mode", "max batch", "vs HF sdpa", "seq/s", "vs HF sdpa", "peak GiB"],
+    "llama": ["mode", "batch", "seq", "step ms", "vs HF sdpa", "peak GiB"],
+    "estimate": ["model", "batch", "estimate GiB", "max_memory_allocated GiB", "ratio", "within 5%"],
+    "offload": ["mode", "batch", "step ms", "vs no offload", "peak GiB"],
+}
+
+
+def worker(name: str, json_path: str | None) -> int:
+    rec = Recorder(json_path, COLUMNS.get(name, ["item", "value"]))
+    try:
+        WORKERS[name](rec, LIMITS.get(name, 60))
+    except Exception as e:
+        rec.note(f"{type(e).__name__}: {str(e)[:300]} ({_last_lines(traceback.format_exc(), 2)})")
+        rec.done("failed")
+        return 1
+    rec.done("ok")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown file to append to")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.json)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu_suite.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing written.")
+    header = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), **versions()}
+    results = {}
+    t0 = time.perf_counter()
+    for name in args.parts:
+        print(f"[gpu_suite] {name} (limit {LIMITS[name]} s) ...", flush=True)
+        results[name] = run_part(name, LIMITS[name])
+        print(f"[gpu_suite] {name}: {results[name]['status']} in {results[name]['seconds']:.0f} s", flush=True)
+    md = markdown(header, results)
+    print(md)
+    with open(args.out, "a") as f:
+        f.write("\n" + md)
+    print(f"[gpu_suite] appended to {args.out} ({time.perf_counter() - t0:.0f} s)")
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # this checkout's leanact, also in the --worker processes
+    sys.exit(main())
