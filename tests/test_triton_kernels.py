@@ -38,6 +38,12 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWar
 interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
 
 
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    """The kernels are opt-in (LEANACT_TRITON=1) until verified on a GPU."""
+    monkeypatch.setenv("LEANACT_TRITON", "1")
+
+
 @pytest.fixture(scope="module")
 def K():
     from leanact.ops.triton import kernels
@@ -318,7 +324,7 @@ def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:
         pytest.skip("the interpreter runs in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", LEANACT_TRITON="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "not compile", __file__],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)

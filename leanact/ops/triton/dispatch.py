@@ -4,7 +4,8 @@ Each function returns what the op's PyTorch path would return (same dtypes, shap
 the op keeps tensors for backward, the same tensors to keep), computed by a Triton kernel, or
 ``None``: the caller then runs its PyTorch path. The kernels run when
 
-- ``LEANACT_TRITON`` is not ``0`` (read at every call),
+- ``LEANACT_TRITON`` is ``1`` or ``strict`` (read at every call; off by default until the kernels
+  have been verified on a GPU by ``benchmarks/gpu_suite.py``),
 - every tensor is a plain CUDA tensor (not fake, not a subclass, not a functorch wrapper),
 - no ``torch.compile`` trace is running (the PyTorch path is what inductor fuses),
 - Triton imports (checked once), and the op's dtype and sizes are covered (float16, bfloat16,
@@ -55,8 +56,8 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """``LEANACT_TRITON`` is not set to ``0``."""
-    return os.environ.get("LEANACT_TRITON", "1").strip() != "0"
+    """``LEANACT_TRITON`` is ``1`` or ``strict`` (opt-in: the kernels have not run on a GPU yet)."""
+    return os.environ.get("LEANACT_TRITON", "0").strip() in ("1", "strict")
 
 
 def _strict() -> bool:
