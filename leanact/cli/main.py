@@ -105,7 +105,7 @@ def _add_layers(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from leanact import __version__
+    from leanact._version import __version__
 
     parser = argparse.ArgumentParser(prog="leanact", description="Activation memory for Transformer training.")
     parser.add_argument("--version", action="version", version=f"leanact {__version__}")

@@ -127,12 +127,12 @@ def _difference(two: dict[str, int], one: dict[str, int]) -> dict[str, int]:
 
 def mode_model(base: torch.nn.Module, attn: str, lean: str | None) -> torch.nn.Module:
     """A copy of ``base`` (same weights) with attention ``attn``, patched by leanact if ``lean``."""
-    import leanact
+    from leanact.patching import patch
 
     model = copy.deepcopy(base)
     model.set_attn_implementation(attn)
     if lean is not None:
-        leanact.patch(model, attention=lean)
+        patch(model, attention=lean)
     return model.train()
 
 
