@@ -158,23 +158,31 @@ def _initial_levels(name: str, w: Weight, k: int) -> torch.Tensor:
     return fp[order][torch.searchsorted(cdf, q).clamp(max=x.numel() - 1)]
 
 
-def solve(name: str, bits: int, weight: Weight | None = None, tol: float = 1e-15, max_iter: int = 20000) -> dict:
+def solve(name: str, bits: int, weight: Weight | None = None, tol: float = 1e-15, max_iter: int = 20000,
+          start=None) -> dict:
     """Lloyd-Max fixed point for ``f'`` with ``2**bits`` levels (module doc). Returns a dict with
     ``borders`` (sorted x), ``labels`` (level index of each of the len(borders)+1 intervals),
-    ``levels`` (sorted), ``error`` (weighted L2 error, squared) and ``iterations``."""
+    ``levels`` (sorted), ``error`` (weighted L2 error, squared) and ``iterations``. ``start``:
+    initial levels (default: weighted quantiles of f'); from a solved table's levels the iteration
+    stops at once if they are its fixed point."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only add synchronisation
     try:
-        return _solve(name, bits, weight or Weight(), tol, max_iter)
+        return _solve(name, bits, weight or Weight(), tol, max_iter, start)
     finally:
         torch.set_num_threads(threads)
 
 
-def _solve(name: str, bits: int, w: Weight, tol: float, max_iter: int) -> dict:
+def _solve(name: str, bits: int, w: Weight, tol: float, max_iter: int, start=None) -> dict:
     pieces = monotone_pieces(name)
-    levels = _initial_levels(name, w, 2**bits)
+    if start is None:
+        levels = _initial_levels(name, w, 2**bits)
+    else:
+        levels = torch.sort(torch.as_tensor(start, dtype=_D)).values
+        if levels.numel() != 2**bits:
+            raise ValueError(f"start must hold 2**bits = {2**bits} levels, got {levels.numel()}")
     for it in range(1, max_iter + 1):
         borders = _roots(name, pieces, 0.5 * (levels[1:] + levels[:-1]))
         labels = _labels(name, borders, levels)

@@ -7,10 +7,16 @@ ranks' return values (anything ``torch.save`` can write). A rank that raises, ha
 fails the caller with the rank's traceback; every process is killed after ``timeout`` seconds.
 ``fn`` must be importable (module level). The same code runs under torchrun with NCCL:
 only the backend and device differ.
+
+``run_modules(rank, world_size, jobs)`` runs several test modules' cases in the same processes
+(``jobs``: ``(module, function, cases)``): starting processes and importing torch and transformers
+cost most of a distributed test's time on a small machine, so the ``dist_results`` fixture
+(tests/conftest.py) starts one pair of processes for every ``test_parallel_*`` module of a run.
 """
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 import tempfile
@@ -69,3 +75,23 @@ def spawn(fn, *args, world_size: int = 2, timeout: float = 60.0):
                 raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{out['error']}")
             results.append(out["ok"])
         return results
+
+
+def run_modules(rank: int, world_size: int, jobs: list[tuple[str, str, list]]) -> dict:
+    """``{module: function(rank, world_size, cases) or {"error": traceback}}`` for each job: one
+    module's failure is reported to that module's tests only."""
+    out = {}
+    for module, function, cases in jobs:
+        try:
+            out[module] = getattr(importlib.import_module(module), function)(rank, world_size, cases)
+        except Exception:
+            out[module] = {"error": traceback.format_exc()}
+    return out
+
+
+def distributed_results(dist_results, module: str) -> list:
+    """One module's results from :func:`dist_results`; a rank's error fails that module's tests."""
+    for rank, r in enumerate(dist_results[module]):
+        if isinstance(r, dict) and set(r) == {"error"}:
+            raise RuntimeError(f"rank {rank} of {module}'s distributed cases failed:\n{r['error']}")
+    return dist_results[module]

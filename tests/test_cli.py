@@ -27,6 +27,14 @@ def bert_json(tmp_path):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    """run_profile of the tiny BERT at b=2, memory only (shared by the tests that only read it)."""
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(BERT))
+    return run_profile(ProfileConfig(str(path), seq=S, batch=2, repeats=0))
+
+
 def _json(capsys, argv):
     assert main(argv + ["--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -110,7 +118,8 @@ def test_budget_plans_a_causal_lm_with_its_default_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("json_output", [True, False])
-def test_planner_failure_exits_1_with_the_error(bert_json, capsys, json_output):
+def test_planner_failure_exits_1_with_the_error(bert_json, capsys, json_output, monkeypatch, tiny_result):
+    monkeypatch.setattr("leanact.cli.profile.run_profile", lambda cfg, progress=None: tiny_result)  # the planner fails
     argv = _profile(bert_json, "--repeats", "0", "--budget", "1KiB") + (["--json"] if json_output else [])
     assert main(argv) == 1
     err = capsys.readouterr().err
@@ -124,9 +133,10 @@ def test_max_batch_arithmetic():
         max_batch(100, 0, 0)
 
 
-def test_tables_fit_80_columns_and_plot(bert_json, tmp_path, capsys):
+def test_tables_fit_80_columns_and_plot(bert_json, tmp_path, capsys, monkeypatch, tiny_result):
     """Piped to a file (no terminal: rich's 80 columns), every table -- modes, --ops, the plan under
     --budget -- fits without cutting a cell ("…")."""
+    monkeypatch.setattr("leanact.cli.profile.run_profile", lambda cfg, progress=None: tiny_result)  # same config
     png = tmp_path / "ops.png"
     assert main(_profile(bert_json, "--repeats", "0", "--ops", "--budget", "1GiB", "--plot", str(png))) == 0
     text = capsys.readouterr().out
@@ -161,8 +171,8 @@ def test_roles_of_kept_tensors():
         assert role_of(module, op) == role, (module, op)
 
 
-def test_roles_add_up_to_the_layer(bert_json):
-    result = run_profile(ProfileConfig(bert_json, seq=S, batch=2, repeats=0))
+def test_roles_add_up_to_the_layer(tiny_result):
+    result = tiny_result
     for m in result.modes:
         assert sum(m.by_role.values()) == m.bytes_per_layer == sum(m.by_op.values()), m.name
         assert m.by_role.get("other", 0) == 0, (m.name, m.by_role)  # every byte of a BERT layer has a role
@@ -187,13 +197,14 @@ def test_unwritable_plot_path_exits_2_before_profiling(bert_json, tmp_path, caps
     assert exc.value.code == 2 and "cannot write --plot" in capsys.readouterr().err
 
 
-def test_plot_write_error_exits_2(bert_json, tmp_path, capsys, monkeypatch):
+def test_plot_write_error_exits_2(bert_json, tmp_path, capsys, monkeypatch, tiny_result):
     import leanact.cli.plot as plot_module
 
     def refuse(result, path):
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(plot_module, "plot", refuse)
+    monkeypatch.setattr("leanact.cli.profile.run_profile", lambda cfg, progress=None: tiny_result)
     assert main(_profile(bert_json, "--repeats", "0", "--json", "--plot", str(tmp_path / "a.png"))) == 2
     assert "cannot write --plot" in capsys.readouterr().err
 
@@ -214,15 +225,6 @@ def test_busy_machine_warns_about_timings(monkeypatch):
     assert "5.0 > 2 cores" in warning and "OMP_NUM_THREADS=1" in warning and "memory columns are exact" in warning
     monkeypatch.setattr("os.getloadavg", lambda: (1000.0, 0.0, 0.0))
     assert "OMP_NUM_THREADS=1" in busy_warning()
-
-
-def test_busy_warning_only_when_timing(capsys, monkeypatch):
-    monkeypatch.setattr("os.getloadavg", lambda: (1000.0, 0.0, 0.0))
-    small = ["layers", "--hidden", "32", "--heads", "2", "--seq", "8", "--json"]
-    assert main(small + ["--repeats", "0"]) == 0
-    assert "busy" not in capsys.readouterr().err
-    assert main(small + ["--repeats", "1"]) == 0
-    assert "OMP_NUM_THREADS=1" in capsys.readouterr().err
 
 
 def test_transformers_warnings_are_quiet_in_the_cli(capfd):
@@ -314,8 +316,12 @@ def test_config_json_without_model_type(tmp_path, capsys):
 LAYERS_SMALL = ["layers", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--repeats", "1"]
 
 
-def test_layers_json_small(capsys):
-    out = _json(capsys, LAYERS_SMALL)
+def test_layers_json_small(capsys, monkeypatch):
+    monkeypatch.setattr("os.getloadavg", lambda: (1000.0, 0.0, 0.0))  # a busy machine: timings warn
+    assert main(LAYERS_SMALL + ["--json"]) == 0
+    captured = capsys.readouterr()
+    assert "OMP_NUM_THREADS=1" in captured.err
+    out = json.loads(captured.out)
     plain, lean = out["modes"]
     assert plain["name"] == "torch.nn" and lean["name"] == "leanact"
     # bf16 HF-eager-style layer on the CPU: 36 + 6as/h B/sbh plus LayerNorm statistics (see test_meter).
@@ -331,11 +337,13 @@ def test_layers_table_small(capsys):
     assert max(map(len, text.splitlines())) <= 80 and "…" not in text, text
 
 
-def test_layers_repeats_0_measures_memory_only(capsys):
+def test_layers_repeats_0_measures_memory_only(capsys, monkeypatch):
+    monkeypatch.setattr("os.getloadavg", lambda: (1000.0, 0.0, 0.0))  # no timing: no warning
     out = _json(capsys, LAYERS_SMALL[:-1] + ["0"])
     assert all(m["step_ms"] is None and m["bytes_per_layer"] > 0 for m in out["modes"])
     assert main(LAYERS_SMALL[:-1] + ["0"]) == 0
-    assert "not measured (--repeats 0)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "not measured (--repeats 0)" in captured.out and "busy" not in captured.err
 
 
 @pytest.mark.parametrize("bad", [["--hidden", "65"], ["--seq", "0"], ["--dropout", "1.5"], ["--dtype", "int8"],
@@ -348,6 +356,7 @@ def test_bad_layers_arguments_exit_2_with_a_message(bad, capsys):
     assert "error" in err and err.startswith("usage: leanact layers"), err
 
 
+@pytest.mark.slow
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "leanact.cli.main", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "profile" in out.stdout and "layers" in out.stdout

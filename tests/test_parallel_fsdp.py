@@ -7,10 +7,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _dist import spawn  # noqa: E402
+from _dist import distributed_results  # noqa: E402
 from test_parallel_tp import batch, build, full  # noqa: E402
 
-pytestmark = pytest.mark.timeout(200)
+# slow: the first test waits for every module's distributed cases (tests/conftest.py)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 STEPS = 3
 TOL = 1e-5
@@ -87,8 +88,10 @@ CASES = [("ddp", "bert", None), ("fsdp", "bert", None), ("fsdp", "llama", None),
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_all, CASES, timeout=170)
+def results(dist_results):
+    """All cases in one pair of processes, shared with the other distributed test modules
+    (tests/conftest.py: starting processes and importing transformers cost most of the time)."""
+    return distributed_results(dist_results, __name__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))

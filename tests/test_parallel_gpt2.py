@@ -11,9 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _dist import spawn  # noqa: E402
+from _dist import distributed_results  # noqa: E402
 
-pytestmark = pytest.mark.timeout(200)
+# slow: the first test waits for every module's distributed cases (tests/conftest.py)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 TOL = 1e-5
 H, HEADS = 64, 4
@@ -185,9 +186,10 @@ EQUAL_CASES = [c for c in CASES if isinstance(c[0], bool)]
 
 
 @pytest.fixture(scope="module")
-def results():
-    """All cases in one pair of processes (process start and imports cost most of the time)."""
-    return spawn(_all_cases, CASES, timeout=150)
+def results(dist_results):
+    """All cases in one pair of processes, shared with the other distributed test modules
+    (tests/conftest.py: starting processes and importing transformers cost most of the time)."""
+    return distributed_results(dist_results, __name__)
 
 
 @pytest.mark.parametrize("case", EQUAL_CASES,

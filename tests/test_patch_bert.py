@@ -226,6 +226,7 @@ def test_saved_bytes_per_layer_lower():
     assert lean.per_sbh < 0.5 * eager.per_sbh, (eager.per_sbh, lean.per_sbh)
 
 
+@pytest.mark.slow
 def test_bert_large_geometry_bytes_per_layer():
     """BERT-Large layer (h=1024, a=16), s=512, b=1, bf16, dropout 0.1: HF eager keeps 84 B/sbh,
     the patched model <= 21 (Q, K, V, attention output, LayerNorm outputs, GELU output + bits)."""

@@ -3,9 +3,9 @@
 
 The LLaMA family's lean RMSNorm and SwiGLU MLP are classes created at run time (``LeanLlamaMLP``
 derives from the HF class): pickle could not find them by name (``Can't pickle LeanLlamaMLP``).
-They now pickle by reference to the mixin and the HF class and are rebuilt on load. Module
+They pickle by reference to the mixin and the HF class and are rebuilt on load. Module
 replacements only: the models here are patched with ``attention=False`` (the attention state is
-covered with the attention tests).
+covered with the attention tests), but for one BERT patched with attention in the fresh-process test.
 """
 import copy
 import io
@@ -85,23 +85,27 @@ def test_copy_keeps_the_replacements(family, how):
     assert _lean_classes(model) == lean
 
 
+@pytest.mark.slow
 def test_torch_load_in_a_fresh_process(tmp_path):
     """torch.save in this process, torch.load(weights_only=False) in a new one (where no Lean* class
-    exists until unpickling creates it): same classes, same loss and gradients."""
-    for family in FAMILIES:
-        model = _build(family)
-        torch.save(model, tmp_path / f"{family}.pt")
+    exists until unpickling creates it): same classes, same loss and gradients; with leanact's
+    attention too (the config keeps the "leanact" implementation). One process for all models."""
+    models = {family: _build(family) for family in FAMILIES}
+    models["bert-attention"] = leanact.patch(tiny_hf("bert"))  # attention="recompute"
+    for name, model in models.items():
+        torch.save(model, tmp_path / f"{name}.pt")
         loss, grads = _run(model)
-        torch.save({"classes": _classes(model), "loss": loss, "grads": grads, "batch": tiny_batch()},
-                   tmp_path / f"{family}.ref.pt")
+        torch.save({"classes": _classes(model), "loss": loss, "grads": grads, "batch": tiny_batch(),
+                    "attention": model.config._attn_implementation}, tmp_path / f"{name}.ref.pt")
     script = textwrap.dedent(f"""
         import sys, torch
         sys.modules.pop("leanact", None)
-        for family in {FAMILIES!r}:
+        for family in {list(models)!r}:
             model = torch.load(r"{tmp_path}/" + family + ".pt", weights_only=False)
             ref = torch.load(r"{tmp_path}/" + family + ".ref.pt", weights_only=False)
             classes = {{n: f"{{type(m).__module__}}.{{type(m).__name__}}" for n, m in model.named_modules()}}
             assert classes == ref["classes"], (family, set(classes.items()) ^ set(ref["classes"].items()))
+            assert model.config._attn_implementation == ref["attention"], family
             loss = model(**ref["batch"]).loss
             loss.backward()
             assert torch.equal(loss.detach(), ref["loss"]), family

@@ -46,6 +46,7 @@ def test_save_patched_load_unpatched(family, attn, tmp_path):
     assert torch.equal(c.logits, a.logits)
 
 
+@pytest.mark.slow
 def test_saved_config_loads_without_leanact(tmp_path):
     """A fresh interpreter that never imports leanact (and has no "leanact" attention registered)
     loads the patched model's checkpoint and runs it."""

@@ -287,6 +287,7 @@ def _live_tensors():
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
+@pytest.mark.slow
 def test_plan_frees_what_it_measured():
     """plan() measures forwards without a backward: it releases their graphs (every call used to
     keep one alive), so repeated calls leave no tensor behind."""

@@ -1,0 +1,22 @@
+"""Fixtures shared by several test modules."""
+import sys
+
+import pytest
+
+#: test module -> (function running its distributed cases, seconds they may take on 2 loaded cores)
+DISTRIBUTED = {"test_parallel_fsdp": ("_all", 170), "test_parallel_gpt2": ("_all_cases", 150),
+               "test_parallel_tp": ("_all_cases", 150)}
+
+
+@pytest.fixture(scope="session")
+def dist_results(request):
+    """``{module: [rank 0's results, rank 1's results]}`` for the ``CASES`` of every
+    ``test_parallel_*`` module collected in this run, all computed by one pair of gloo processes."""
+    from _dist import run_modules, spawn
+
+    modules = sorted({getattr(item.module, "__name__", "") for item in request.session.items
+                      if getattr(item, "module", None) is not None} & set(DISTRIBUTED))
+    jobs = [(m, DISTRIBUTED[m][0], sys.modules[m].CASES) for m in modules]
+    ranks = spawn(run_modules, jobs, timeout=sum(DISTRIBUTED[m][1] for m in modules))
+    return {m: [r[m] for r in ranks] for m in modules}
+
