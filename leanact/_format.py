@@ -3,12 +3,15 @@
 rich tables that fit 80 columns. Depends on nothing else in leanact."""
 from __future__ import annotations
 
+import functools
+import io
 import math
 import numbers
 import re
+import shutil
 from fractions import Fraction
 
-__all__ = ["parse_size", "format_bytes", "unit_for", "format_in", "compact_table", "MAX_SIZE"]
+__all__ = ["parse_size", "format_bytes", "unit_for", "format_in", "text_table", "compact_table", "MAX_SIZE"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -78,11 +81,34 @@ def format_in(n: float, scale: int) -> str:
     return f"{n / scale:.2f}" if scale > 1 else f"{int(n)}"
 
 
-def compact_table(title: str | None = None, caption: str | None = None):
-    """A rich Table without side borders or inner padding (units go in the headers, the legend in
-    the caption), so that it fits 80 columns."""
-    from rich import box
+@functools.cache
+def _text_table_class():
     from rich.table import Table
 
-    return Table(title=title, caption=caption or None, box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False,
-                 show_edge=False, caption_justify="left")
+    class TextTable(Table):
+        """A rich Table whose ``str()`` is its plain-text rendering (terminal width, 80 columns when
+        there is no terminal), so that ``print(table)`` shows it as ``rich.print(table)`` does."""
+
+        def __str__(self) -> str:
+            from rich.console import Console
+
+            width = shutil.get_terminal_size((80, 24)).columns
+            console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+            console.print(self)
+            return console.export_text().rstrip("\n")
+
+    return TextTable
+
+
+def text_table(**kwargs):
+    """A rich ``Table(**kwargs)`` that ``print()`` shows as text (the tables leanact returns)."""
+    return _text_table_class()(**kwargs)
+
+
+def compact_table(title: str | None = None, caption: str | None = None):
+    """A table without side borders or inner padding (units go in the headers, the legend in the
+    caption), so that it fits 80 columns; ``print()`` shows it as text."""
+    from rich import box
+
+    return text_table(title=title, caption=caption or None, box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1),
+                      pad_edge=False, show_edge=False, caption_justify="left")

@@ -45,10 +45,10 @@ class Estimate:
         return asdict(self)
 
     def table(self, title: str | None = None):
-        """A rich Table: the per-layer kept bytes, then the step's totals."""
-        from rich.table import Table
+        """A rich Table: the per-layer kept bytes, then the step's totals (``print()`` shows it)."""
+        from leanact._format import text_table
 
-        tab = Table(title=title or f"leanact.estimate ({self.device}, {self.dtype})")
+        tab = text_table(title=title or f"leanact.estimate ({self.device}, {self.dtype})")
         tab.add_column("item")
         tab.add_column("bytes", justify="right")
         tab.add_column("", justify="right")

@@ -218,10 +218,10 @@ class SavedTensorMeter(SavedTensorObserver):
         return out
 
     def table(self, title: str = "Saved for backward"):
-        """A rich Table with one row per counted storage."""
-        from rich.table import Table
+        """A rich Table with one row per counted storage (``print()`` shows it)."""
+        from leanact._format import text_table
 
-        tab = Table(title=title)
+        tab = text_table(title=title)
         for col in ("module", "op", "shape", "dtype", "bytes"):
             tab.add_column(col, justify="right" if col == "bytes" else "left")
         for r in self.counted():

@@ -74,9 +74,10 @@ class PatchSummary:
         return {p: set(st.fallbacks) for p, st in self.attention_states.items() if st.fallbacks}
 
     def table(self):
-        from rich.table import Table
+        """A rich Table of the replacements, what was left and why, and attention (``print()`` shows it)."""
+        from leanact._format import text_table
 
-        t = Table(title="leanact.patch")
+        t = text_table(title="leanact.patch")
         for col in ("module", "was", "now / why left"):
             t.add_column(col)
         groups: dict[tuple[str, str, str], list[str]] = {}

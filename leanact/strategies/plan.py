@@ -159,12 +159,12 @@ class Plan:
 
     def explain(self, title: str | None = None):
         """A rich Table: per layer the strategy, estimated bytes kept and extra time (when the
-        plan comes from :func:`leanact.plan.plan`), with totals and the budget."""
-        from rich.table import Table
+        plan comes from :func:`leanact.plan.plan`), with totals and the budget; ``print()`` shows it."""
+        from leanact._format import text_table
 
         if self.costs is not None:  # leanact.plan's measured costs render their own table
             return self.costs.explain(self, title)
-        tab = Table(title=title or "leanact plan")
+        tab = text_table(title=title or "leanact plan")
         tab.add_column("layer")
         tab.add_column("strategy")
         tab.add_column("what it keeps")
