@@ -70,7 +70,7 @@ def test_activation_memory_is_affine_in_batch(bert_json, dtype):
     for (label, attn, lean), m in zip(MODES, result.modes):
         model = mode_model(full, attn, lean)
         for b in (3, 5):
-            direct, _ = _cost(model, geo.batch_inputs(b, S, dt))
+            direct, _, _ = _cost(model, geo.batch_inputs(b, S, dt))
             assert direct == m.activation_at(b), (label, b)
 
 
@@ -124,13 +124,120 @@ def test_max_batch_arithmetic():
         max_batch(100, 0, 0)
 
 
-def test_table_and_plot(bert_json, tmp_path, capsys):
+def test_tables_fit_80_columns_and_plot(bert_json, tmp_path, capsys):
+    """Piped to a file (no terminal: rich's 80 columns), every table -- modes, --ops, the plan under
+    --budget -- fits without cutting a cell ("…")."""
     png = tmp_path / "ops.png"
-    assert main(_profile(bert_json, "--repeats", "0", "--ops", "--plot", str(png))) == 0
+    assert main(_profile(bert_json, "--repeats", "0", "--ops", "--budget", "1GiB", "--plot", str(png))) == 0
     text = capsys.readouterr().out
-    for word in ("HF eager", "HF sdpa", "recompute", "tempo", "B/sbh", "by autograd op"):
-        assert word in text
+    for word in ("HF eager", "HF sdpa", "leanact recompute", "leanact tempo", "B/sbh", "by autograd op",
+                 "bert.encoder.layer.2", "outside the layers", "max", "KiB"):
+        assert word in text, word
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in text, text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_roles_of_kept_tensors():
+    from leanact.cli.roles import COLOURS, ROLES, role_of
+
+    assert set(COLOURS) == set(ROLES)
+    cases = {("bert.encoder.layer.0.attention.self", "Bmm"): "attention",
+             ("bert.encoder.layer.0.attention.self", "Mul"): "attention",  # eager's probability dropout
+             ("bert.encoder.layer.0.attention.self", "RecomputeAttention"): "attention",
+             ("m.layers.0.self_attn", "ScaledDotProductFlashAttentionForCpu"): "attention",
+             ("bert.encoder.layer.0.attention.self.query", "Addmm"): "linear inputs",
+             ("bert.encoder.layer.0.intermediate.intermediate_act_fn", "Gelu"): "GELU / activation",
+             ("x", "GeluFunction"): "GELU / activation",
+             ("model.layers.0.mlp", "Mul"): "GELU / activation",  # SwiGLU's product
+             ("bert.encoder.layer.0.output.LayerNorm", "NativeLayerNorm"): "norms",
+             ("model.layers.0.input_layernorm", "Mul"): "norms",
+             ("model.layers.0.input_layernorm", "Pow"): "norms",
+             ("x", "LayerNormFromOutput"): "norms",
+             ("bert.encoder.layer.0.output.dropout", "Mul"): "dropout",
+             ("x", "_SeededDropout"): "dropout",
+             ("bert.embeddings", "Embedding"): "other"}
+    for (module, op), role in cases.items():
+        assert role_of(module, op) == role, (module, op)
+
+
+def test_roles_add_up_to_the_layer(bert_json):
+    result = run_profile(ProfileConfig(bert_json, seq=S, batch=2, repeats=0))
+    for m in result.modes:
+        assert sum(m.by_role.values()) == m.bytes_per_layer == sum(m.by_op.values()), m.name
+        assert m.by_role.get("other", 0) == 0, (m.name, m.by_role)  # every byte of a BERT layer has a role
+        # per sample, but for leanact's dropout seeds (8 bytes each, whatever the batch)
+        assert 0 <= 2 * m.bytes_per_layer - m.layer_bytes <= 64, m.name
+    assert result.geometry["dropout"] == [0.1]
+
+
+def test_plot_without_matplotlib_names_the_extra(bert_json, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as exc:
+        main(_profile(bert_json, "--repeats", "0", "--plot", str(tmp_path / "a.png")))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and 'pip install "leanact[plot]"' in err and "usage: leanact profile" in err
+
+
+@pytest.mark.parametrize("where", ["no-such-folder/a.png", "folder.png"])
+def test_unwritable_plot_path_exits_2_before_profiling(bert_json, tmp_path, capsys, where):
+    (tmp_path / "folder.png").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(_profile(bert_json, "--repeats", "0", "--plot", str(tmp_path / where)))
+    assert exc.value.code == 2 and "cannot write --plot" in capsys.readouterr().err
+
+
+def test_plot_write_error_exits_2(bert_json, tmp_path, capsys, monkeypatch):
+    import leanact.cli.plot as plot_module
+
+    def refuse(result, path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(plot_module, "plot", refuse)
+    assert main(_profile(bert_json, "--repeats", "0", "--json", "--plot", str(tmp_path / "a.png"))) == 2
+    assert "cannot write --plot" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import leanact
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"leanact {leanact.__version__}"
+
+
+def test_busy_machine_warns_about_timings(monkeypatch):
+    from leanact.cli.output import busy_warning
+
+    assert busy_warning(load=1.5, cores=2) is None
+    warning = busy_warning(load=5.0, cores=2)
+    assert "5.0 > 2 cores" in warning and "OMP_NUM_THREADS=1" in warning and "memory columns are exact" in warning
+    monkeypatch.setattr("os.getloadavg", lambda: (1000.0, 0.0, 0.0))
+    assert "OMP_NUM_THREADS=1" in busy_warning()
+
+
+def test_busy_warning_only_when_timing(capsys, monkeypatch):
+    monkeypatch.setattr("os.getloadavg", lambda: (1000.0, 0.0, 0.0))
+    small = ["layers", "--hidden", "32", "--heads", "2", "--seq", "8", "--json"]
+    assert main(small + ["--repeats", "0"]) == 0
+    assert "busy" not in capsys.readouterr().err
+    assert main(small + ["--repeats", "1"]) == 0
+    assert "OMP_NUM_THREADS=1" in capsys.readouterr().err
+
+
+def test_transformers_warnings_are_quiet_in_the_cli(capfd):
+    import logging as pylogging
+
+    from transformers.utils import logging
+
+    from leanact.cli.output import quiet_transformers
+
+    before = logging.get_verbosity()
+    with quiet_transformers():
+        assert logging.get_verbosity() == pylogging.ERROR
+        logging.get_logger("transformers.modeling_utils").warning("loss_type=None irrelevant here")
+    assert logging.get_verbosity() == before
+    assert "irrelevant here" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["gpt2", "vit"])
@@ -193,6 +300,7 @@ def test_bad_profile_arguments_exit_2_with_a_message(bad, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error" in err and message in err
+    assert err.startswith("usage: leanact profile"), err  # the subcommand's usage, not the top level's
 
 
 def test_config_json_without_model_type(tmp_path, capsys):
@@ -220,6 +328,14 @@ def test_layers_table_small(capsys):
     assert main(LAYERS_SMALL) == 0
     text = capsys.readouterr().out
     assert "total per layer" in text and "leanact" in text and "B/sbh" in text
+    assert max(map(len, text.splitlines())) <= 80 and "…" not in text, text
+
+
+def test_layers_repeats_0_measures_memory_only(capsys):
+    out = _json(capsys, LAYERS_SMALL[:-1] + ["0"])
+    assert all(m["step_ms"] is None and m["bytes_per_layer"] > 0 for m in out["modes"])
+    assert main(LAYERS_SMALL[:-1] + ["0"]) == 0
+    assert "not measured (--repeats 0)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", [["--hidden", "65"], ["--seq", "0"], ["--dropout", "1.5"], ["--dtype", "int8"],
@@ -228,7 +344,8 @@ def test_bad_layers_arguments_exit_2_with_a_message(bad, capsys):
     with pytest.raises(SystemExit) as exc:
         main(LAYERS_SMALL + bad)
     assert exc.value.code == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error" in err and err.startswith("usage: leanact layers"), err
 
 
 def test_console_script_entry_point():

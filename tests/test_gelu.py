@@ -24,7 +24,10 @@ from leanact.nn.activation import GELU
 from leanact.ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from leanact.ops.gelu import GeluFunction, gelu, gelu_grad_from_output, gelu_minimum
 
-G = importlib.import_module("leanact.ops.gelu")  # the module, even if leanact.ops re-exports gelu()
+# the package's files (leanact.ops.gelu re-exports only the public names)
+buffers, function, minimum, rebuild32, rebuild64, tables = (
+    importlib.import_module(f"leanact.ops.gelu.{name}")
+    for name in ("buffers", "function", "minimum", "rebuild32", "rebuild64", "tables"))
 
 MODES = ["none", "tanh"]
 K1, A = 2.0 * math.sqrt(2.0 / math.pi), 0.044715
@@ -138,11 +141,11 @@ def test_minimum_constants():
     xt, yt = gelu_minimum("tanh")
     assert abs(xt - -0.7524614) < 1e-7 and abs(yt - -0.1700408) < 1e-7
     for mode in MODES:  # GELU''(x*) = c2; Taylor coefficients reproduce GELU next to x*
-        c = G._CONSTS[mode]
+        c = minimum._CONSTS[mode]
         x = torch.tensor([c.xs], dtype=torch.float64)
         d = torch.linspace(-0.7, 0.7, 15, dtype=torch.float64)
-        assert torch.allclose(G._taylor(d.clone(), c.taylor, 2) + c.ys, f64(c.xs + d, mode), rtol=0, atol=1e-15)
-        assert torch.allclose(G._taylor(d.clone(), c.dtaylor, 1), g64(c.xs + d, mode), rtol=0, atol=1e-15)
+        assert torch.allclose(rebuild64._taylor(d.clone(), c.taylor, 2) + c.ys, f64(c.xs + d, mode), rtol=0, atol=1e-15)
+        assert torch.allclose(rebuild64._taylor(d.clone(), c.dtaylor, 1), g64(c.xs + d, mode), rtol=0, atol=1e-15)
         h = 1e-4
         c2 = (g64(x + h, mode) - g64(x - h, mode)) / (2 * h)
         assert abs(c2.item() - c.c2) < 1e-7
@@ -248,7 +251,7 @@ def test_gradient_within_output_rounding_bound(mode, dtype):
     assert ((g - ref).abs()[far] <= u[far]).all()
     # 4. next to the minimum the width is sqrt(2 c ulp(y*)/2) (derived in docs/gelu_bound.md) and
     #    the rebuild reaches it: its error is at most the width
-    c2 = G._CONSTS[mode].c2
+    c2 = minimum._CONSTS[mode].c2
     width = math.sqrt(2 * c2 * ulp(torch.tensor([ys]), dtype).item() / 2)
     near = (x.double() - xs).abs() < 4 * width / c2  # where |GELU'| is within a few widths of 0
     assert near.sum() >= 3
@@ -417,10 +420,10 @@ def test_slices_agree_and_bits_pack(monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(3 * 1000 + 5) * 3
     y_ref, g_ref = leanact_grad(x, "none")
-    monkeypatch.setattr(G, "CHUNK", 64)  # many slices, last one ragged
+    monkeypatch.setattr(buffers, "CHUNK", 64)  # many slices, last one ragged
     y, g = leanact_grad(x, "none")
     assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
-    y2, bits = G._forward(x, "none", with_bits=True)
+    y2, bits = function._forward(x, "none", with_bits=True)
     right = x > gelu_minimum()[0]
     assert bits.numel() == packed_nbytes(x.numel())
     assert torch.equal(gelu_grad_from_output(y2, right), g_ref)
@@ -472,8 +475,8 @@ def test_16bit_tables_are_the_exact_path_bitwise(mode, dtype):
     branches backward, with random incoming gradients."""
     n = 1 << 16
     p = torch.arange(n, dtype=torch.int32).to(torch.int16).view(dtype)
-    y, bits = G._forward(p, mode, with_bits=True)
-    ref_y = _scatter_eval(lambda i: G._forward_w(p[i].float(), mode, False).to(dtype), n, 1)
+    y, bits = function._forward(p, mode, with_bits=True)
+    ref_y = _scatter_eval(lambda i: rebuild64._forward_w(p[i].float(), mode, False).to(dtype), n, 1)
     assert _same_bits(y, ref_y)
     # the branch bit: x > x*, decided as the float32 comparison of the forward (NaN: no derivative)
     xs = gelu_minimum(mode)[0]
@@ -484,12 +487,12 @@ def test_16bit_tables_are_the_exact_path_bitwise(mode, dtype):
     rr = torch.arange(2 * n) >= n
     torch.manual_seed(2)
     dy = (torch.randn(2 * n, dtype=torch.float64) * 4).to(dtype)
-    out = G._backward(yy, pack_bits(rr), dy, mode)
-    ref = _scatter_eval(lambda i: (G._grad_from_output(yy[i], rr[i], mode) * dy[i]).to(dtype), 2 * n, 3)
+    out = function._backward(yy, pack_bits(rr), dy, mode)
+    ref = _scatter_eval(lambda i: (rebuild64._grad_from_output(yy[i], rr[i], mode) * dy[i]).to(dtype), 2 * n, 3)
     assert _same_bits(out, ref)
-    assert _same_bits(gelu_grad_from_output(yy, rr, mode), G._grad_from_output(yy, rr, mode).to(dtype))
+    assert _same_bits(gelu_grad_from_output(yy, rr, mode), rebuild64._grad_from_output(yy, rr, mode).to(dtype))
     # built once per (dtype, mode, device) and cached
-    assert G._table("g16", str(dtype)[6:], mode, "cpu") is G._table("g16", str(dtype)[6:], mode, "cpu")
+    assert tables._table("g16", str(dtype)[6:], mode, "cpu") is tables._table("g16", str(dtype)[6:], mode, "cpu")
 
 
 def _float32_samples(mode, n=1 << 16):
@@ -516,12 +519,12 @@ def test_float32_fast_path_agrees_with_the_exact_path(mode):
     (x = 0.0878 tanh, x = 0.2612 erf, against mpmath) are rounded correctly by the new path and
     not by the previous one, whose float64 value was off by ~1e-12 there."""
     x = _float32_samples(mode)
-    y, bits = G._forward(x, mode, with_bits=True)
+    y, bits = function._forward(x, mode, with_bits=True)
     right = unpack_bits(bits, x.numel())
-    ref64 = G._grad_from_output(y, right, mode)
+    ref64 = rebuild64._grad_from_output(y, right, mode)
     torch.manual_seed(5)
     for dy in (torch.ones_like(y), torch.randn(y.shape)):
-        out = G._backward(y, bits, dy, mode)
+        out = function._backward(y, bits, dy, mode)
         ref = (ref64 * dy).float()
         fin = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(out), fin)
@@ -542,14 +545,14 @@ def test_float32_table_guess(mode):
     bound there). Above y = 32 the guess is x = 32 (f is linear there)."""
     x = _float32_samples(mode, 1 << 15)
     x = x[x < 30]
-    y, bits = G._forward(x, mode, with_bits=True)
+    y, bits = function._forward(x, mode, with_bits=True)
     keep = (y.double() > gelu_minimum(mode)[1]) & ((y < 0) | (x.double() > gelu_minimum(mode)[0]))
     x, y = x[keep], y[keep]
     n = y.numel()
     right = x.double() > gelu_minimum(mode)[0]
-    ws = G._Workspace(n, "cpu", G._WS32)
-    ab, h = G._guess_tables(mode)
-    G._guess32(y, right.to(torch.uint8), torch.ones(n), ws, ab, h, G._C32[mode])
+    ws = buffers._Workspace(n, "cpu", rebuild32._WS32)
+    ab, h = rebuild32._guess_tables(mode)
+    rebuild32._guess32(y, right.to(torch.uint8), torch.ones(n), ws, ab, h, rebuild32._C32[mode])
     xt = inv64(y.double(), right, mode, near=x.double())
     xs = gelu_minimum(mode)[0]
     err = (ws.x - xt).abs() / (3e-7 * (xt - xs).abs().clamp_max(1.0) + 2 * ulp(xt, torch.float32))
@@ -558,17 +561,17 @@ def test_float32_table_guess(mode):
 
 def test_bit_packing_layout():
     """The packing and unpacking used on the fast paths give bitpack's layout."""
-    spread = G._table("spread", "uint8", "none", "cpu")
+    spread = tables._table("spread", "uint8", "none", "cpu")
     every_byte = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().reshape(-1)
     torch.manual_seed(6)
     for b in [every_byte] + [torch.rand(n) > 0.5 for n in (1, 7, 8, 9, 64, 1001)]:
         n = b.numel()
         r = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8)
         r[:n] = b
-        packed = G._pack(r, n)
+        packed = buffers._pack(r, n)
         assert torch.equal(packed, pack_bits(b))
-        ws = G._Workspace(n, "cpu", {})
-        assert torch.equal(G._unpack_into(packed, spread, ws)[:n].bool(), b)
+        ws = buffers._Workspace(n, "cpu", {})
+        assert torch.equal(buffers._unpack_into(packed, spread, ws)[:n].bool(), b)
 
 
 # -- torch.compile ------------------------------------------------------------------------------

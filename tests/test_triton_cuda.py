@@ -8,7 +8,7 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.triton,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-import leanact.ops.gelu as G  # noqa: E402
+import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONSTS)
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
 from leanact.ops.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask_like  # noqa: E402

@@ -26,7 +26,7 @@ if _FRESH and not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 INTERPRETED = _FRESH and os.environ.get("TRITON_INTERPRET") == "1"
 
-import leanact.ops.gelu as G  # noqa: E402
+import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONSTS)
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
 from leanact.ops.gelu import gelu  # noqa: E402
 from leanact.ops.layer_norm import layer_norm  # noqa: E402

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from leanact._format import compact_table
 from leanact.memory import LayerCost, measure_layer_cost
 from leanact.models import TORCH_MODULES, EncoderStack, ModuleSet, leanact_modules
 
@@ -27,7 +28,7 @@ class ProfileConfig:
     batch: int = 1
     dtype: str = "bf16"
     dropout: float = 0.1
-    repeats: int = 10
+    repeats: int = 10  # 0: memory only
     seed: int = 0
 
 
@@ -37,8 +38,8 @@ class ModeResult:
     bytes_per_layer: int
     per_sbh: float
     by_op: dict[str, int]
-    step_ms: float
-    step_ratio: float = 1.0
+    step_ms: float | None = None  # None: not timed (repeats 0)
+    step_ratio: float | None = None
 
 
 @dataclass
@@ -76,6 +77,15 @@ def run_profile(cfg: ProfileConfig, progress=None) -> ProfileResult:
         measure_layer_cost(lambda n, m=m: _build(cfg, m, n), lambda: _inputs(cfg), cfg.seq, cfg.batch, cfg.hidden)
         for m in sets
     ]
+    result = ProfileResult(cfg)
+    for m, cost in zip(sets, costs):
+        result.modes.append(ModeResult(m.name, cost.bytes, cost.per_sbh, dict(cost.by_op)))
+    if cfg.repeats:
+        _time(cfg, sets, result, progress)
+    return result
+
+
+def _time(cfg: ProfileConfig, sets: list[ModuleSet], result: ProfileResult, progress) -> None:
     models = [_build(cfg, m, 1) for m in sets]
     x = _inputs(cfg)[0].requires_grad_()
     times: list[list[float]] = [[] for _ in sets]
@@ -87,26 +97,25 @@ def run_profile(cfg: ProfileConfig, progress=None) -> ProfileResult:
             times[i].append(_step(model, x))
             if progress is not None:
                 progress(1)
-    result = ProfileResult(cfg)
     base = statistics.median(times[0])
-    for m, cost, ts in zip(sets, costs, times):
+    for mode, ts in zip(result.modes, times):
         med = statistics.median(ts)
-        result.modes.append(ModeResult(m.name, cost.bytes, cost.per_sbh, dict(cost.by_op), med * 1e3, med / base))
-    return result
+        mode.step_ms, mode.step_ratio = med * 1e3, med / base
 
 
 def render(result: ProfileResult):
-    """A rich Table: bytes per layer per autograd op, B/sbh, step time."""
-    from rich.table import Table
-
+    """A rich Table: bytes per layer per autograd op, B/sbh, step time (fits 80 columns)."""
     cfg = result.config
     sbh = cfg.seq * cfg.batch * cfg.hidden
-    tab = Table(title=(f"Saved for backward per encoder layer  (h={cfg.hidden}, a={cfg.heads}, s={cfg.seq}, "
-                       f"b={cfg.batch}, {cfg.dtype}, dropout={cfg.dropout}, CPU)"))
+    timing = (f"time: fwd+bwd of one layer, median of {cfg.repeats}, modes interleaved" if cfg.repeats
+              else "time: not measured (--repeats 0)")
+    tab = compact_table(f"Kept for backward per encoder layer (h={cfg.hidden}, a={cfg.heads}, s={cfg.seq}, "
+                         f"b={cfg.batch}, {cfg.dtype}, dropout {cfg.dropout}, CPU)",
+                         f"bytes: kept for backward; B/sbh: bytes / (s·b·h). {timing}.")
     tab.add_column("autograd op")
     for m in result.modes:
-        tab.add_column(f"{m.name}\nbytes", justify="right")
-        tab.add_column("B/sbh", justify="right")
+        tab.add_column(f"{m.name}\nbytes", justify="right", no_wrap=True)
+        tab.add_column("\nB/sbh", justify="right", no_wrap=True)
     ops: list[str] = []
     for m in result.modes:
         ops += [op for op, n in m.by_op.items() if n and op not in ops]
@@ -126,8 +135,8 @@ def render(result: ProfileResult):
         ratio += [f"{m.bytes_per_layer / result.modes[0].bytes_per_layer:.3f}x", ""]
     tab.add_row(*ratio)
     tab.add_section()
-    step = ["fwd+bwd time (median)"]
+    step = ["time (median)"]
     for m in result.modes:
-        step += [f"{m.step_ms:.1f} ms", f"{m.step_ratio:.2f}x"]
+        step += ["-", "-"] if m.step_ms is None else [f"{m.step_ms:.1f} ms", f"{m.step_ratio:.2f}x"]
     tab.add_row(*step)
     return tab

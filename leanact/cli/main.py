@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 
 from . import layers as layer_cmd
 from . import profile as profile_cmd
+from .output import busy_warning, quiet_transformers
 from .sizes import parse_size
 
 
@@ -81,6 +83,7 @@ def _add_profile(sub) -> None:
     p.add_argument("--plot", type=_png, metavar="FILE.png", help="write a bar chart of the per-op breakdown")
     p.add_argument("--ops", action="store_true", help="also print the per-layer breakdown by autograd op")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    p.set_defaults(subparser=p)
 
 
 def _add_layers(sub) -> None:
@@ -95,16 +98,54 @@ def _add_layers(sub) -> None:
     p.add_argument("--batch", type=_positive, default=d.batch, help=f"micro-batch b (default {d.batch})")
     p.add_argument("--dtype", choices=sorted(layer_cmd.DTYPES), default=d.dtype, help=f"default {d.dtype}")
     p.add_argument("--dropout", type=_probability, default=d.dropout, help=f"default {d.dropout}")
-    p.add_argument("--repeats", type=_positive, default=d.repeats, help=f"timed steps per mode (default {d.repeats})")
+    p.add_argument("--repeats", type=_non_negative, default=d.repeats,
+                   help=f"timed steps per mode, 0 to skip timing (default {d.repeats})")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    p.set_defaults(subparser=p)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from leanact._version import __version__
+
     parser = argparse.ArgumentParser(prog="leanact", description="Activation memory for Transformer training.")
+    parser.add_argument("--version", action="version", version=f"leanact {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_profile(sub)
     _add_layers(sub)
     return parser
+
+
+def _check_plot(parser: argparse.ArgumentParser, path: str) -> None:
+    """Exit 2 before any work when ``--plot`` cannot write ``path`` (no matplotlib, no such folder, no
+    permission)."""
+    from .plot import missing_matplotlib
+
+    why = missing_matplotlib()
+    folder = os.path.dirname(os.path.abspath(path))
+    if why is None and not os.path.isdir(folder):
+        why = f"cannot write --plot {path!r}: folder {folder!r} does not exist"
+    elif why is None and (os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder, os.W_OK)):
+        why = f"cannot write --plot {path!r}: {'it is a folder' if os.path.isdir(path) else 'permission denied'}"
+    if why is not None:
+        parser.error(why)
+
+
+def _write_plot(result, path: str) -> int | None:
+    """Write the plot; on an OSError say why on stderr and return the exit status 2."""
+    from .plot import plot
+
+    try:
+        plot(result, path)
+    except OSError as e:
+        print(f"leanact profile: error: cannot write --plot {path!r}: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
+def _warn_if_busy(repeats: int) -> None:
+    warning = busy_warning() if repeats else None
+    if warning is not None:
+        print(warning, file=sys.stderr)
 
 
 def _profile(parser: argparse.ArgumentParser, args) -> int:
@@ -117,6 +158,9 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
         geo.check_seq(cfg.seq)
     except ValueError as e:
         parser.error(str(e))
+    if args.plot:
+        _check_plot(parser, args.plot)
+    _warn_if_busy(cfg.repeats)
     if args.json:
         result = profile_cmd.run_profile(cfg)
         if cfg.budget is not None:
@@ -124,10 +168,8 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
                 result.plan = _plan_text(cfg)
             except Exception as e:
                 return _planner_failed(e)
-        if args.plot:
-            from .plot import plot
-
-            plot(result, args.plot)
+        if args.plot and (failed := _write_plot(result, args.plot)):
+            return failed
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     from rich.console import Console
@@ -142,9 +184,8 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
     if args.ops:
         console.print(profile_cmd.render_ops(result))
     if args.plot:
-        from .plot import plot
-
-        plot(result, args.plot)
+        if failed := _write_plot(result, args.plot):
+            return failed
         console.print(f"wrote {args.plot}")
     if cfg.budget is not None:
         try:
@@ -170,7 +211,7 @@ def _plan_text(cfg) -> str:
     explained, note = profile_cmd.planner_explanation(cfg)
     if explained is None:
         return note
-    console = Console(record=True, width=120, file=io.StringIO())
+    console = Console(record=True, width=80, file=io.StringIO())
     console.print(explained)
     return console.export_text()
 
@@ -180,6 +221,7 @@ def _layers(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     cfg = layer_cmd.ProfileConfig(hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch,
                                   dtype=args.dtype, dropout=args.dropout, repeats=args.repeats)
+    _warn_if_busy(cfg.repeats)
     if args.json:
         print(json.dumps(layer_cmd.run_profile(cfg).to_dict(), indent=2))
         return 0
@@ -197,10 +239,11 @@ def _layers(parser: argparse.ArgumentParser, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "profile":
-        return _profile(parser, args)
-    if args.command == "layers":
-        return _layers(parser, args)
+    with quiet_transformers():
+        if args.command == "profile":
+            return _profile(args.subparser, args)
+        if args.command == "layers":
+            return _layers(args.subparser, args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

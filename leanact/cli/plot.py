@@ -1,13 +1,25 @@
-"""`leanact profile --plot FILE.png`: stacked bars of what one layer keeps, per autograd op, per mode."""
+"""`leanact profile --plot FILE.png`: stacked bars of what one layer keeps, by role, one bar per mode."""
 from __future__ import annotations
 
-from .profile import ProfileResult
+from .profile import ProfileResult, dropout_label
+from .roles import COLOURS, ROLES
 
-_MAX_OPS = 9  # the largest ops get their own colour, the rest are summed as "other"
+PLOT_EXTRA = 'pip install "leanact[plot]"'
+
+
+def missing_matplotlib() -> str | None:
+    """Why ``--plot`` cannot work here (matplotlib is not installed), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA} (or pip install matplotlib)"
+    return None
 
 
 def plot(result: ProfileResult, path: str) -> None:
-    """Write a PNG bar chart (matplotlib, Agg backend): per-layer B/sbh by op, one bar per mode."""
+    """Write a PNG bar chart (matplotlib, Agg backend): per-layer B/sbh by role (attention, linear
+    inputs, GELU / activation, norms, dropout, other; the same colour for a role in every bar), one
+    bar per mode, each labelled with its B/sbh and MiB per layer at the profiled batch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,26 +27,23 @@ def plot(result: ProfileResult, path: str) -> None:
 
     cfg, g = result.config, result.geometry
     sbh = cfg.seq * g["hidden"]
-    totals: dict[str, int] = {}
-    for m in result.modes:
-        for op, n in m.by_op.items():
-            totals[op] = totals.get(op, 0) + abs(n)
-    top = sorted(totals, key=totals.get, reverse=True)[:_MAX_OPS]
     names = [m.name for m in result.modes]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    present = [r for r in ROLES if any(m.by_role.get(r, 0) for m in result.modes)]
+    fig, ax = plt.subplots(figsize=(9.5, 5))
     bottom = [0.0] * len(names)
-    series = [(op, [m.by_op.get(op, 0) / sbh for m in result.modes]) for op in top]
-    other = [sum(n for op, n in m.by_op.items() if op not in top) / sbh for m in result.modes]
-    if any(other):
-        series.append(("other", other))
-    for op, values in series:
-        ax.bar(names, values, bottom=bottom, label=op)
+    for role in present:
+        values = [m.by_role.get(role, 0) / sbh for m in result.modes]
+        ax.bar(names, values, bottom=bottom, label=role, color=COLOURS[role])
         bottom = [b + v for b, v in zip(bottom, values)]
     for x, m in enumerate(result.modes):
-        ax.annotate(f"{m.per_sbh:.1f}", (x, m.per_sbh), ha="center", va="bottom")
-    ax.set_ylabel("bytes kept per layer / (s·b·h)")
-    ax.set_title(f"{g['name']}: s={cfg.seq}, {cfg.dtype}, kept for backward per layer by autograd op")
-    ax.legend(fontsize="small", loc="upper right")
+        ax.annotate(f"{m.per_sbh:.2f} B/sbh\n{m.layer_bytes / 2**20:.2f} MiB/layer", (x, m.per_sbh),
+                    ha="center", va="bottom", fontsize="small")
+    ax.set_ylim(0, max(m.per_sbh for m in result.modes) * 1.2)
+    ax.set_ylabel("kept per layer / (s·b·h)  [B/sbh]")
+    ax.set_title(f"{g['name']} ({g['model_class']}): s={cfg.seq}, b={cfg.batch}, {cfg.dtype}, "
+                 f"{dropout_label(result)}\nkept for backward per layer, by role (MiB per layer at b={cfg.batch})",
+                 fontsize="medium")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -34,10 +34,11 @@ from typing import Callable
 
 import torch
 
+from leanact._format import compact_table, format_bytes, format_in, unit_for
 from leanact.memory import SavedTensorMeter
 from leanact.models.geometries import Geometry, resolve
 
-from .sizes import format_bytes
+from .roles import role_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DEFAULT_MODEL = "bert-base"
@@ -74,9 +75,11 @@ class ModeResult:
     per_sbh: float
     non_layer_bytes: int  # at batch 1
     by_op: dict[str, int]  # per layer, at batch 1
+    by_role: dict[str, int]  # per layer, at batch 1, by :data:`leanact.cli.roles.ROLES`
     per_sample_bytes: int  # whole model: bytes added by each sample of the batch
     fixed_bytes: int  # whole model: bytes that do not depend on the batch
     activation_bytes: int = 0  # whole model at the chosen batch
+    layer_bytes: int = 0  # one layer at the chosen batch
     step_ms: float | None = None
     step_ratio: float | None = None
     max_batch: int | None = None  # under the budget
@@ -98,25 +101,38 @@ class ProfileResult:
                 "modes": [asdict(m) for m in self.modes], "plan": self.plan}
 
 
-def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int]]:
-    """(bytes kept for backward, bytes by autograd op) of one forward; its graph is then released
-    (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
+def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(bytes kept for backward, bytes by autograd op, bytes by role) of one forward; its graph is
+    then released (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
     meter = SavedTensorMeter(model, exclude=[t for t in inputs.values() if isinstance(t, torch.Tensor)])
     with meter:
         out = model(**inputs)
     meter.attribute(out)
     meter.release()
-    return meter.total_bytes, dict(meter.by_op())
+    roles: dict[str, int] = {}
+    for r in meter.counted():
+        role = role_of(r.module, r.op)
+        roles[role] = roles.get(role, 0) + r.counted_bytes
+    return meter.total_bytes, dict(meter.by_op()), roles
+
+
+def _difference(two: dict[str, int], one: dict[str, int]) -> dict[str, int]:
+    """``two - one`` key by key (keys of ``two`` first), zeros left out."""
+    out: OrderedDict[str, int] = OrderedDict()
+    for key in list(two) + list(one):
+        if two.get(key, 0) - one.get(key, 0):
+            out[key] = two.get(key, 0) - one.get(key, 0)
+    return dict(out)
 
 
 def mode_model(base: torch.nn.Module, attn: str, lean: str | None) -> torch.nn.Module:
     """A copy of ``base`` (same weights) with attention ``attn``, patched by leanact if ``lean``."""
-    import leanact
+    from leanact.patching import patch
 
     model = copy.deepcopy(base)
     model.set_attn_implementation(attn)
     if lean is not None:
-        leanact.patch(model, attention=lean)
+        patch(model, attention=lean)
     return model.train()
 
 
@@ -143,10 +159,11 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
     bases = {n: geo.build(n, "eager", dtype, cfg.dropout, cfg.seq, cfg.seed) for n in (1, 2)}
     samples = {b: geo.batch_inputs(b, cfg.seq, dtype, cfg.seed + 1) for b in (1, 2)}
     result = ProfileResult(cfg, dict(name=geo.name, model_class=geo.model_cls, hidden=h, layers=layers,
-                                     heads=geo.heads, vocab=geo.vocab))
+                                     heads=geo.heads, vocab=geo.vocab,
+                                     dropout=geo.dropout_probabilities(cfg.dropout)))
     timed: list[torch.nn.Module] = []
     for label, attn, lean in MODES:
-        costs: dict[tuple[int, int], tuple[int, dict[str, int]]] = {}
+        costs: dict[tuple[int, int], tuple[int, dict[str, int], dict[str, int]]] = {}
         for n in (1, 2):
             model = mode_model(bases[n], attn, lean)
             for b in (1, 2):
@@ -157,14 +174,12 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
         total = {key: c[0] for key, c in costs.items()}
         layer = {b: total[2, b] - total[1, b] for b in (1, 2)}
         whole = {b: layers * layer[b] + total[1, b] - layer[b] for b in (1, 2)}
-        ops: OrderedDict[str, int] = OrderedDict()
-        two, one = costs[2, 1][1], costs[1, 1][1]
-        for op in list(two) + list(one):
-            if two.get(op, 0) - one.get(op, 0):
-                ops[op] = two.get(op, 0) - one.get(op, 0)
-        m = ModeResult(label, layer[1], layer[1] / (cfg.seq * h), total[1, 1] - layer[1], dict(ops),
+        ops = _difference(costs[2, 1][1], costs[1, 1][1])
+        roles = _difference(costs[2, 1][2], costs[1, 1][2])
+        m = ModeResult(label, layer[1], layer[1] / (cfg.seq * h), total[1, 1] - layer[1], ops, roles,
                        per_sample_bytes=whole[2] - whole[1], fixed_bytes=2 * whole[1] - whole[2])
         m.activation_bytes = m.activation_at(cfg.batch)
+        m.layer_bytes = layer[1] + (cfg.batch - 1) * (layer[2] - layer[1])
         if cfg.budget is not None:
             m.max_batch = max_batch(cfg.budget, m.fixed_bytes, m.per_sample_bytes)
         result.modes.append(m)
@@ -213,47 +228,61 @@ def planner_explanation(cfg: ProfileConfig):
     return explained, f"plan for the unpatched model under {format_bytes(cfg.budget)}"
 
 
-def render(result: ProfileResult):
-    """A rich Table, one row per mode."""
-    from rich import box
-    from rich.table import Table
+def dropout_label(result: ProfileResult) -> str:
+    """``dropout 0.1`` (every probability of the config), ``dropout 0.0-0.1`` or ``no dropout``."""
+    values = result.geometry.get("dropout") or []
+    if not values:
+        return "no dropout"
+    return f"dropout {values[0]}" if len(values) == 1 else f"dropout {min(values)}-{max(values)}"
 
+
+def render(result: ProfileResult):
+    """A rich Table, one row per mode; it fits 80 columns (units in the headers, legend in the caption)."""
     cfg, g = result.config, result.geometry
     title = (f"{g['name']} ({g['model_class']}: h={g['hidden']}, L={g['layers']}, a={g['heads']}"
-             f"{', vocab ' + str(g['vocab']) if g['vocab'] else ''}), s={cfg.seq}, b={cfg.batch}, {cfg.dtype}"
-             f"{'' if cfg.dropout is None else f', dropout {cfg.dropout}'}, random weights")
-    timing = (f"time: fwd+bwd of the 1-layer model, median of {cfg.repeats}, modes interleaved" if cfg.repeats
-              else "time: not measured (--repeats 0)")
-    tab = Table(title=title, box=box.SIMPLE_HEAD, caption=(
-        "kept for backward, parameters excluded. per layer: 2-layer minus 1-layer model, b=1. total: whole "
-        f"model at b={cfg.batch}. {timing}"))
-    eager = result.modes[0]
-    cols = ["mode", "B/sbh", "vs eager", "per layer", "non-layer", f"total b={cfg.batch}"]
+             f"{', vocab ' + str(g['vocab']) if g['vocab'] else ''}), s={cfg.seq}, b={cfg.batch}, {cfg.dtype}, "
+             f"{dropout_label(result)}, random weights")
+    timing = (f"step: fwd+bwd of the 1-layer model, median of {cfg.repeats}, modes interleaved." if cfg.repeats
+              else "step: not timed (--repeats 0).")
+    budget = ("" if cfg.budget is None else
+              f" max batch: the largest batch whose total fits {format_bytes(cfg.budget)}.")
+    tab = compact_table(title, (
+        "B/sbh: bytes one layer keeps for backward / (s·b·h), parameters excluded (2-layer minus 1-layer "
+        f"model). layer, outside (embeddings, head, loss), total (whole model): at b={cfg.batch}.{budget} "
+        f"{timing} vs eager: relative to HF eager."))
+    modes, layers = result.modes, g["layers"]
+    outside = [m.activation_bytes - layers * m.layer_bytes for m in modes]
+    memory = {"layer": [m.layer_bytes for m in modes], "outside": outside,
+              "total": [m.activation_bytes for m in modes]}
+    units = {name: unit_for(values) for name, values in memory.items()}
+    tab.add_column("mode", justify="left", no_wrap=False)
+    tab.add_column("B/sbh", justify="right", no_wrap=True)
+    tab.add_column("vs\neager", justify="right", no_wrap=True)
+    for name, (unit, _) in units.items():
+        tab.add_column(f"{name}\n{unit}", justify="right", no_wrap=True)
     if cfg.budget is not None:
-        cols.append(f"max b in {format_bytes(cfg.budget)}")
-    cols += ["fwd+bwd", "vs eager"]
-    for c in cols:
-        tab.add_column(c, justify="left" if c == "mode" else "right", no_wrap=c == "mode")
-    for m in result.modes:
-        row = [m.name, f"{m.per_sbh:.2f}", f"{m.bytes_per_layer / eager.bytes_per_layer:.2f}x",
-               format_bytes(m.bytes_per_layer), format_bytes(m.non_layer_bytes), format_bytes(m.activation_bytes)]
+        tab.add_column("max\nbatch", justify="right", no_wrap=True)
+    tab.add_column("step\nms", justify="right", no_wrap=True)
+    tab.add_column("vs\neager", justify="right", no_wrap=True)
+    eager = modes[0]
+    for i, m in enumerate(modes):
+        row = [m.name, f"{m.per_sbh:.2f}", f"{m.bytes_per_layer / eager.bytes_per_layer:.2f}x"]
+        row += [format_in(values[i], units[name][1]) for name, values in memory.items()]
         if cfg.budget is not None:
             row.append(f"{m.max_batch}")
-        row += ["-", "-"] if m.step_ms is None else [f"{m.step_ms:.0f} ms", f"{m.step_ratio:.2f}x"]
+        row += ["-", "-"] if m.step_ms is None else [f"{m.step_ms:.0f}", f"{m.step_ratio:.2f}x"]
         tab.add_row(*row, style="bold" if m.name == "leanact recompute" else None)
     return tab
 
 
 def render_ops(result: ProfileResult):
-    """A rich Table: per-layer B/sbh by autograd op, one column per mode."""
-    from rich.table import Table
-
+    """A rich Table: per-layer B/sbh by autograd op, one column per mode (fits 80 columns)."""
     cfg = result.config
     sbh = cfg.seq * result.geometry["hidden"]
-    tab = Table(title="Kept per layer by autograd op (B/sbh)")
+    tab = compact_table("Kept per layer by autograd op (B/sbh)", "")
     tab.add_column("autograd op")
     for m in result.modes:
-        tab.add_column(m.name, justify="right")
+        tab.add_column(m.name.replace(" ", "\n", 1), justify="right", no_wrap=True)
     ops: list[str] = []
     for m in result.modes:
         ops += [op for op in m.by_op if op not in ops]

@@ -202,9 +202,9 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
     fake_model = build_fake(build, mode, dtype)
     _check_sizes(fake_model, batch, seq)
     if patch:
-        import leanact
+        from leanact.patching import patch as patch_model
 
-        leanact.patch(fake_model, attention="recompute" if patch is True else patch)
+        patch_model(fake_model, attention="recompute" if patch is True else patch)
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
     return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn)

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from leanact._format import format_bytes
+
 __all__ = ["Estimate", "fmt_bytes"]
 
 
-def fmt_bytes(n: int | float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
+fmt_bytes = format_bytes
 
 
 @dataclass

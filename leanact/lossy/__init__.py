@@ -37,6 +37,7 @@ from torch import nn
 
 from .compress import CompressTransform, keep_exact
 from ..ops.randomized_linear import DEFAULT_BLOCK
+from ..patching import register_option
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from .modules import FewBitActivation, RandomizedLinear
 
@@ -217,3 +218,6 @@ def remove(model: nn.Module) -> nn.Module:
 def state(model: nn.Module) -> LossyState | None:
     """The :class:`LossyState` of a model with lossy options applied (None otherwise)."""
     return getattr(model, _ATTR, None)
+
+
+register_option("lossy", apply, remove)  # leanact.patch(model, lossy=...) and unpatch go through these

@@ -82,6 +82,11 @@ class Geometry:
     def vocab(self) -> int | None:
         return getattr(self.base, "vocab_size", None)
 
+    def dropout_probabilities(self, dropout: float | None = None) -> list[float]:
+        """The distinct dropout probabilities of the config (after setting them all to ``dropout``)."""
+        cfg = self.make_config(1, dropout=dropout)
+        return sorted({float(v) for k, v in cfg.to_dict().items() if _is_dropout(k, v)})
+
     # -- sequence length ---------------------------------------------------------------------
     def max_seq(self) -> int | None:
         """The longest sequence the config's position embeddings allow (None: no limit known)."""
@@ -138,9 +143,13 @@ class Geometry:
 def set_dropout(cfg, p: float):
     """Set every float ``*dropout*`` / ``*pdrop*`` probability of a HF config to ``p``."""
     for k in list(cfg.to_dict()):
-        if ("dropout" in k or "pdrop" in k) and isinstance(getattr(cfg, k, None), float):
+        if _is_dropout(k, getattr(cfg, k, None)):
             setattr(cfg, k, p)
     return cfg
+
+
+def _is_dropout(key: str, value) -> bool:
+    return ("dropout" in key or "pdrop" in key) and isinstance(value, float)
 
 
 def _g(name, config_cls, model_cls, seq, batch, repeats, **kwargs) -> Geometry:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from torch import nn
 
@@ -26,10 +27,36 @@ from .. import nn as lnn
 from . import training_cache
 from .generic import replacement_for
 
-__all__ = ["patch", "unpatch", "summary", "PatchSummary"]
+__all__ = ["patch", "unpatch", "summary", "PatchSummary", "register_option"]
 
 _ATTR = "_leanact_patch"
 _ATTENTION_MODES = ("recompute", "tempo")
+
+
+@dataclass(frozen=True)
+class _Option:
+    apply: Callable[[nn.Module, Any], nn.Module]
+    remove: Callable[[nn.Module], nn.Module]
+
+
+#: Options of :func:`patch` provided by packages above this one (``lossy=``: :mod:`leanact.lossy`),
+#: registered by them when imported, so that patching imports nothing above it.
+_OPTIONS: dict[str, _Option] = {}
+
+
+def register_option(name: str, apply: Callable[[nn.Module, Any], nn.Module],
+                    remove: Callable[[nn.Module], nn.Module]) -> None:
+    """Let ``patch(model, name=value)`` call ``apply(model, value)`` after patching, and
+    ``unpatch(model)`` call ``remove(model)`` before undoing the patch (its swaps sit on top)."""
+    _OPTIONS[name] = _Option(apply, remove)
+
+
+def _option(name: str) -> _Option:
+    try:
+        return _OPTIONS[name]
+    except KeyError:
+        raise RuntimeError(f"leanact.patch({name}=...) needs leanact.{name}, which registers it when imported: "
+                           f"import leanact (or leanact.{name}) first") from None
 
 
 @dataclass
@@ -239,10 +266,8 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
     if lossy:
-        from .. import lossy as _lossy
-
         try:
-            _lossy.apply(model, lossy)
+            _option("lossy").apply(model, lossy)
         except Exception:
             unpatch(model)  # a bad lossy spec leaves the model as it was
             raise
@@ -261,10 +286,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     if state is None:
         _check_not_inside_patched(model)
         return model
-    from .. import lossy as _lossy
     from . import attention_hf
 
-    _lossy.remove(model)  # lossy swaps sit on top of the patch's
+    for option in _OPTIONS.values():  # lossy swaps sit on top of the patch's
+        option.remove(model)
 
     for parent, name, original in reversed(state.originals):
         current = parent._modules.get(name)

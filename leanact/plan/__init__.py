@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
-from leanact.cli.sizes import parse_size
+from leanact._format import parse_size
 from leanact.strategies.layers import find_layers
 from leanact.strategies.offload import DEFAULT_THRESHOLD
 from leanact.strategies.plan import LOSSY, STRATEGIES, Plan

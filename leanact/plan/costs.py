@@ -57,6 +57,12 @@ class ModelCosts:
     def cost(self, i: int, s: str) -> StrategyCost:
         return self.layers[i].by_strategy[s]
 
+    def explain(self, plan: Plan, title: str | None = None):
+        """The table of ``plan.explain()`` for a plan over these costs (:mod:`leanact.plan.explain`)."""
+        from .explain import explain_table
+
+        return explain_table(plan, title)
+
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     leaves = torch.utils._pytree.tree_leaves(obj.to_tuple() if hasattr(obj, "to_tuple") else obj)

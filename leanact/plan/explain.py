@@ -1,34 +1,47 @@
 """``Plan.explain()`` for a planned model: a rich table of the choice per layer."""
 from __future__ import annotations
 
+from leanact._format import compact_table, format_bytes, format_in, unit_for
+
 from .dp import predict, transient
 
 __all__ = ["explain_table", "fmt_bytes"]
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+fmt_bytes = format_bytes
 
 
 def explain_table(plan, title: str | None = None):
-    from rich.table import Table
-
+    """Per layer: strategy, bytes kept on the device, offloaded, the backward transient, extra time;
+    then what is kept outside the layers and the totals. Fits 80 columns (units in the headers)."""
     costs = plan.costs
     peak, extra, kept = predict(costs, plan.choices)
     lean_time = sum(layer.by_strategy["lean"].time for layer in costs.layers)
     budget = "" if plan.budget is None else f", budget {fmt_bytes(plan.budget)}"
-    tab = Table(title=title or f"leanact plan: predicted peak {fmt_bytes(peak)}{budget}")
-    for col in ("layer", "strategy", "kept (device)", "offloaded", "backward transient", "extra time"):
-        tab.add_column(col, justify="left" if col in ("layer", "strategy") else "right")
+    rows = []
     for i, (name, s) in enumerate(zip(plan.layers, plan.choices)):
         c = costs.layers[i].by_strategy[s]
-        tab.add_row(name, s, fmt_bytes(kept[i]), fmt_bytes(c.offloaded) if c.offloaded else "",
-                    fmt_bytes(transient(costs, i, s)), f"+{c.extra_time * 1e3:.2f} ms")
-    tab.add_row("outside the layers", "", fmt_bytes(costs.outside), "", "", "", style="dim")
+        rows.append((name, s, kept[i], c.offloaded, transient(costs, i, s), c.extra_time))
+    offloads = any(r[3] for r in rows)
     ratio = f" ({extra / lean_time:+.1%} of the layers' lean time)" if lean_time > 0 else ""
-    tab.add_row("total", "", fmt_bytes(costs.outside + sum(kept)), "", f"peak {fmt_bytes(peak)}",
-                f"+{extra * 1e3:.2f} ms{ratio}", style="bold")
+    tab = compact_table(title or f"leanact plan: predicted peak {fmt_bytes(peak)}{budget}", (
+        "kept: on the device for backward;" + (" offloaded: to host memory;" if offloads else "")
+        + " transient: the peak while the layer's "
+        f"backward runs (recomputed or fetched tensors); extra: time over the lean layer. Total extra time "
+        f"{extra * 1e3:+.2f} ms{ratio}."))
+    units = {col: unit_for([r[j] for r in rows] + ([costs.outside + sum(kept)] if col == "kept" else []))
+             for j, col in ((2, "kept"), (3, "offloaded"), (4, "transient")) if col != "offloaded" or offloads}
+    tab.add_column("layer", overflow="fold")
+    tab.add_column("strategy", overflow="fold")
+    for col, (unit, _) in units.items():
+        tab.add_column(f"{col}\n{unit}", justify="right", no_wrap=True)
+    tab.add_column("extra\nms", justify="right", no_wrap=True)
+    blank = [""] * offloads
+    for name, s, k, off, tr, t in rows:
+        offloaded = [format_in(off, units["offloaded"][1]) if off else ""] * offloads
+        tab.add_row(name, s, format_in(k, units["kept"][1]), *offloaded, format_in(tr, units["transient"][1]),
+                    f"+{t * 1e3:.2f}")
+    tab.add_row("outside the layers", "", format_in(costs.outside, units["kept"][1]), *blank, "", "", style="dim")
+    tab.add_row("total", "", format_in(costs.outside + sum(kept), units["kept"][1]), *blank, "",
+                f"+{extra * 1e3:.2f}", style="bold")
     return tab

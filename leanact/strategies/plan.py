@@ -107,8 +107,9 @@ class Plan:
 
     ``apply(model)`` installs it in place (each layer's ``forward`` is wrapped; parameters, buffers
     and state_dict are unchanged; works on patched and unpatched models; applying again replaces
-    the previous plan); ``remove(model)`` restores. ``costs``/``budget`` (set by
-    :func:`leanact.plan.plan`) feed :meth:`explain`. Offloaded layers share one host pool.
+    the previous plan); ``remove(model)`` restores. ``costs`` (measured costs, with a method
+    ``explain(plan, title)``) and ``budget``, both set by :func:`leanact.plan.plan`, feed
+    :meth:`explain`. Offloaded layers share one host pool.
     """
 
     def __init__(self, layers: list[str], choices: list[str], *, costs: Any = None, budget: int | None = None,
@@ -161,10 +162,8 @@ class Plan:
         plan comes from :func:`leanact.plan.plan`), with totals and the budget."""
         from rich.table import Table
 
-        from leanact.plan.explain import explain_table
-
-        if self.costs is not None:
-            return explain_table(self, title)
+        if self.costs is not None:  # leanact.plan's measured costs render their own table
+            return self.costs.explain(self, title)
         tab = Table(title=title or "leanact plan")
         tab.add_column("layer")
         tab.add_column("strategy")

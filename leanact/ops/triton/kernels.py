@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from leanact.ops import gelu as _gelu
+from leanact.ops.gelu import minimum as _gm
+from leanact.ops.gelu import rebuild32 as _g32
 
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
 
@@ -446,21 +447,21 @@ def erfc64(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
         _erfc64_kernel[_grid(x.numel(), block)](x, y, x.numel(), BLOCK=block, **UNFUSED)
     return y
 
-_SQRT1_2 = tl.constexpr(_gelu._SQRT1_2)
-_A = tl.constexpr(_gelu._A)
-_K1 = tl.constexpr(_gelu._K1)  # 2 sqrt(2/pi)
-_LN_INV_SQRT_2PI = tl.constexpr(_gelu._LN_INV_SQRT_2PI)
-_KEY_TINY = tl.constexpr(_gelu._KEY_TINY)
-_KEY_SCALE = tl.constexpr(_gelu._KEY_SCALE)
-_KEY_RIGHT_MAX = tl.constexpr(_gelu._KEY_RIGHT_MAX)
-_KEY_SHIFT = tl.constexpr(_gelu._KEY_SHIFT)
-_NCELL = tl.constexpr(_gelu._NCELL)
+_SQRT1_2 = tl.constexpr(_gm._SQRT1_2)
+_A = tl.constexpr(_gm._A)
+_K1 = tl.constexpr(_gm._K1)  # 2 sqrt(2/pi)
+_LN_INV_SQRT_2PI = tl.constexpr(_gm._LN_INV_SQRT_2PI)
+_KEY_TINY = tl.constexpr(_g32._KEY_TINY)
+_KEY_SCALE = tl.constexpr(_g32._KEY_SCALE)
+_KEY_RIGHT_MAX = tl.constexpr(_g32._KEY_RIGHT_MAX)
+_KEY_SHIFT = tl.constexpr(_g32._KEY_SHIFT)
+_NCELL = tl.constexpr(_g32._NCELL)
 
 
 @triton.jit
 def _gelu32_fwd_kernel(x_ptr, y_ptr, bits_ptr, n, thr, TANH: tl.constexpr, WITH_BITS: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """float32 storage: GELU in float64 (gelu._forward32's formulas), rounded once; right = x > thr."""
+    """float32 storage: GELU in float64 (gelu.rebuild32._forward32's formulas), rounded once; right = x > thr."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -482,7 +483,7 @@ def _gelu32_fwd_kernel(x_ptr, y_ptr, bits_ptr, n, thr, TANH: tl.constexpr, WITH_
 @triton.jit
 def _gelu32_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, ab_ptr, h_ptr, n, c32, TANH: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """float32 storage: gelu._guess32 (float32) then _step32_erf / _step32_tanh (float64), fused.
+    """float32 storage: gelu.rebuild32._guess32 (float32) then _step32_erf / _step32_tanh (float64), fused.
 
     Same operations in the same order; ``addcmul`` and ``add(alpha=)`` are fused multiply-adds
     (as torch evaluates them), everything else rounds after each operation.

@@ -1,0 +1,133 @@
+"""The autograd Function: forward keeps ``y`` and the packed branch bits; backward dispatches by
+storage dtype (16-bit: :mod:`.tables`; float32: :mod:`.rebuild32`; float64: :mod:`.rebuild64`), or
+to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.triton`)."""
+from __future__ import annotations
+
+import torch
+
+from ..bitpack import pack_bits, unpack_bits
+from ..transforms import functorch_active
+from ..triton import dispatch as _triton
+from .buffers import _pack, _slices
+from .minimum import _CONSTS, _check, _work_dtype
+from .rebuild32 import _backward32, _forward32
+from .rebuild64 import _forward_w, _grad_from_output
+from .tables import _backward16, _forward16
+
+__all__ = ["gelu", "GeluFunction", "gelu_grad_from_output"]
+
+# -- autograd Function -------------------------------------------------------------------------
+
+
+def _forward(x: torch.Tensor, approximate: str, with_bits: bool):
+    """``(GELU(x), packed bits of x > x* or None)``; ``y`` contiguous, rounded once from the wider
+    working precision (16-bit storage: looked up)."""
+    fused = _triton.gelu_forward(x, approximate, with_bits)  # CUDA: one kernel (None: this path)
+    if fused is not None:
+        return fused
+    xf = x.reshape(-1)
+    n = xf.numel()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    yf = y.view(-1)
+    right = None
+    if with_bits:
+        right = torch.empty((n + 7) // 8 * 8, dtype=torch.uint8, device=x.device)  # 0 or 1
+        right[n:] = 0
+    slices = _slices(n, x.device)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        _forward16(xf, yf, right, approximate, slices)
+    elif x.dtype == torch.float32:
+        _forward32(xf, yf, right, approximate, slices)
+    else:
+        w = _work_dtype(x.dtype)
+        xs = _CONSTS[approximate].xs
+        for a, b in slices:
+            xw = xf[a:b].to(w)
+            if right is not None:
+                torch.gt(xw, xs, out=right[a:b])  # in the working precision: the exact side of x*
+            yf[a:b] = _forward_w(xw, approximate, True)
+    return y, (_pack(right, n) if right is not None else None)
+
+
+def _backward(y: torch.Tensor, bits: torch.Tensor, grad_y: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``grad_y * GELU'(x)`` rebuilt from ``y`` and the packed bits, rounded once to y's dtype."""
+    fused = _triton.gelu_backward(y, bits, grad_y, approximate)  # CUDA: one kernel (None: this path)
+    if fused is not None:
+        return fused
+    yf, gf = y.reshape(-1), grad_y.reshape(-1)
+    out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    of = out.view(-1)
+    n = yf.numel()
+    slices = _slices(n, y.device)
+    if n == 0:
+        return out
+    if y.dtype in (torch.float16, torch.bfloat16):
+        _backward16(yf, bits, gf, of, approximate, slices)
+    elif y.dtype == torch.float32:
+        _backward32(yf, bits, gf, of, approximate, slices)
+    else:
+        right = unpack_bits(bits, n)
+        for a, b in slices:
+            # product in the working precision, rounded once on the copy
+            of[a:b] = _grad_from_output(yf[a:b], right[a:b], approximate).mul_(gf[a:b])
+    return out
+
+
+def gelu_grad_from_output(y: torch.Tensor, right: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU'(x) rebuilt from ``y = GELU(x)`` and ``right = x > x*``, in ``y``'s dtype.
+
+    What backward computes (for a gradient of ones), exposed for tests and analysis.
+    """
+    _check(approximate)
+    _work_dtype(y.dtype)
+    with torch.no_grad():
+        bits = pack_bits(right.reshape(-1).to(torch.bool))
+        return _backward(y.contiguous(), bits, torch.ones_like(y), approximate)
+
+
+_NO_DOUBLE_BACKWARD = (
+    b"leanact GELU does not support double backward: its gradient is rebuilt from the saved output "
+    b"without autograd. Use torch.nn.functional.gelu where second derivatives are needed."
+)
+
+
+class GeluFunction(torch.autograd.Function):
+    """``y = GELU(x)`` keeping ``y`` and one bit per element (see the module docstring).
+
+    Double backward is not supported: with ``create_graph=True`` the first-order gradient is
+    returned as usual, and differentiating it raises a RuntimeError that says so.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, approximate: str = "none"):
+        y, bits = _forward(x, approximate, with_bits=True)
+        ctx.approximate = approximate
+        ctx.save_for_backward(y, bits)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        y, bits = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            out = _backward(y, bits, grad_y, ctx.approximate)
+        if create_graph and not torch.compiler.is_compiling():
+            # Like once_differentiable, but also when grad_y itself does not require grad.
+            out = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, 1)(out.requires_grad_())
+        return out, None
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU that keeps only its output and 1 bit per element for backward (exact gradient).
+
+    Same signature and semantics as ``torch.nn.functional.gelu``. Without autograd (no grad mode
+    or ``x`` not requiring grad) nothing is kept and no bits are packed. Under ``torch.func``
+    transforms this is ``torch.nn.functional.gelu`` (:mod:`leanact.ops.transforms`).
+    """
+    _check(approximate)
+    _work_dtype(x.dtype)
+    if functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
+        return torch.nn.functional.gelu(x, approximate=approximate)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return GeluFunction.apply(x, approximate)
+    return _forward(x, approximate, with_bits=False)[0]
