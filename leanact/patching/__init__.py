@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import nn as lnn
 
+from . import training_cache
 from .generic import replacement_for
 
 __all__ = ["patch", "unpatch", "summary", "PatchSummary", "register_option"]
@@ -68,6 +69,7 @@ class PatchSummary:
     #: model path -> run-time state; its ``fallbacks`` name the features (softcap, sinks, position_bias,
     #: ...) for which calls went to the original implementation instead of leanact's core.
     attention_states: dict = field(default_factory=dict, repr=False, compare=False)
+    notes: list[str] = field(default_factory=list)  # whole-model changes (e.g. no KV cache in training)
 
     def attention_fallbacks(self) -> dict[str, set]:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
@@ -93,6 +95,8 @@ class PatchSummary:
             if path in fallbacks and not after.startswith("left"):
                 after += f"; [yellow]{before}[/] for calls with {', '.join(sorted(fallbacks[path]))}"
             t.add_row(f"attention ({path or 'model'})", before, after)
+        for note in self.notes:
+            t.add_row("model", "", note)
         return t
 
 
@@ -259,6 +263,8 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     _patch_modules(model, summary, originals)
     if attention:
         _patch_attention(model, attention, summary, records)
+    if training_cache.install(model):
+        summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
     if lossy:
         try:
@@ -296,6 +302,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         _set_implementation(config, before)
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
+    training_cache.remove(model)
     object.__delattr__(model, _ATTR)
     return model
 
