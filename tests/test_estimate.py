@@ -117,6 +117,44 @@ def test_big_geometry_without_real_memory():
     assert elapsed < 60, elapsed  # typically a few seconds; generous for a loaded CI machine
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_config_in_a_dtype_equals_the_real_model_in_that_dtype(patched):
+    """estimate_config(dtype=bf16): the fake model is cast to bf16 (tied weights stay tied) and
+    predicts what the real bf16 model does."""
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                  vocab_size=V, attn_implementation="sdpa")
+    x = _inputs(2, 32)
+    fake = estimate_config(cfg, x, model_class=transformers.BertForMaskedLM, patch=patched, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    real = transformers.BertForMaskedLM(cfg).to(torch.bfloat16)
+    if patched:
+        leanact.patch(real)
+    assert fake.to_dict() == estimate(real, x).to_dict()
+
+
+@pytest.mark.parametrize("padded", [True, False])  # a 4-D mask; the causal triangle alone (blocks grow)
+def test_fewer_slices_on_fake_tensors_give_the_same_estimate(padded, monkeypatch):
+    """The estimate runs two of the GELU's eager slices and the last three attention blocks on fake
+    tensors (leanact.estimate.compat.fewer_slices): the same numbers as every slice and block
+    (here 8 of each, the last block ragged), fp32 and float64 (whose slices allocate)."""
+    import contextlib
+    import importlib
+
+    api = importlib.import_module("leanact.estimate.api")
+    torch.manual_seed(0)
+    model = leanact.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=1, n_head=4, vocab_size=V, n_positions=1024, attn_implementation="sdpa")))
+    x = _inputs(2, 1000)
+    if not padded:
+        del x["attention_mask"]
+    for dtype in (torch.float32, torch.float64):
+        fast = estimate(model, x, dtype=dtype)
+        monkeypatch.setattr(api, "fewer_slices", lambda kind: contextlib.nullcontext())
+        full = estimate(model, x, dtype=dtype)
+        monkeypatch.undo()
+        assert fast.to_dict() == full.to_dict(), dtype
+
+
 def test_meta_model_equals_real_model():
     """A model built on the meta device (no memory at all) gives the real model's estimate."""
     real = _build("gpt2", layers=2, h=64)

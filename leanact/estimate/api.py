@@ -8,7 +8,7 @@ from torch import nn
 
 from leanact.strategies.cache import caches_off
 
-from .compat import cpu_dropout_allocations, triton_allocations, value_decisions, warm_lean_caches
+from .compat import cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -144,7 +144,8 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         plan.apply(fake_model)
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
-        with value_decisions(real_of), emulate, caches_off(fake_model, fake_in) as fake_in, mode:
+        with value_decisions(real_of), emulate, fewer_slices(kind), \
+                caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)
     finally:

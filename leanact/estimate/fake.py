@@ -81,8 +81,23 @@ def build_fake(build: Callable[[], nn.Module], mode: FakeTensorMode, dtype: torc
     with mode:
         model = build()
         if dtype is not None:
-            model = model.to(dtype)
+            _cast_floating(model, dtype)
     return model
+
+
+def _cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake weights: new Parameters in place of the old (``Module.to`` swaps
+    tensor subclasses in place, which fake tensors refuse); tied weights stay tied."""
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, new): old kept alive, ids unique
+    for mod in model.modules():
+        for slots, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in list(slots.items()):
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in done:
+                    new = t.detach().to(dtype)
+                    done[id(t)] = (t, nn.Parameter(new, requires_grad=t.requires_grad) if wrap else new)
+                slots[name] = done[id(t)][1]
 
 
 def _resize(t: torch.Tensor, batch: int | None, seq: int | None, b0: int | None, s0: int | None) -> tuple[int, ...]:
