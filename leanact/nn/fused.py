@@ -53,11 +53,15 @@ class RecipeGELU(nn.GELU):
 
 
 class RecipeSiLU(nn.SiLU):
+    """``nn.SiLU`` keeping its input; its output is a recipe for the next op."""
+
     def forward(self, x):
         return producers.silu(x)
 
 
 class RecipeReLU(nn.ReLU):
+    """``nn.ReLU`` keeping its input; its output is a recipe for the next op."""
+
     def forward(self, x):
         return producers.relu(x)
 

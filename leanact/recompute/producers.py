@@ -201,10 +201,12 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(x)`` keeping x; output by recipe."""
     return activation(x, "silu")
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
+    """``F.relu(x)`` keeping x; output by recipe."""
     return activation(x, "relu")
 
 

@@ -80,6 +80,7 @@ def counters() -> dict[str, int]:
 
 
 def reset_counters() -> None:
+    """Set every event count of :func:`counters` back to zero."""
     _COUNTS.clear()
 
 

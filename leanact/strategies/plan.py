@@ -32,6 +32,7 @@ _ATTR = "_leanact_plan"
 
 
 def describe(name: str) -> str:
+    """What a layer keeps under strategy ``name`` (ValueError naming the choices for an unknown name)."""
     _check_name(name)
     return STRATEGIES[name]
 
