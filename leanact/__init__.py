@@ -1,8 +1,8 @@
 """leanact: train Transformers in far less activation memory, with exact gradients."""
 from . import functional, lossy, memory, nn, ops, plan, recompute, strategies
 from .estimate import Estimate, estimate, estimate_config
-from .patching import patch, summary, unpatch
+from .patching import keep_logits, patch, summary, unpatch
 
 __version__ = "0.1.0"
-__all__ = ["Estimate", "estimate", "estimate_config", "functional", "lossy", "memory", "nn", "ops", "patch", "plan", "recompute", "strategies", "summary", "unpatch",
+__all__ = ["Estimate", "estimate", "estimate_config", "functional", "keep_logits", "lossy", "memory", "nn", "ops", "patch", "plan", "recompute", "strategies", "summary", "unpatch",
            "__version__"]
