@@ -166,13 +166,27 @@ def _errors(dtype, kw, fused_kw, autocast=False):
     return out
 
 
+@pytest.mark.parametrize("matmul", ["bf16-matmuls", "auto-matmuls"])
 @pytest.mark.parametrize("case", ["bf16", "bf16-softcap-smooth", "bf16-grad_in_forward", "autocast-bf16"])
-def test_bf16_within_2x_unfused_error(case):
+def test_bf16_within_2x_unfused_error(case, matmul):
+    """With bf16 matmuls (as the unfused head) and with the automatic choice (fp32 on a CPU that
+    emulates bf16 GEMM: more accurate still)."""
     kw = dict(softcap=5.0, label_smoothing=0.1) if "softcap" in case else {}
-    fused = dict(chunk_tokens=64, tile_elements=64 * 50, grad_in_forward="grad_in_forward" in case)
+    fused = dict(chunk_tokens=64, tile_elements=64 * 50, grad_in_forward="grad_in_forward" in case,
+                 matmul_dtype=torch.bfloat16 if matmul == "bf16-matmuls" else None)
     unfused, fused_err = _errors(torch.bfloat16, kw, fused, autocast=case.startswith("autocast"))
     for u, f in zip(unfused, fused_err):
         assert f <= 2 * u + 1e-7, (case, unfused, fused_err)
+
+
+def test_matmul_dtype_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: False)
+    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.float32 and L._matmul_dtype(torch.float16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.float32, cpu) == torch.float32 and L._matmul_dtype(torch.float64, cpu) == torch.float64
+    assert L._matmul_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: True)
+    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.bfloat16
 
 
 def test_autocast_grads_keep_parameter_dtype():

@@ -17,7 +17,7 @@ label smoothing (torch's definition, ``(1-ε)·nll + ε·mean_v(−log p)``):
 ``sum`` sums, ``none`` returns per-token losses (0 at ignored tokens); ``num_items_in_batch``
 (Hugging Face's gradient-accumulation path) divides the sum by that count instead. The logits of a
 tile are the matmul in the compute dtype (the input's, or autocast's), upcast -- the values
-``F.linear(...).float()`` gives -- and everything after (scale, softcap, logsumexp, the loss and its
+``F.linear(...).float()`` gives (see ``matmul_dtype`` below) -- and everything after (scale, softcap, logsumexp, the loss and its
 sum) is in the accumulation dtype. Soft-capping: ∂z/∂raw = scale·(1 − (z/c)²).
 
 Two ways to get the gradients (``grad_in_forward``):
@@ -32,10 +32,16 @@ Two ways to get the gradients (``grad_in_forward``):
   gradient. Three matmuls, as plain PyTorch, but dx/dW-sized results are kept from forward to
   backward.
 
-Accumulation: dx over vocabulary tiles in an fp32 buffer (the size of x), dW of a vocabulary tile
+Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without native 16-bit GEMM
+(no AVX512-BF16 / AMX), where they run in fp32 on upcast tiles (``matmul_dtype``): oneDNN emulates
+bf16 GEMM there about 4x slower than fp32, and the fp32 products are exact, so the loss and
+gradients are then more accurate than the unfused 16-bit computation (whose logits are rounded to
+16 bits). Accumulation: dx over vocabulary tiles in an fp32 buffer (the size of x), dW of a vocabulary tile
 over token chunks in an fp32 buffer (tile × hidden), db in fp32; each is cast to its parameter's
-dtype once. Transients are one tile: ``tile_elements`` logits (default 2^20) -- a few bytes per
-element for the logits, probabilities and their 16-bit copy -- plus the fp32 dx buffer.
+dtype once. Transients are one tile: ``tile_elements`` logits (default 2^20; 2^25 with
+``grad_in_forward``, whose tiles span the whole vocabulary and whose matmuls need enough rows to be
+efficient) -- a few bytes per element for the logits, probabilities and their 16-bit copy -- plus
+the fp32 dx buffer.
 
 Ignored tokens cost nothing: on real tensors the valid rows are gathered first (one host sync to
 count them). On fake tensors (``leanact.estimate``) all rows are computed and masked, which keeps
@@ -54,34 +60,54 @@ from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .transforms import functorch_active
 
 __all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference",
-           "DEFAULT_TILE_ELEMENTS", "DEFAULT_CHUNK_TOKENS", "KEPT_BYTES_PER_TOKEN"]
+           "DEFAULT_TILE_ELEMENTS", "DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD", "DEFAULT_CHUNK_TOKENS", "KEPT_BYTES_PER_TOKEN"]
 
 DEFAULT_TILE_ELEMENTS = 1 << 20  # logits per tile (4 MiB in fp32)
+DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD = 1 << 25  # rows x whole vocabulary (~260 tokens at V = 128256)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk at most (recompute mode)
 KEPT_BYTES_PER_TOKEN = 8  # fp32 log-sum-exp + int32 target
 COMPACT = True  # gather the valid rows on real tensors (tests switch it off to check the masked path)
 _REDUCTIONS = ("mean", "sum", "none")
 
 
+def _native_16bit_gemm(dtype: torch.dtype) -> bool:
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        return bool(torch.cpu._is_amx_fp16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - other torch builds
+        return True
+
+
+def _matmul_dtype(cdtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """fp32 for 16-bit tiles on a CPU that emulates 16-bit GEMM (about 4x slower than fp32 there)."""
+    if device.type == "cpu" and cdtype in (torch.bfloat16, torch.float16) and not _native_16bit_gemm(cdtype):
+        return torch.float32
+    return cdtype
+
+
 def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(cdtype, torch.float32)
 
 
-def _tiles(n: int, v: int, chunk_tokens: int, tile_elements: int, full_vocab: bool):
-    """(rows per chunk, vocabulary per tile)."""
+def _tiles(n: int, v: int, chunk_tokens: int, tile_elements: int, full_vocab: bool, upcast_h: int = 0):
+    """(rows per chunk, vocabulary per tile). ``upcast_h``: the hidden size when the weight's tiles are
+    upcast for the matmuls: the tile's weight copy (tile × hidden) is then held to 4·``tile_elements``
+    (with few tokens narrower tiles would be cheaper in memory, but fp32 GEMM on CPU loses half its
+    throughput on 512-wide tiles)."""
     if full_vocab:
         return max(1, min(n, tile_elements // max(v, 1))), v
     rows = max(1, min(n, chunk_tokens))
-    return rows, max(1, min(v, tile_elements // rows))
+    return rows, max(1, min(v, tile_elements // max(rows, upcast_h // 4)))
 
 
-def _logits(xc, w, b, v0, v1, cdtype, acc, scale, softcap):
-    """(z, t): a tile's logits in ``acc`` (scaled, soft-capped) and tanh(·) when soft-capped."""
-    wt = w[v0:v1].to(cdtype)
-    if b is None:
+def _logits(xc, wt, bt, acc, scale, softcap):
+    """(z, t): a tile's logits in ``acc`` (scaled, soft-capped) and tanh(·) when soft-capped; ``wt``,
+    ``bt``: the tile's rows of the weight and bias, in the matmul dtype."""
+    if bt is None:
         z = xc @ wt.t()
     else:
-        z = torch.addmm(b[v0:v1].to(cdtype), xc, wt.t())
+        z = torch.addmm(bt, xc, wt.t())
     z = z.to(acc)
     if scale != 1.0:
         z.mul_(scale)
@@ -138,7 +164,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         xa = xa.to(cdtype)
         needs = ctx.needs_input_grad
         eager = bool(grad_in_forward) and reduction != "none" and any(needs[:3])
-        t_rows, t_vocab = _tiles(na, v, chunk_tokens, tile_elements, eager)
+        t_rows, t_vocab = _tiles(na, v, chunk_tokens, tile_elements, eager, h if weight.dtype != cdtype else 0)
         mask = None if rows is not None else valid.to(acc)
         lse = torch.full((na,), -torch.inf, dtype=acc, device=x.device)
         zy = torch.zeros(na, dtype=acc, device=x.device)
@@ -148,14 +174,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                         else 1.0 / n_valid.clamp(min=1).to(acc)).expand(na)  # (no valid row: unused)
             if mask is not None:
                 coef_all = coef_all * mask
+            one = t_rows >= na  # one chunk: dW straight in W's dtype, else summed over chunks in fp32
+            wc = weight.to(cdtype)  # (a copy under autocast or with fp32 matmuls of 16-bit inputs)
             dx = torch.zeros((na, h), dtype=cdtype, device=x.device) if needs[0] else None
-            dw_acc = torch.zeros((v, h), dtype=acc, device=x.device) if needs[1] else None
+            dw_acc = torch.zeros((v, h), dtype=weight.dtype if one else acc, device=x.device) if needs[1] else None
             db = torch.zeros(v, dtype=acc, device=x.device) if bias is not None and needs[2] else None
+        wt = bt = None
         for v0 in range(0, v, t_vocab):
             v1 = min(v, v0 + t_vocab)
+            wt = bt = None  # the previous tile's copies go before the next is made
+            wt = wc if eager else weight[v0:v1].to(cdtype)
+            bt = None if bias is None else bias[v0:v1].to(cdtype)
             for r0 in range(0, na, t_rows):
                 r1 = min(na, r0 + t_rows)
-                z, t = _logits(xa[r0:r1], weight, bias, v0, v1, cdtype, acc, scale, softcap)
+                z = t = dz = dzl = None  # (one tile alive at a time)
+                z, t = _logits(xa[r0:r1], wt, bt, acc, scale, softcap)
                 y = ya[r0:r1] - v0
                 sel = (y >= 0) & (y < v1 - v0)
                 yl = y.clamp(0, v1 - v0 - 1)
@@ -168,11 +201,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     dz = _dlogits(z, t, lse[r0:r1], coef_all[r0:r1], yl, sel.to(acc), eps, v, scale, softcap)
                     dzl = dz.to(cdtype)
                     if dx is not None:
-                        dx[r0:r1] = dzl @ weight.to(cdtype)
-                    if dw_acc is not None and acc == cdtype:
-                        dw_acc.addmm_(dzl.t(), xa[r0:r1])
-                    elif dw_acc is not None:
+                        torch.mm(dzl, wt, out=dx[r0:r1])
+                    if dw_acc is not None and one and dw_acc.dtype == cdtype:
+                        torch.mm(dzl.t(), xa[r0:r1], out=dw_acc)
+                    elif dw_acc is not None and (one or acc != cdtype):
                         dw_acc += dzl.t() @ xa[r0:r1]
+                    elif dw_acc is not None:
+                        dw_acc.addmm_(dzl.t(), xa[r0:r1])
                     if db is not None:
                         db.add_(dz.sum(0))
         per = lse - zy * (1.0 - eps)
@@ -225,19 +260,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             coef = (g if ctx.reduction == "sum" else g / n_valid.clamp(min=1).to(acc)).expand(na)
         if rows is None:
             coef = coef * valid.to(acc)
-        t_rows, t_vocab = _tiles(na, v, ctx.chunk_tokens, ctx.tile_elements, False)
+        t_rows, t_vocab = _tiles(na, v, ctx.chunk_tokens, ctx.tile_elements, False, h if weight.dtype != cdtype else 0)
         dx_acc = torch.zeros((na, h), dtype=acc, device=x.device) if needs[0] else None
         dw = torch.empty_like(weight) if needs[1] else None
         db = torch.zeros(v, dtype=acc, device=x.device) if ctx.has_bias and needs[2] else None
         one_chunk = t_rows >= na
         for v0 in range(0, v, t_vocab):
             v1 = min(v, v0 + t_vocab)
+            wt = bt = dw_tile = None  # the previous tile's buffers go before the next is made
             wt = weight[v0:v1].to(cdtype)
+            bt = None if bias is None else bias[v0:v1].to(cdtype)
             dw_tile = None if dw is None or one_chunk else torch.zeros((v1 - v0, h), dtype=acc, device=x.device)
             for r0 in range(0, na, t_rows):
                 r1 = min(na, r0 + t_rows)
                 xc = xa[r0:r1]
-                z, t = _logits(xc, weight, bias, v0, v1, cdtype, acc, scale, softcap)
+                z = t = dz = dzl = None  # (one tile alive at a time)
+                z, t = _logits(xc, wt, bt, acc, scale, softcap)
                 y = ya[r0:r1] - v0
                 sel = ((y >= 0) & (y < v1 - v0)).to(acc)
                 dz = _dlogits(z, t, lse[r0:r1], coef[r0:r1], y.clamp(0, v1 - v0 - 1), sel, eps, v, scale, softcap)
@@ -248,7 +286,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     else:
                         dx_acc[r0:r1] += dzl @ wt
                 if dw is not None:
-                    if one_chunk:
+                    if one_chunk and dw.dtype == cdtype:
+                        torch.mm(dzl.t(), xc, out=dw[v0:v1])
+                    elif one_chunk:
                         dw[v0:v1] = dzl.t() @ xc
                     elif acc == cdtype:
                         dw_tile.addmm_(dzl.t(), xc)
@@ -302,8 +342,9 @@ def linear_cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     grad_in_forward: bool = False,
+    matmul_dtype: torch.dtype | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    tile_elements: int = DEFAULT_TILE_ELEMENTS,
+    tile_elements: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias).float(), target, ...)`` without the logits.
 
@@ -312,7 +353,10 @@ def linear_cross_entropy(
     ``num_items_in_batch``: Hugging Face's gradient-accumulation divisor (the loss is then
     sum / num_items_in_batch, whatever ``reduction``). The result is fp32 (fp64 for fp64 inputs);
     ``reduction="none"`` returns target's shape. Under autocast the matmuls run in autocast's
-    dtype, as ``F.linear`` would. See the module docstring for what is kept.
+    dtype, as ``F.linear`` would. ``matmul_dtype``: the dtype of the tiles' matmuls; None = the
+    compute dtype, except 16-bit on a CPU without native 16-bit GEMM (no AVX512-BF16/AMX), where
+    fp32 is faster (the 16-bit GEMM is emulated) and more accurate. See the module docstring for
+    what is kept.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -320,6 +364,8 @@ def linear_cross_entropy(
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if tile_elements is None:
+        tile_elements = DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD if grad_in_forward else DEFAULT_TILE_ELEMENTS
     if chunk_tokens < 1 or tile_elements < 1:
         raise ValueError(f"chunk_tokens and tile_elements must be >= 1, got {chunk_tokens}, {tile_elements}")
     if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
@@ -345,6 +391,7 @@ def linear_cross_entropy(
     else:
         cdtype = x.dtype
     red = "sum" if num_items_in_batch is not None else reduction
+    cdtype = _matmul_dtype(cdtype, x.device) if matmul_dtype is None else matmul_dtype
     with autocast_off(x.device.type):
         loss = LinearCrossEntropyFunction.apply(x, weight, bias, tgt, int(ignore_index), red, float(label_smoothing),
                                                 float(scale), None if softcap is None else float(softcap), cdtype,
