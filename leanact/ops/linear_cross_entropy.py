@@ -43,9 +43,10 @@ dtype once. Transients are one tile: ``tile_elements`` logits (default 2^20; 2^2
 efficient) -- a few bytes per element for the logits, probabilities and their 16-bit copy -- plus
 the fp32 dx buffer.
 
-Ignored tokens cost nothing: on real tensors the valid rows are gathered first (one host sync to
-count them). On fake tensors (``leanact.estimate``) all rows are computed and masked, which keeps
-the same tensors for backward. Invalid targets raise IndexError as torch does (real tensors only).
+Ignored tokens: when fewer than half the tokens are valid (masked LM), the valid rows are gathered
+first (real tensors; one host sync to count them) and ignored tokens cost nothing; otherwise (causal
+LM: only the last positions) every row is computed and masked, without copying x. On fake tensors
+(``leanact.estimate``) rows are always masked; the tensors kept for backward are the same. Invalid targets raise IndexError as torch does (real tensors only).
 Double backward raises (``once_differentiable``). Under ``torch.func`` transforms the composite
 (``F.linear`` + ``F.cross_entropy``) runs instead.
 """
@@ -66,7 +67,10 @@ DEFAULT_TILE_ELEMENTS = 1 << 20  # logits per tile (4 MiB in fp32)
 DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD = 1 << 25  # rows x whole vocabulary (~260 tokens at V = 128256)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk at most (recompute mode)
 KEPT_BYTES_PER_TOKEN = 8  # fp32 log-sum-exp + int32 target
-COMPACT = True  # gather the valid rows on real tensors (tests switch it off to check the masked path)
+#: gather the valid rows (a copy of them) when fewer than this fraction of the tokens are valid (a
+#: masked-LM batch); otherwise compute every row and mask (a causal-LM batch ignores only its last
+#: positions: no copy of x). Tests set 1.0 / 0.0 to force either path.
+COMPACT = 0.5
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -142,7 +146,7 @@ def _active(x, target, ignore_index, v):
         bad = valid & ((target < 0) | (target >= v))
         if bool(bad.any()):
             raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
-        if COMPACT and int(n_valid) < target.numel():
+        if int(n_valid) < COMPACT * target.numel():
             rows = valid.nonzero().squeeze(1)
     if rows is None:
         return valid, None, x, target.clamp(0, max(v - 1, 0)), n_valid
@@ -298,6 +302,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     db[v0:v1] += dz.sum(0)
             if dw_tile is not None:
                 dw[v0:v1] = dw_tile
+        z = t = dz = dzl = wt = bt = dw_tile = xa = xc = None  # the tiles go before dx is cast
         if dw is not None and na == 0:
             dw.zero_()
         dx = None
