@@ -182,7 +182,8 @@ def test_bf16_within_2x_unfused_error(case, matmul):
 def test_matmul_dtype_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: False)
-    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.float32 and L._matmul_dtype(torch.float16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.float16, cpu) == torch.float32
     assert L._matmul_dtype(torch.float32, cpu) == torch.float32 and L._matmul_dtype(torch.float64, cpu) == torch.float64
     assert L._matmul_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: True)

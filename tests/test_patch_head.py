@@ -4,7 +4,8 @@ Patched vs unpatched models with identical weights: fp32 loss and every paramete
 1e-5 relative (gradients that are zero in exact arithmetic -- key biases -- are compared against
 1e-6 of the median gradient norm, as in tests/test_matrix.py); the logits come back None when the
 fused loss consumed them (training mode with labels), and unchanged whenever they are asked for
-(no labels, eval mode, ``no_grad``, ``generate``, ``keep_logits``, ``fused_loss=False``). What the loss keeps is asserted to the byte.
+(no labels, eval mode, ``no_grad``, ``generate``, ``keep_logits``, ``fused_loss=False``). What the
+loss keeps is asserted to the byte.
 """
 from __future__ import annotations
 
