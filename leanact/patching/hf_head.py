@@ -236,6 +236,8 @@ class _Window(TorchFunctionMode):
         e = self._entry(obj)
         if e is not None:
             return self.materialise(e)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*(self._replace(o) for o in obj))
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._replace(o) for o in obj)
         if isinstance(obj, dict):
