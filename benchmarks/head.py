@@ -159,7 +159,8 @@ def main(argv=None):
             times[name].append(step_time(fn, x, w, labels))
 
     hf = rows["HF ForCausalLMLoss"]
-    mib = lambda n: f"{n / 2**20:.2f} MiB"
+    def mib(n):
+        return f"{n / 2**20:.2f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:.1f} KiB"
     head = ["mode", "kept", "vs HF", "peak fwd", "peak bwd", "peak bwd − grads", "fwd+bwd", "vs HF", "rel. diff"]
     grads = x.numel() * x.element_size() + w.numel() * w.element_size()
     table = []

@@ -102,7 +102,7 @@ def test_semantics_matrix_fp32(reduction):
 @pytest.mark.parametrize("compact", [True, False], ids=["gathered-rows", "masked-rows"])
 @pytest.mark.parametrize("tiles", ["tiny", "one-tile", "full-vocab-rows"])
 def test_tiling_and_row_paths(compact, tiles, monkeypatch):
-    monkeypatch.setattr(L, "COMPACT", compact)
+    monkeypatch.setattr(L, "COMPACT", 1.0 if compact else 0.0)
     fused = {"tiny": TINY, "one-tile": {}, "full-vocab-rows": dict(chunk_tokens=3, tile_elements=19 * 3)}[tiles]
     for kw, gif in ((dict(), False), (dict(reduction="none", label_smoothing=0.1, softcap=1.5), False),
                     (dict(label_smoothing=0.1), True)):
@@ -120,7 +120,7 @@ def test_ignore_index_other_value_and_no_bias():
 @pytest.mark.parametrize("compact", [True, False])
 def test_all_ignored(compact, monkeypatch):
     """Every token ignored: mean is NaN with zero gradients (as torch), sum and none are 0."""
-    monkeypatch.setattr(L, "COMPACT", compact)
+    monkeypatch.setattr(L, "COMPACT", 1.0 if compact else 0.0)
     x, w, b, y = _data(ignore="all")
     for red in ("mean", "sum", "none"):
         l0, g0 = _run(REF, x, w, b, y, reduction=red)
@@ -182,7 +182,8 @@ def test_bf16_within_2x_unfused_error(case, matmul):
 def test_matmul_dtype_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: False)
-    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.float32 and L._matmul_dtype(torch.float16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.float16, cpu) == torch.float32
     assert L._matmul_dtype(torch.float32, cpu) == torch.float32 and L._matmul_dtype(torch.float64, cpu) == torch.float64
     assert L._matmul_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: True)

@@ -3,8 +3,9 @@
 Patched vs unpatched models with identical weights: fp32 loss and every parameter gradient within
 1e-5 relative (gradients that are zero in exact arithmetic -- key biases -- are compared against
 1e-6 of the median gradient norm, as in tests/test_matrix.py); the logits come back None when the
-fused loss consumed them, and unchanged whenever they are asked for (no labels, ``no_grad``,
-``generate``, ``keep_logits``, ``fused_loss=False``). What the loss keeps is asserted to the byte.
+fused loss consumed them (training mode with labels), and unchanged whenever they are asked for
+(no labels, eval mode, ``no_grad``, ``generate``, ``keep_logits``, ``fused_loss=False``). What the
+loss keeps is asserted to the byte.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_summary_reports_the_head():
     _, lean = _pair("llama")
     s = leanact.summary(lean)
     assert s.loss == [("", "lm_head (Linear) + cross_entropy",
-                       "leanact fused linear + cross-entropy (with labels, under autograd; logits None)")]
+                       "leanact fused linear + cross-entropy (training with labels; logits None)")]
     from rich.console import Console
 
     console = Console(record=True, width=200)
@@ -117,6 +118,10 @@ def test_logits_when_asked_for():
     a = ref(**batch)
     torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=0)
+    lean.eval(), ref.eval()  # eval mode with autograd (as Liger-Kernel: only training fuses)
+    b, a = lean(**batch), ref(**batch)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-6)
+    lean.train(), ref.train()
     nolabels = {k: v for k, v in batch.items() if k != "labels"}
     torch.testing.assert_close(lean(**nolabels).logits, ref(**nolabels).logits, rtol=1e-5, atol=1e-6)
     _, off = _pair("llama", fused_loss=False)

@@ -17,8 +17,9 @@ label smoothing (torch's definition, ``(1-ε)·nll + ε·mean_v(−log p)``):
 ``sum`` sums, ``none`` returns per-token losses (0 at ignored tokens); ``num_items_in_batch``
 (Hugging Face's gradient-accumulation path) divides the sum by that count instead. The logits of a
 tile are the matmul in the compute dtype (the input's, or autocast's), upcast -- the values
-``F.linear(...).float()`` gives (see ``matmul_dtype`` below) -- and everything after (scale, softcap, logsumexp, the loss and its
-sum) is in the accumulation dtype. Soft-capping: ∂z/∂raw = scale·(1 − (z/c)²).
+``F.linear(...).float()`` gives (but see ``matmul_dtype`` below) -- and everything after (scale,
+softcap, logsumexp, the loss and its sum) is in the accumulation dtype. Soft-capping:
+∂z/∂raw = scale·(1 − (z/c)²).
 
 Two ways to get the gradients (``grad_in_forward``):
 
@@ -36,17 +37,19 @@ Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without nati
 (no AVX512-BF16 / AMX), where they run in fp32 on upcast tiles (``matmul_dtype``): oneDNN emulates
 bf16 GEMM there about 4x slower than fp32, and the fp32 products are exact, so the loss and
 gradients are then more accurate than the unfused 16-bit computation (whose logits are rounded to
-16 bits). Accumulation: dx over vocabulary tiles in an fp32 buffer (the size of x), dW of a vocabulary tile
-over token chunks in an fp32 buffer (tile × hidden), db in fp32; each is cast to its parameter's
-dtype once. Transients are one tile: ``tile_elements`` logits (default 2^20; 2^25 with
+16 bits). Accumulation: dx over vocabulary tiles in an fp32 buffer (the size of x), dW of a
+vocabulary tile over token chunks in an fp32 buffer (tile × hidden), db in fp32; each is cast to
+its parameter's dtype once. Transients are one tile: ``tile_elements`` logits (default 2^20; 2^25 with
 ``grad_in_forward``, whose tiles span the whole vocabulary and whose matmuls need enough rows to be
 efficient) -- a few bytes per element for the logits, probabilities and their 16-bit copy -- plus
 the fp32 dx buffer.
 
-Ignored tokens cost nothing: on real tensors the valid rows are gathered first (one host sync to
-count them). On fake tensors (``leanact.estimate``) all rows are computed and masked, which keeps
-the same tensors for backward. Invalid targets raise IndexError as torch does (real tensors only).
-Double backward raises (``once_differentiable``). Under ``torch.func`` transforms the composite
+Ignored tokens: when fewer than half the tokens are valid (masked LM), the valid rows are gathered
+first (real tensors; one host sync to count them) and ignored tokens cost nothing; otherwise (causal
+LM: only the last positions) every row is computed and masked, without copying x. On fake tensors
+(``leanact.estimate``) rows are always masked; the tensors kept for backward are the same.
+Invalid targets raise IndexError as torch does (real tensors only). Double backward raises
+(``once_differentiable``). Under ``torch.func`` transforms the composite
 (``F.linear`` + ``F.cross_entropy``) runs instead.
 """
 from __future__ import annotations
@@ -60,13 +63,17 @@ from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .transforms import functorch_active
 
 __all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference",
-           "DEFAULT_TILE_ELEMENTS", "DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD", "DEFAULT_CHUNK_TOKENS", "KEPT_BYTES_PER_TOKEN"]
+           "DEFAULT_TILE_ELEMENTS", "DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD", "DEFAULT_CHUNK_TOKENS",
+           "KEPT_BYTES_PER_TOKEN"]
 
 DEFAULT_TILE_ELEMENTS = 1 << 20  # logits per tile (4 MiB in fp32)
 DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD = 1 << 25  # rows x whole vocabulary (~260 tokens at V = 128256)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk at most (recompute mode)
 KEPT_BYTES_PER_TOKEN = 8  # fp32 log-sum-exp + int32 target
-COMPACT = True  # gather the valid rows on real tensors (tests switch it off to check the masked path)
+#: gather the valid rows (a copy of them) when fewer than this fraction of the tokens are valid (a
+#: masked-LM batch); otherwise compute every row and mask (a causal-LM batch ignores only its last
+#: positions: no copy of x). Tests set 1.0 / 0.0 to force either path.
+COMPACT = 0.5
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -142,7 +149,7 @@ def _active(x, target, ignore_index, v):
         bad = valid & ((target < 0) | (target >= v))
         if bool(bad.any()):
             raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
-        if COMPACT and int(n_valid) < target.numel():
+        if int(n_valid) < COMPACT * target.numel():
             rows = valid.nonzero().squeeze(1)
     if rows is None:
         return valid, None, x, target.clamp(0, max(v - 1, 0)), n_valid
@@ -222,7 +229,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if reduction == "mean":
                 out = out / n_valid.to(acc)
         ctx.reduction, ctx.eps, ctx.scale, ctx.softcap, ctx.cdtype = reduction, eps, scale, softcap, cdtype
-        ctx.ignore_index, ctx.chunk_tokens, ctx.tile_elements, ctx.eager = ignore_index, chunk_tokens, tile_elements, eager
+        ctx.chunk_tokens, ctx.tile_elements, ctx.eager = chunk_tokens, tile_elements, eager
         ctx.has_bias = bias is not None
         if eager:
             if dx is not None:
@@ -298,6 +305,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     db[v0:v1] += dz.sum(0)
             if dw_tile is not None:
                 dw[v0:v1] = dw_tile
+        z = t = dz = dzl = wt = bt = dw_tile = xa = xc = None  # the tiles go before dx is cast
         if dw is not None and na == 0:
             dw.zero_()
         dx = None

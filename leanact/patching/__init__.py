@@ -10,8 +10,8 @@
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).
 * Hugging Face language-model heads (``*ForCausalLM``, ``*LMHeadModel``, ``*ForMaskedLM`` with an
-  ``nn.Linear`` output embedding): with labels and autograd, the loss runs through leanact's fused
-  linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
+  ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
+  leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
   ``fused_loss=False`` or :func:`keep_logits` to keep them).
 
 ``leanact.unpatch(model)`` puts the original module objects and attention implementation back.
@@ -251,7 +251,7 @@ def _patch_head(model: nn.Module, summary: PatchSummary, enabled: bool) -> None:
             summary.loss.append((path, before, f"left: {reason}"))
             continue
         summary.loss_states[path] = hf_head.install(m, path)
-        summary.loss.append((path, before, "leanact fused linear + cross-entropy (with labels, under autograd; "
+        summary.loss.append((path, before, "leanact fused linear + cross-entropy (training with labels; "
                                            "logits None)"))
 
 
@@ -281,8 +281,9 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     ``lossy``: None (default: exact) or approximate options on top, which change gradients: a dict
     such as ``{"fewbit": 2, "randomized_linear": 0.5, "compress": "fp8"}`` or a string such as
     ``"fp8"`` or ``"fewbit=2,compress=fp8"`` (see :mod:`leanact.lossy`).
-    ``fused_loss``: True (default) = Hugging Face language models given ``labels`` under autograd
-    compute their loss with leanact's fused linear + cross-entropy and return ``logits=None``
+    ``fused_loss``: True (default) = Hugging Face language models given ``labels`` in training mode
+    under autograd compute their loss with leanact's fused linear + cross-entropy and return
+    ``logits=None``
     (:mod:`leanact.patching.hf_head`); False = leave the head and loss as they are.
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """

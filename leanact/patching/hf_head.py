@@ -8,10 +8,11 @@ logits: ``self.loss_function`` (``ForCausalLMLoss``: shift, ``num_items_in_batch
 functions, so that whatever the model does between its head and ``F.cross_entropy`` is the model's
 own code:
 
-1. a forward pre-hook on the model arms the call when it gets ``labels`` with autograd on (not
-   under ``torch.no_grad``, ``generate``, ``torch.compile`` tracing, ``torch.func`` or
-   :func:`keep_logits`), and the output embedding (``get_output_embeddings()``) is a plain
-   ``nn.Linear`` without hooks;
+1. a forward pre-hook on the model arms the call when the model is in training mode and gets
+   ``labels`` with autograd on (as Liger-Kernel's ``skip_logits = self.training and labels is not
+   None``; not under ``torch.no_grad``, ``generate``, ``model.eval()``, ``torch.compile`` tracing,
+   ``torch.func`` or :func:`keep_logits`), and the output embedding (``get_output_embeddings()``)
+   is a plain ``nn.Linear`` without hooks;
 2. the head's next call then returns a *placeholder* of the logits' shape and dtype (a zero-stride
    view of one element, no memory) and remembers its input; a ``TorchFunctionMode`` watches every
    torch function that touches the placeholder until the model returns:
@@ -28,9 +29,9 @@ own code:
    when the fused loss consumed them (as Liger-Kernel's fused loss returns them), the real logits
    otherwise; with ``return_dict=False`` the logits drop out of the tuple, as a None field does.
 
-Logits the user wants: pass no labels (compute the loss yourself), or call the model inside
-``with leanact.keep_logits():``, or ``leanact.patch(model, fused_loss=False)``. Generation and
-evaluation under ``torch.no_grad()`` are untouched, so their logits are bit-identical.
+Logits the user wants: pass no labels (compute the loss yourself), call the model in eval mode or
+inside ``with leanact.keep_logits():``, or ``leanact.patch(model, fused_loss=False)``. Generation
+and evaluation are untouched, so their logits are bit-identical.
 Tied embeddings: the head's weight Parameter is used as is (gradients reach the tied embedding).
 """
 from __future__ import annotations
@@ -235,6 +236,8 @@ class _Window(TorchFunctionMode):
         e = self._entry(obj)
         if e is not None:
             return self.materialise(e)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*(self._replace(o) for o in obj))
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._replace(o) for o in obj)
         if isinstance(obj, dict):
@@ -436,8 +439,9 @@ def _labels(module, args, kwargs):
 
 def _pre_hook(module, args, kwargs):
     state: HeadState | None = module.__dict__.get(ATTR)
-    if (state is None or not state.enabled or getattr(_local, "keep", 0) or _labels(module, args, kwargs) is None
-            or not torch.is_grad_enabled() or torch.compiler.is_compiling() or functorch_active()):
+    if (state is None or not state.enabled or not module.training or getattr(_local, "keep", 0)
+            or _labels(module, args, kwargs) is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or functorch_active()):
         return None
     if head_reason(module) is not None:
         return None
