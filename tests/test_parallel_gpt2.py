@@ -31,8 +31,8 @@ def build(dropout=0.0, patch=True, layers=2, cls="GPT2LMHeadModel", heads=HEADS,
         for name, p in model.named_parameters():
             if name.endswith("bias") or ".ln_" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    # fused_loss=False: these tests compare the logits too (the fused loss returns none)
-    return (leanact.patch(model, fused_loss=False) if patch else model).train()
+    # the default patch: with labels the LM head fuses the loss (logits compared in a label-free call)
+    return (leanact.patch(model) if patch else model).train()
 
 
 def batch(b=3, s=12):
