@@ -2,7 +2,7 @@
 from . import functional, lossy, memory, nn, ops, plan, recompute, strategies
 from .estimate import Estimate, estimate, estimate_config
 from ._version import __version__
-from .patching import patch, summary, unpatch
+from .patching import keep_logits, patch, summary, unpatch
 
-__all__ = ["Estimate", "estimate", "estimate_config", "functional", "lossy", "memory", "nn", "ops", "patch", "plan", "recompute", "strategies", "summary", "unpatch",
+__all__ = ["Estimate", "estimate", "estimate_config", "functional", "keep_logits", "lossy", "memory", "nn", "ops", "patch", "plan", "recompute", "strategies", "summary", "unpatch",
            "__version__"]

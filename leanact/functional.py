@@ -4,10 +4,11 @@ from .ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from .ops.dropout import dropout, dropout_seeded
 from .ops.gelu import gelu, gelu_minimum
 from .ops.layer_norm import layer_norm
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.random import draw_seed, keep_mask, keep_mask_like
 from .ops.rms_norm import rms_norm
 
 __all__ = [
     "attention", "draw_seed", "dropout", "dropout_seeded", "gelu", "gelu_minimum", "keep_mask", "keep_mask_like",
-    "layer_norm", "pack_bits", "packed_nbytes", "rms_norm", "unpack_bits",
+    "layer_norm", "linear_cross_entropy", "pack_bits", "packed_nbytes", "rms_norm", "unpack_bits",
 ]

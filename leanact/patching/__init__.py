@@ -9,6 +9,10 @@
 * Hugging Face models (transformers >= 5) whose attention goes through ``AttentionInterface``:
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).
+* Hugging Face language-model heads (``*ForCausalLM``, ``*LMHeadModel``, ``*ForMaskedLM`` with an
+  ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
+  leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
+  ``fused_loss=False`` or :func:`keep_logits` to keep them).
 
 ``leanact.unpatch(model)`` puts the original module objects and attention implementation back.
 The summary of what was replaced and what was left (and why) is returned by :func:`summary` and
@@ -24,10 +28,11 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import training_cache
+from . import hf_head, training_cache
 from .generic import replacement_for
+from .hf_head import keep_logits
 
-__all__ = ["patch", "unpatch", "summary", "PatchSummary", "register_option"]
+__all__ = ["patch", "unpatch", "summary", "PatchSummary", "register_option", "keep_logits"]
 
 _ATTR = "_leanact_patch"
 _ATTENTION_MODES = ("recompute", "tempo")
@@ -70,6 +75,10 @@ class PatchSummary:
     #: ...) for which calls went to the original implementation instead of leanact's core.
     attention_states: dict = field(default_factory=dict, repr=False, compare=False)
     notes: list[str] = field(default_factory=list)  # whole-model changes (e.g. no KV cache in training)
+    loss: list[tuple[str, str, str]] = field(default_factory=list)  # (model path, head, after/reason)
+    #: model path -> :class:`leanact.patching.hf_head.HeadState`: fused calls so far and the operations
+    #: for which the logits had to be materialised (the model's own loss then).
+    loss_states: dict = field(default_factory=dict, repr=False, compare=False)
 
     def attention_fallbacks(self) -> dict[str, set]:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
@@ -95,6 +104,11 @@ class PatchSummary:
             if path in fallbacks and not after.startswith("left"):
                 after += f"; [yellow]{before}[/] for calls with {', '.join(sorted(fallbacks[path]))}"
             t.add_row(f"attention ({path or 'model'})", before, after)
+        for path, before, after in self.loss:
+            st = self.loss_states.get(path)
+            if st is not None and st.fallbacks:
+                after += f"; [yellow]logits materialised[/] for {', '.join(sorted(st.fallbacks))}"
+            t.add_row(f"loss ({path or 'model'})", before, after)
         for note in self.notes:
             t.add_row("model", "", note)
         return t
@@ -223,6 +237,25 @@ def _config_path(model: nn.Module, config) -> str:
     return "?"
 
 
+def _patch_head(model: nn.Module, summary: PatchSummary, enabled: bool) -> None:
+    """Install the fused loss on the outermost Hugging Face language models of ``model``."""
+    inside: list[nn.Module] = []
+    for path, m in model.named_modules():
+        if not hf_head.eligible_class(m) or any(any(c is m for c in o.modules()) for o in inside):
+            continue
+        inside.append(m)
+        head = m.get_output_embeddings()
+        head_name = next((n for n, c in m.named_modules() if c is head), "?") if head is not None else "-"
+        before = f"{head_name} ({type(head).__name__}) + cross_entropy"
+        reason = hf_head.head_reason(m) if enabled else "fused_loss=False"
+        if reason is not None:
+            summary.loss.append((path, before, f"left: {reason}"))
+            continue
+        summary.loss_states[path] = hf_head.install(m, path)
+        summary.loss.append((path, before, "leanact fused linear + cross-entropy (training with labels; "
+                                           "logits None)"))
+
+
 _PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules given to patch()
 
 
@@ -241,7 +274,7 @@ def _check_not_inside_patched(model: nn.Module) -> None:
 
 
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
-          lossy: str | dict | None = None) -> nn.Module:
+          lossy: str | dict | None = None, fused_loss: bool = True) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
 
     ``attention``: "recompute" (default; keeps q, k, v, output and one statistic per row),
@@ -249,6 +282,10 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     ``lossy``: None (default: exact) or approximate options on top, which change gradients: a dict
     such as ``{"fewbit": 2, "randomized_linear": 0.5, "compress": "fp8"}`` or a string such as
     ``"fp8"`` or ``"fewbit=2,compress=fp8"`` (see :mod:`leanact.lossy`).
+    ``fused_loss``: True (default) = Hugging Face language models given ``labels`` in training mode
+    under autograd compute their loss with leanact's fused linear + cross-entropy and return
+    ``logits=None``
+    (:mod:`leanact.patching.hf_head`); False = leave the head and loss as they are.
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
     _check_module("patch", model)
@@ -263,6 +300,7 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     _patch_modules(model, summary, originals)
     if attention:
         _patch_attention(model, attention, summary, records)
+    _patch_head(model, summary, bool(fused_loss))
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
@@ -303,6 +341,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
     training_cache.remove(model)
+    hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)
     return model
 

@@ -53,6 +53,8 @@ def transient(costs: ModelCosts, i: int, s: str) -> int:
         return max(lean.kept, c.kept + c.offloaded)
     if s == "offload+recompute":
         return lean.kept + layer.in_bytes
+    if s == "tiled_mlp":  # kept + one chunk of the MLP's inside rebuilt: at most what the lean layer keeps
+        return max(lean.kept, c.kept)
     raise ValueError(s)
 
 

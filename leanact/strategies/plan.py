@@ -12,6 +12,7 @@ from . import recompute
 from .cache import strip_caches
 from .layers import find_layers
 from .offload import DEFAULT_THRESHOLD, HostPool, OffloadTransform
+from .tiled import TiledMLP, find_mlp
 
 __all__ = ["LOSSY", "STRATEGIES", "Plan", "uniform", "remove", "describe"]
 
@@ -23,6 +24,7 @@ STRATEGIES: dict[str, str] = {
     "offload": "copy what the layer keeps (>= threshold bytes) to host memory; copy back in backward",
     "offload+recompute": "keep the layer inputs only, offloaded to host memory; recompute the layer",
     "full": "keep the layer inputs only; recompute the whole layer in backward",
+    "tiled_mlp": "run the MLP over chunks of the sequence; keep none of its inside, recompute it per chunk in backward",
     "lossy:fp8": "LOSSY (opt-in): what the layer keeps stored as fp8 e4m3 + a scale per 128 elements",
     "lossy:int8": "LOSSY (opt-in): what the layer keeps stored as int8 (stochastic rounding) + scales",
 }
@@ -45,8 +47,16 @@ def _check_name(name: str) -> None:
 class _Wrapped:
     """Replaces ``layer.forward`` (an instance attribute; the class and state_dict are untouched)."""
 
-    def __init__(self, layer: nn.Module, strategy: str, transform: OffloadTransform | None):
+    def __init__(self, layer: nn.Module, strategy: str, transform: OffloadTransform | None,
+                 mlp_chunk: int | None = None):
         self.layer, self.strategy, self.transform = layer, strategy, transform
+        self.tiled = None
+        if strategy == "tiled_mlp":
+            if find_mlp(layer) is None:
+                _warn_once(f"tiled:{type(layer).__name__}", f"leanact: tiled_mlp: {type(layer).__name__} has no `mlp` "
+                           "child nor a feed_forward_chunk method; the layer runs as 'lean'")
+            else:
+                self.tiled = TiledMLP(layer, mlp_chunk)
         self.had_instance_forward = "forward" in layer.__dict__
         self.original: Callable = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
         self.policy = recompute.policy(strategy.split(":", 1)[1]) if strategy.startswith("selective:") else None
@@ -60,7 +70,7 @@ class _Wrapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn, s = self.original, self.strategy
-        if not torch.is_grad_enabled() or s == "lean":
+        if not torch.is_grad_enabled() or s in ("lean", "tiled_mlp"):  # (tiled_mlp: the MLP's own forward tiles)
             return fn(*args, **kwargs)
         if self.compress is not None:
             with self.compress:
@@ -79,6 +89,12 @@ class _Wrapped:
 
 
 _warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
 
 
 def _no_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -114,7 +130,8 @@ class Plan:
     """
 
     def __init__(self, layers: list[str], choices: list[str], *, costs: Any = None, budget: int | None = None,
-                 offload_threshold: int = DEFAULT_THRESHOLD, pool: HostPool | None = None):
+                 offload_threshold: int = DEFAULT_THRESHOLD, pool: HostPool | None = None,
+                 mlp_chunk: int | None = None):
         layers, choices = list(layers), list(choices)
         if len(layers) != len(choices):
             raise ValueError(f"Plan needs one strategy per layer: got {len(layers)} layers and {len(choices)} choices")
@@ -125,6 +142,7 @@ class Plan:
         self.layers, self.choices = layers, choices
         self.costs, self.budget = costs, budget
         self.offload_threshold = offload_threshold
+        self.mlp_chunk = mlp_chunk  # tokens per chunk of "tiled_mlp" (None: leanact.strategies.tiled.DEFAULT_MLP_CHUNK)
         self.pool = pool if pool is not None else HostPool()
 
     def __repr__(self) -> str:
@@ -149,7 +167,7 @@ class Plan:
                 tr = OffloadTransform(self.pool, self.offload_threshold)
                 tr.previous = previous  # backward runs layers in reverse: prefetch the one before
                 previous = tr
-            w = _Wrapped(mod, choice, tr)
+            w = _Wrapped(mod, choice, tr, self.mlp_chunk)
             mod.forward = w
             applied.wrapped.append(w)
         object.__setattr__(model, _ATTR, applied)
@@ -174,7 +192,8 @@ class Plan:
         return tab
 
 
-def uniform(model: nn.Module, name: str, *, offload_threshold: int = DEFAULT_THRESHOLD) -> Plan:
+def uniform(model: nn.Module, name: str, *, offload_threshold: int = DEFAULT_THRESHOLD,
+            mlp_chunk: int | None = None) -> Plan:
     """Every layer of ``model`` (:func:`find_layers`) with strategy ``name``. The last layer is
     never offloaded (its backward starts right away): ``offload`` → ``lean`` and
     ``offload+recompute`` → ``full`` there."""
@@ -184,7 +203,7 @@ def uniform(model: nn.Module, name: str, *, offload_threshold: int = DEFAULT_THR
     last = {"offload": "lean", "offload+recompute": "full"}
     if name in last:
         choices[-1] = last[name]
-    return Plan(layers, choices, offload_threshold=offload_threshold)
+    return Plan(layers, choices, offload_threshold=offload_threshold, mlp_chunk=mlp_chunk)
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -193,6 +212,8 @@ def remove(model: nn.Module) -> nn.Module:
     if applied is None:
         return model
     for w in applied.wrapped:
+        if w.tiled is not None:
+            w.tiled.remove()
         if w.had_instance_forward:
             w.layer.forward = w.original
         else:

@@ -1,0 +1,536 @@
+"""Hugging Face language-model heads: the loss through leanact's fused linear + cross-entropy.
+
+``*ForCausalLM``, ``*LMHeadModel`` (GPT-2) and ``*ForMaskedLM`` models compute
+``logits = lm_head(hidden)`` (possibly soft-capped, as Gemma 2/3) and then the loss from the
+logits: ``self.loss_function`` (``ForCausalLMLoss``: shift, ``num_items_in_batch``, upcast, then
+``F.cross_entropy``) or ``CrossEntropyLoss()`` directly (BERT, RoBERTa masked LM). All paths end in
+``F.cross_entropy`` on a view of the (upcast, capped) logits. leanact hooks the model, not these
+functions, so that whatever the model does between its head and ``F.cross_entropy`` is the model's
+own code:
+
+1. a forward pre-hook on the model arms the call when the model is in training mode and gets
+   ``labels`` with autograd on (as Liger-Kernel's ``skip_logits = self.training and labels is not
+   None``; not under ``torch.no_grad``, ``generate``, ``model.eval()``, ``torch.compile`` tracing,
+   ``torch.func`` or :func:`keep_logits`), and the output embedding (``get_output_embeddings()``)
+   is a plain ``nn.Linear`` without hooks;
+2. the head's next call then returns a *placeholder* of the logits' shape and dtype (a zero-stride
+   view of one element, no memory) and remembers its input; a ``TorchFunctionMode`` watches every
+   torch function that touches the placeholder until the model returns:
+   - upcasts, views/reshapes keeping the vocabulary dimension, multiplication/division by Python
+     numbers and one ``tanh`` (soft-capping ``c·tanh(z/c)``, a logit scale) are recorded;
+   - ``F.cross_entropy`` (class-index targets, no class weights) on it runs
+     :func:`leanact.ops.linear_cross_entropy.linear_cross_entropy` on the head's input, weight and
+     bias with the recorded scale and cap: the same loss, keeping 8 bytes per token;
+   - reading shape, dtype, device is answered by the placeholder;
+   - anything else materialises the real logits first (the head's own forward, then the recorded
+     operations replayed), so the model's code always gets correct values; ``leanact.summary``
+     then lists the operation under the head's fallbacks;
+3. a forward hook (``always_call``) closes the window and cleans the output: ``logits`` is None
+   when the fused loss consumed them (as Liger-Kernel's fused loss returns them), the real logits
+   otherwise; with ``return_dict=False`` the logits drop out of the tuple, as a None field does.
+
+Logits the user wants: pass no labels (compute the loss yourself), call the model in eval mode or
+inside ``with leanact.keep_logits():``, or ``leanact.patch(model, fused_loss=False)``. Generation
+and evaluation are untouched, so their logits are bit-identical.
+Tied embeddings: the head's weight Parameter is used as is (gradients reach the tied embedding).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.overrides import TorchFunctionMode
+
+from ..ops.amp import autocast_dtype, autocast_off
+from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.transforms import functorch_active
+from .modules import RUN_TIME_HOOKS, hook_kinds
+
+__all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES"]
+
+ATTR = "_leanact_head"
+ELIGIBLE_SUFFIXES = ("ForCausalLM", "ForMaskedLM", "LMHeadModel")
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def keep_logits():
+    """Inside this block patched models compute their loss the unfused way and return their logits."""
+    _local.keep = getattr(_local, "keep", 0) + 1
+    try:
+        yield
+    finally:
+        _local.keep -= 1
+
+
+@dataclass
+class HeadState:
+    """Per patched model: the head's path, whether fusing is on, and what happened at run time."""
+
+    path: str
+    enabled: bool = True
+    fused_calls: int = 0
+    #: operation name -> count: calls whose logits were materialised (the model did something the
+    #: placeholder cannot stand for); the loss is then the model's own.
+    fallbacks: dict = field(default_factory=dict)
+    windows: list = field(default_factory=list, repr=False, compare=False)
+
+    def __getstate__(self):  # copies and pickles carry no open call
+        d = dict(self.__dict__)
+        d["windows"] = []
+        return d
+
+    def __deepcopy__(self, memo):
+        new = HeadState(self.path, self.enabled, self.fused_calls, dict(self.fallbacks))
+        memo[id(self)] = new
+        return new
+
+
+def head_reason(model: nn.Module) -> str | None:
+    """None if ``model``'s output embedding can be fused, else why not."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return "no output embedding (get_output_embeddings() is None)"
+    if type(head) is not nn.Linear:
+        return f"the output embedding is {type(head).__name__}, not nn.Linear"
+    kinds = hook_kinds(head, RUN_TIME_HOOKS)
+    if kinds:
+        return f"the output embedding has hooks ({', '.join(kinds)})"
+    if "forward" in head.__dict__:
+        return "the output embedding's forward was replaced on the instance"
+    return None
+
+
+def eligible_class(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel) and type(model).__name__.endswith(ELIGIBLE_SUFFIXES)
+
+
+# ---- the placeholder and the mode ------------------------------------------------------------
+
+class _Entry:
+    """One placeholder: the tensor itself and the operations applied since the head's output."""
+
+    __slots__ = ("t", "ops", "real")
+
+    def __init__(self, t, ops):
+        self.t, self.ops, self.real = t, ops, None
+
+
+_SELF = object()
+_META_PROPS = {"shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout", "requires_grad", "is_leaf",
+               "is_sparse", "is_quantized", "is_nested"}
+_META_FUNCS = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.numel, torch.Tensor.nelement,
+               torch.Tensor.ndimension, torch.Tensor.is_floating_point, torch.Tensor.get_device,
+               torch.Tensor.element_size, torch.Tensor.is_complex}
+_SHAPE_FUNCS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+                torch.Tensor.contiguous}
+_MUL_FUNCS = {torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul, torch.multiply,
+              torch.Tensor.multiply}
+_DIV_FUNCS = {torch.Tensor.div, torch.Tensor.__truediv__, torch.div, torch.true_divide, torch.Tensor.true_divide,
+              torch.Tensor.divide, torch.divide}
+_TANH_FUNCS = {torch.tanh, torch.Tensor.tanh}
+_CAST_FUNCS = {torch.Tensor.float, torch.Tensor.double, torch.Tensor.to}
+
+
+def _plain(t) -> bool:
+    """A plain (or fake: leanact.estimate) tensor or Parameter, not a tensor subclass such as DTensor."""
+    return type(t) in (torch.Tensor, nn.Parameter) or is_fake(t)
+
+
+def _name(func) -> str:
+    if getattr(func, "__name__", "") == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "attribute")
+    return getattr(func, "__name__", repr(func))
+
+
+def _scalar(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
+
+
+class _Window(TorchFunctionMode):
+    """One armed forward call: from the head's call until the model returns."""
+
+    def __init__(self, state: HeadState, head: nn.Linear):
+        super().__init__()
+        self.state, self.head = state, head
+        self.entries: dict[int, _Entry] = {}
+        self.x = None
+        self.ac = None
+        self.entered = False
+        self.consumed = False
+        self.real = None
+
+    # -- the head's capture
+    def capture(self, input):
+        head = self.head
+        head.__dict__.pop("forward", None)  # one call only
+        x = input
+        w = head.weight
+        ok = (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == head.in_features and x.is_floating_point()
+              and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+              and x.device == w.device and _plain(x) and _plain(w))
+        ac = autocast_dtype(x.device.type) if ok else None
+        if ok and ac is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+                and w.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            dtype = ac
+        elif ok and ac is None and x.dtype == w.dtype and (head.bias is None or head.bias.dtype == w.dtype):
+            dtype = x.dtype
+        else:
+            return nn.Linear.forward(head, input)  # its own forward (raises as it would on bad input)
+        self.x, self.ac = x, ac
+        p = torch.empty((), dtype=dtype, device=x.device).expand(*x.shape[:-1], head.out_features)
+        self.entries[id(p)] = _Entry(p, ())
+        self.__enter__()
+        self.entered = True
+        return p
+
+    # -- materialising
+    def logits(self):
+        if self.real is None:
+            with _mode_off(self):
+                self.real = nn.Linear.forward(self.head, self.x) if self.ac is None else _with_autocast(
+                    self.x.device.type, self.ac, nn.Linear.forward, self.head, self.x)
+        return self.real
+
+    def materialise(self, e: _Entry):
+        if e.real is None:
+            v = self.logits()
+            with _mode_off(self):
+                for func, args, kwargs in e.ops:
+                    v = func(*[v if a is _SELF else a for a in args], **kwargs)
+            e.real = v
+        return e.real
+
+    def _entry(self, a):
+        e = self.entries.get(id(a)) if isinstance(a, torch.Tensor) else None
+        return e if e is not None and e.t is a else None
+
+    def _find(self, obj, out):
+        e = self._entry(obj)
+        if e is not None:
+            out.append(e)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._find(o, out)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                self._find(o, out)
+        return out
+
+    def _replace(self, obj):
+        e = self._entry(obj)
+        if e is not None:
+            return self.materialise(e)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*(self._replace(o) for o in obj))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._replace(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._replace(v) for k, v in obj.items()}
+        return obj
+
+    def _derive(self, e: _Entry, func, args, kwargs, shape=None, dtype=None):
+        t = e.t
+        shape = tuple(t.shape) if shape is None else tuple(shape)
+        dtype = t.dtype if dtype is None else dtype
+        p = torch.empty((), dtype=dtype, device=t.device).expand(*shape)
+        ops = e.ops + ((func, tuple(_SELF if a is t else a for a in args), dict(kwargs)),)
+        self.entries[id(p)] = _Entry(p, ops)
+        return p
+
+    # -- the mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        found = self._find((args, kwargs), [])
+        if not found:
+            return func(*args, **kwargs)
+        if func is F.cross_entropy:
+            out = self._cross_entropy(args, kwargs)
+            if out is not None:
+                return out
+        elif _name(func) in _META_PROPS or func in _META_FUNCS:
+            return func(*args, **kwargs)
+        elif len(found) == 1 and args and (args[0] is found[0].t or (func in _MUL_FUNCS and len(args) == 2
+                                                                      and args[1] is found[0].t)):
+            out = self._deferred(found[0], func, args, kwargs)
+            if out is not None:
+                return out
+        name = _name(func)
+        self.state.fallbacks[name] = self.state.fallbacks.get(name, 0) + 1
+        return func(*self._replace(args), **self._replace(kwargs))
+
+    def _deferred(self, e: _Entry, func, args, kwargs):
+        t = e.t
+        v = self.head.out_features
+        if func in _SHAPE_FUNCS:
+            with _mode_off(self):
+                shape = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs).shape
+            if len(shape) >= 1 and shape[-1] == v:
+                return self._derive(e, func, args, kwargs, shape=shape)
+            return None
+        if func in _CAST_FUNCS:
+            dtype = _cast_dtype(func, t, args[1:], kwargs)
+            if dtype is not None:
+                return self._derive(e, func, args, kwargs, dtype=dtype)
+            return None
+        if func in _MUL_FUNCS and len(args) == 2 and not kwargs:
+            other = args[1] if args[0] is t else args[0]
+            return self._derive(e, func, args, kwargs) if _scalar(other) else None
+        if func in _DIV_FUNCS and len(args) == 2 and args[0] is t and not kwargs:
+            return self._derive(e, func, args, kwargs) if _scalar(args[1]) and args[1] != 0 else None
+        if func in _TANH_FUNCS and len(args) == 1 and not kwargs:
+            return self._derive(e, func, args, kwargs)
+        return None
+
+    def _cross_entropy(self, args, kwargs):
+        try:
+            b = _CE_SIG.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        a = b.arguments
+        e = self._entry(a.get("input"))
+        target = a.get("target")
+        if (e is None or not isinstance(target, torch.Tensor) or self._entry(target) is not None
+                or target.dtype.is_floating_point or target.dtype == torch.bool
+                or a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None
+                or e.t.dim() != 2 or target.dim() != 1 or target.shape[0] != e.t.shape[0]
+                or e.t.shape[0] != math.prod(self.x.shape[:-1])):
+            return None
+        form = _logit_form(e.ops)
+        if form is None:
+            return None
+        scale, softcap = form
+        x = self.x.reshape(-1, self.x.shape[-1])
+        with _mode_off(self):
+            ctx = (torch.autocast(x.device.type, dtype=self.ac) if self.ac is not None else autocast_off(x.device.type))
+            with ctx:
+                loss = linear_cross_entropy(x, self.head.weight, target, self.head.bias,
+                                            ignore_index=a.get("ignore_index", -100),
+                                            reduction=a.get("reduction", "mean"),
+                                            label_smoothing=a.get("label_smoothing", 0.0), scale=scale, softcap=softcap)
+            if loss.dtype != e.t.dtype:
+                loss = loss.to(e.t.dtype)
+        self.consumed = True
+        self.state.fused_calls += 1
+        return loss
+
+
+_CE_SIG = inspect.signature(F.cross_entropy)
+
+
+def _cast_dtype(func, t, args, kwargs):
+    """The dtype of a cast that keeps the logits' precision or raises it (None: anything else)."""
+    if func is torch.Tensor.float and not args and not kwargs:
+        new = torch.float32
+    elif func is torch.Tensor.double and not args and not kwargs:
+        new = torch.float64
+    elif func is torch.Tensor.to:
+        rest = dict(kwargs)
+        rest.pop("non_blocking", None)
+        if rest.pop("copy", False):
+            return None
+        pos = list(args)
+        new = rest.pop("dtype", None)
+        dev = rest.pop("device", None)
+        for p in pos:
+            if isinstance(p, torch.dtype) and new is None:
+                new = p
+            elif isinstance(p, (str, torch.device)) and dev is None:
+                dev = p
+            else:
+                return None
+        if rest or new is None or (dev is not None and torch.device(dev) != t.device):
+            return None
+    else:
+        return None
+    if not new.is_floating_point or torch.finfo(new).bits < torch.finfo(t.dtype).bits:
+        return None
+    return new
+
+
+def _logit_form(ops) -> tuple[float, float | None] | None:
+    """(scale, softcap) when the recorded operations are z ↦ [c·tanh](s·z) with upcasts and views
+    anywhere; None otherwise. Division is kept exact: Gemma's z/c·… ·c gives scale exactly 1."""
+    num, den, post, tanh = 1.0, 1.0, 1.0, False
+    for func, args, _ in ops:
+        if func in _SHAPE_FUNCS or func in _CAST_FUNCS:
+            continue
+        if func in _TANH_FUNCS:
+            if tanh:
+                return None
+            tanh = True
+            continue
+        other = args[1] if args[0] is _SELF else args[0]
+        if func in _MUL_FUNCS:
+            if tanh:
+                post *= other
+            else:
+                num *= other
+        elif func in _DIV_FUNCS:
+            if tanh:
+                post /= other
+            else:
+                den *= other
+        else:
+            return None
+    if not tanh:
+        return num / den, None
+    if not post > 0:
+        return None
+    return (num * post) / den if (num * post) != den else 1.0, post
+
+
+class _mode_off:
+    """Run with this window's mode switched off (its own computations are not intercepted)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.ctx = torch.overrides._pop_mode_temporarily() if _top_is(self.mode) else contextlib.nullcontext()
+        return self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
+def _top_is(mode) -> bool:
+    stack = torch.overrides._get_current_function_mode_stack()
+    return bool(stack) and stack[-1] is mode
+
+
+def _with_autocast(device_type, dtype, fn, *args):
+    with torch.autocast(device_type, dtype=dtype):
+        return fn(*args)
+
+
+# ---- hooks on the model -----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _labels_position(cls: type) -> int | None:
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("labels") - 1 if "labels" in params else None
+
+
+def _labels(module, args, kwargs):
+    if "labels" in kwargs:
+        return kwargs["labels"]
+    i = _labels_position(type(module))
+    return args[i] if i is not None and i < len(args) else None
+
+
+def _pre_hook(module, args, kwargs):
+    state: HeadState | None = module.__dict__.get(ATTR)
+    if (state is None or not state.enabled or not module.training or getattr(_local, "keep", 0)
+            or _labels(module, args, kwargs) is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or functorch_active()):
+        return None
+    if head_reason(module) is not None:
+        return None
+    head = module.get_output_embeddings()
+    win = _Window(state, head)
+    head.__dict__["forward"] = win.capture
+    state.windows.append(win)
+    return None
+
+
+def _post_hook(module, args, kwargs, output):
+    state: HeadState | None = module.__dict__.get(ATTR)
+    if state is None or not state.windows:
+        return None
+    win = state.windows.pop()
+    if win.head.__dict__.get("forward") == win.capture:
+        win.head.__dict__.pop("forward", None)
+    if win.entered:
+        if _top_is(win):
+            win.__exit__(None, None, None)
+        else:  # another mode still above ours (entered inside forward, not left): remove ours only
+            stack = torch.overrides._get_current_function_mode_stack()
+            if win in stack:
+                _remove_mode(win)
+    if not win.entries or output is None:
+        return None
+    return _clean(win, output)
+
+
+def _remove_mode(win) -> None:
+    saved = []
+    while True:
+        top = torch._C._pop_torch_function_stack()
+        if top is win:
+            break
+        saved.append(top)
+    for m in reversed(saved):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _clean(win: _Window, output):
+    def fix(v):
+        e = win._entry(v)
+        if e is None:
+            return v, False
+        if win.consumed and e.real is None:
+            return None, True
+        return win.materialise(e), False
+
+    if isinstance(output, OrderedDict):  # a transformers ModelOutput
+        for k in list(output.keys()):
+            new, drop = fix(output[k])
+            if drop:
+                OrderedDict.__delitem__(output, k)
+                object.__setattr__(output, k, None)
+            elif new is not output[k]:
+                output[k] = new
+        return output
+    if isinstance(output, tuple):
+        items = []
+        for v in output:
+            new, drop = fix(v)
+            if not drop:
+                items.append(new)
+        return type(output)(items) if type(output) is tuple else output
+    return output
+
+
+def install(model: nn.Module, path: str, enabled: bool = True) -> HeadState:
+    """Register the hooks on ``model`` (an eligible Hugging Face model) and attach its state."""
+    state = HeadState(path, enabled)
+    model.__dict__[ATTR] = state
+    model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    return state
+
+
+def uninstall(model: nn.Module) -> None:
+    """Remove the hooks and state from every module of ``model`` (copies included: by identity of
+    the hook functions, not by handles)."""
+    for m in model.modules():
+        if m.__dict__.pop(ATTR, None) is None:
+            continue
+        for k, hook in list(m._forward_pre_hooks.items()):
+            if hook is _pre_hook:
+                del m._forward_pre_hooks[k]
+                m._forward_pre_hooks_with_kwargs.pop(k, None)
+        for k, hook in list(m._forward_hooks.items()):
+            if hook is _post_hook:
+                del m._forward_hooks[k]
+                m._forward_hooks_with_kwargs.pop(k, None)
+                m._forward_hooks_always_called.pop(k, None)

@@ -1,0 +1,269 @@
+"""Fused linear + cross-entropy (leanact.ops.linear_cross_entropy): exactness, semantics, memory.
+
+Reference: the unfused computation, ``F.cross_entropy(F.linear(x, W, b).float() [scaled, capped])``
+(:func:`linear_cross_entropy_reference`). fp32: loss and every gradient within 1e-5 relative
+(norm-wise; observed ~2e-7). bf16: both are compared with the fp64 truth on the same rounded
+inputs; the fused error must be ≤ 2x the unfused one (observed ≤ 1.3x: dx is summed over
+vocabulary tiles, each product rounded to bf16 before an fp32 sum). Tiles are made tiny
+(``chunk_tokens``/``tile_elements``) so every path (several token chunks, several vocabulary tiles,
+a chunk whose tokens are all ignored) runs on small shapes.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import leanact.ops.linear_cross_entropy as L
+from leanact.functional import linear_cross_entropy
+from leanact.memory import SavedTensorMeter
+from leanact.nn import LinearCrossEntropyLoss
+
+REF = L.linear_cross_entropy_reference
+TINY = dict(chunk_tokens=5, tile_elements=5 * 7)  # 5 tokens x 7 vocabulary entries per tile
+
+
+def _data(n=23, h=6, v=19, dtype=torch.float32, bias=True, ignore="some", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 0.5).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype) if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    if ignore == "some":
+        y[1::4] = -100
+        y[5:10] = -100  # with chunk_tokens=5 in the masked path, a chunk of ignored tokens only
+    elif ignore == "all":
+        y[:] = -100
+    return x, w, b, y
+
+
+def _run(fn, x, w, b, y, **kw):
+    """(loss, [dx, dW, db]) with the loss summed to a scalar for 'none'."""
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    b = None if b is None else b.clone().requires_grad_()
+    loss = fn(x, w, y, b, **kw)
+    s = loss.sum() if loss.dim() else loss
+    grads = torch.autograd.grad(s, [t for t in (x, w, b) if t is not None])
+    return loss.detach(), list(grads)
+
+
+def _rel(a, b):
+    if torch.isnan(b).all():
+        return 0.0 if torch.isnan(a).all() else float("inf")
+    d = (a.double() - b.double()).norm()
+    n = b.double().norm()
+    return (d / n).item() if n > 0 else d.item()
+
+
+def _check(kw, data_kw=None, tol=1e-5, fused_kw=None):
+    x, w, b, y = _data(**(data_kw or {}))
+    l0, g0 = _run(REF, x, w, b, y, **kw)
+    l1, g1 = _run(linear_cross_entropy, x, w, b, y, **kw, **(fused_kw if fused_kw is not None else TINY))
+    assert l1.dtype == l0.dtype and l1.shape == l0.shape
+    errs = [_rel(l1, l0)] + [_rel(a, c) for a, c in zip(g1, g0)]
+    assert max(errs) < tol, (kw, data_kw, errs)
+    return errs
+
+
+# ---- float64 gradcheck ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(reduction="sum", label_smoothing=0.2),
+    dict(reduction="none", softcap=2.0, scale=0.7),
+    dict(grad_in_forward=True, softcap=3.0, label_smoothing=0.1),
+    dict(num_items_in_batch=torch.tensor(7.0, dtype=torch.float64), bias=False),
+], ids=["mean", "sum-smooth", "none-softcap", "grad_in_forward", "num_items-nobias"])
+def test_gradcheck_float64(kw):
+    kw = dict(kw)
+    bias = kw.pop("bias", True)
+    x, w, b, y = _data(n=9, h=3, v=7, dtype=torch.float64, bias=bias)
+    inputs = [x.requires_grad_(), w.requires_grad_()] + ([b.requires_grad_()] if bias else [])
+
+    def fn(*t):
+        return linear_cross_entropy(t[0], t[1], y, t[2] if bias else None, **kw, chunk_tokens=4, tile_elements=12)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+# ---- semantics matrix (fp32 vs the unfused computation) --------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_semantics_matrix_fp32(reduction):
+    for smooth, cap, scale, ignore, gif in itertools.product((0.0, 0.15), (None, 2.5), (1.0, 0.6),
+                                                             ("none", "some"), (False, True)):
+        _check(dict(reduction=reduction, label_smoothing=smooth, softcap=cap, scale=scale),
+               dict(ignore=ignore), fused_kw=dict(TINY, grad_in_forward=gif))
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["gathered-rows", "masked-rows"])
+@pytest.mark.parametrize("tiles", ["tiny", "one-tile", "full-vocab-rows"])
+def test_tiling_and_row_paths(compact, tiles, monkeypatch):
+    monkeypatch.setattr(L, "COMPACT", 1.0 if compact else 0.0)
+    fused = {"tiny": TINY, "one-tile": {}, "full-vocab-rows": dict(chunk_tokens=3, tile_elements=19 * 3)}[tiles]
+    for kw, gif in ((dict(), False), (dict(reduction="none", label_smoothing=0.1, softcap=1.5), False),
+                    (dict(label_smoothing=0.1), True)):
+        _check(kw, fused_kw=dict(fused, grad_in_forward=gif))
+
+
+def test_ignore_index_other_value_and_no_bias():
+    x, w, _, y = _data(bias=False)
+    y = torch.where(y == -100, torch.full_like(y, 3), y)  # class 3 is "ignored" now
+    l0, g0 = _run(REF, x, w, None, y, ignore_index=3)
+    l1, g1 = _run(linear_cross_entropy, x, w, None, y, ignore_index=3, **TINY)
+    assert _rel(l1, l0) < 1e-5 and all(_rel(a, c) < 1e-5 for a, c in zip(g1, g0))
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_all_ignored(compact, monkeypatch):
+    """Every token ignored: mean is NaN with zero gradients (as torch), sum and none are 0."""
+    monkeypatch.setattr(L, "COMPACT", 1.0 if compact else 0.0)
+    x, w, b, y = _data(ignore="all")
+    for red in ("mean", "sum", "none"):
+        l0, g0 = _run(REF, x, w, b, y, reduction=red)
+        l1, g1 = _run(linear_cross_entropy, x, w, b, y, reduction=red, **TINY)
+        assert torch.equal(l1.isnan(), l0.isnan()) and torch.equal(l1.nan_to_num(), l0.nan_to_num())
+        assert all(torch.equal(a, torch.zeros_like(a)) for a in g1) and all(torch.equal(a, c) for a, c in zip(g1, g0))
+
+
+def test_num_items_in_batch_hf_semantics():
+    """HF's gradient-accumulation path: sum over valid tokens / num_items_in_batch (int or tensor)."""
+    x, w, b, y = _data()
+    for items in (11, torch.tensor(11), torch.tensor(11.0)):
+        l0, g0 = _run(REF, x, w, b, y, num_items_in_batch=items)
+        l1, g1 = _run(linear_cross_entropy, x, w, b, y, num_items_in_batch=items, **TINY)
+        assert _rel(l1, l0) < 1e-6 and all(_rel(a, c) < 1e-6 for a, c in zip(g1, g0))
+    ref = REF(x, w, y, b, reduction="sum") / 11
+    torch.testing.assert_close(linear_cross_entropy(x, w, y, b, num_items_in_batch=11), ref, rtol=1e-6, atol=0)
+
+
+def test_batched_shapes_and_module():
+    x, w, b, y = _data(n=24)
+    x3, y3 = x.reshape(2, 12, -1), y.reshape(2, 12)
+    out = linear_cross_entropy(x3, w, y3, b, reduction="none")
+    assert out.shape == (2, 12) and out.dtype == torch.float32
+    torch.testing.assert_close(out, REF(x3, w, y3, b, reduction="none"), rtol=1e-6, atol=1e-6)
+    m = LinearCrossEntropyLoss(label_smoothing=0.1, softcap=4.0)
+    assert "softcap=4.0" in repr(m)
+    torch.testing.assert_close(m(x3, w, y3, b), REF(x3, w, y3, b, label_smoothing=0.1, softcap=4.0), rtol=1e-6, atol=0)
+
+
+# ---- 16-bit: within 2x the unfused error against the fp64 truth -------------------------------
+
+def _errors(dtype, kw, fused_kw, autocast=False):
+    x, w, b, y = _data(n=160, h=32, v=300, dtype=torch.float32)
+    if not autocast:
+        x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    truth = _run(REF, x.to(dtype).double(), w.to(dtype).double(), b.to(dtype).double(), y, **kw)
+    out = []
+    for fn, fkw in ((REF, {}), (linear_cross_entropy, fused_kw)):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            loss, grads = _run(fn, x, w, b, y, **kw, **fkw)
+        out.append([_rel(loss, truth[0])] + [_rel(a, c) for a, c in zip(grads, truth[1])])
+    return out
+
+
+@pytest.mark.parametrize("matmul", ["bf16-matmuls", "auto-matmuls"])
+@pytest.mark.parametrize("case", ["bf16", "bf16-softcap-smooth", "bf16-grad_in_forward", "autocast-bf16"])
+def test_bf16_within_2x_unfused_error(case, matmul):
+    """With bf16 matmuls (as the unfused head) and with the automatic choice (fp32 on a CPU that
+    emulates bf16 GEMM: more accurate still)."""
+    kw = dict(softcap=5.0, label_smoothing=0.1) if "softcap" in case else {}
+    fused = dict(chunk_tokens=64, tile_elements=64 * 50, grad_in_forward="grad_in_forward" in case,
+                 matmul_dtype=torch.bfloat16 if matmul == "bf16-matmuls" else None)
+    unfused, fused_err = _errors(torch.bfloat16, kw, fused, autocast=case.startswith("autocast"))
+    for u, f in zip(unfused, fused_err):
+        assert f <= 2 * u + 1e-7, (case, unfused, fused_err)
+
+
+def test_matmul_dtype_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: False)
+    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.float16, cpu) == torch.float32
+    assert L._matmul_dtype(torch.float32, cpu) == torch.float32 and L._matmul_dtype(torch.float64, cpu) == torch.float64
+    assert L._matmul_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(L, "_native_16bit_gemm", lambda dtype: True)
+    assert L._matmul_dtype(torch.bfloat16, cpu) == torch.bfloat16
+
+
+def test_autocast_grads_keep_parameter_dtype():
+    x, w, b, y = _data()
+    w = torch.nn.Parameter(w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x.requires_grad_(), w, y, b)
+    loss.backward()
+    assert loss.dtype == torch.float32 and w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+# ---- memory: what backward keeps, to the byte --------------------------------------------------
+
+def test_kept_bytes_recompute():
+    """Recompute mode keeps x (excluded here: the op before keeps it), the parameters (excluded) and
+    8 bytes per token: fp32 log-sum-exp + int32 target."""
+    x, w, b, y = _data(n=40, h=8, v=50, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(8, 50).to(torch.bfloat16)
+    x.requires_grad_()
+    meter = SavedTensorMeter(lin, exclude=[x])
+    with meter:
+        loss = linear_cross_entropy(x, lin.weight, y, lin.bias, **TINY)
+    assert meter.total_bytes == L.KEPT_BYTES_PER_TOKEN * 40 == 320
+    loss.backward()
+    # the unfused head keeps the bf16 logits' fp32 copy's log-softmax (and more): far above
+    meter2 = SavedTensorMeter(lin, exclude=[x])
+    with meter2:
+        REF(x, lin.weight, y, lin.bias)
+    assert meter2.total_bytes >= 40 * 50 * 4
+
+
+def test_kept_bytes_grad_in_forward():
+    """grad_in_forward keeps the gradients themselves: dx (x's dtype), dW (W's), db (b's)."""
+    x, _, _, y = _data(n=40, h=8, v=50)
+    lin = torch.nn.Linear(8, 50)
+    x.requires_grad_()
+    meter = SavedTensorMeter(lin, exclude=[x])
+    with meter:
+        loss = linear_cross_entropy(x, lin.weight, y, lin.bias, grad_in_forward=True, tile_elements=50 * 7)
+    assert meter.total_bytes == (40 * 8 + 50 * 8 + 50) * 4
+    loss.backward()
+    ref = _run(REF, x.detach(), lin.weight.detach(), lin.bias.detach(), y)[1]
+    assert all(_rel(a, c) < 1e-5 for a, c in zip((x.grad, lin.weight.grad, lin.bias.grad), ref))
+
+
+def test_no_grad_keeps_nothing_and_frozen_weight():
+    x, w, b, y = _data()
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(x, w, y, b), REF(x, w, y, b), rtol=1e-6, atol=0)
+    xr = x.clone().requires_grad_()
+    linear_cross_entropy(xr, w, y, b, **TINY).backward()  # W, b frozen: dx only
+    xr2 = x.clone().requires_grad_()
+    REF(xr2, w, y, b).backward()
+    assert _rel(xr.grad, xr2.grad) < 1e-5
+
+
+def test_fake_tensors_keep_the_same_shapes():
+    """Under FakeTensorMode (leanact.estimate) all rows are computed and masked: no data-dependent shape."""
+    with FakeTensorMode():
+        x = torch.randn(12, 4, requires_grad=True)
+        w = torch.randn(9, 4, requires_grad=True)
+        y = torch.randint(0, 9, (12,))
+        loss = linear_cross_entropy(x, w, y, **TINY)
+        loss.backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape and loss.shape == ()
+
+
+def test_errors():
+    x, w, b, y = _data()
+    with pytest.raises(IndexError, match="out of bounds"):
+        linear_cross_entropy(x, w, torch.full_like(y, 19), b)
+    with pytest.raises(ValueError, match="batch_size"):
+        linear_cross_entropy(x, w, y[:-1], b)
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(x, w, y, b, reduction="avg")
+    with pytest.raises(RuntimeError, match="dtype"):
+        linear_cross_entropy(x.double(), w, y, b)
+    with pytest.raises(RuntimeError, match="do not match"):
+        linear_cross_entropy(x[:, :3], w, y, b)
