@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-__all__ = ["autocast_dtype", "autocast_off", "no_autocast_backward"]
+__all__ = ["autocast_dtype", "autocast_off", "no_autocast_backward", "norm_inputs"]
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -46,3 +46,12 @@ def no_autocast_backward(backward):
             return backward(ctx, *grads)
 
     return wrapper
+
+
+def norm_inputs(x: torch.Tensor, *ts):
+    """``(x, *ts)`` cast as autocast casts a norm's arguments: CUDA autocast runs ``layer_norm``
+    and ``rms_norm`` in fp32 (its fp32 list: the output is fp32 whatever the input), CPU autocast
+    leaves norms to their inputs' dtypes (fp32 residual in, fp32 out). Non-tensors pass through."""
+    if x.device.type != "cuda" or autocast_dtype("cuda") is None:
+        return (x, *ts)
+    return tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (x, *ts))

@@ -13,6 +13,9 @@
   ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
   leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
   ``fused_loss=False`` or :func:`keep_logits` to keep them).
+* Under ``torch.autocast`` the model's forward runs inside a recipe transform: autocast's 16-bit
+  casts of tensors leanact keeps in fp32 anyway (norm outputs) are rebuilt in backward instead of
+  kept (:mod:`leanact.patching.amp`).
 
 ``leanact.unpatch(model)`` puts the original module objects and attention implementation back.
 The summary of what was replaced and what was left (and why) is returned by :func:`summary` and
@@ -28,7 +31,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import hf_head, training_cache
+from . import amp, hf_head, training_cache
 from .generic import replacement_for
 from .hf_head import keep_logits
 
@@ -119,6 +122,7 @@ class _PatchState:
     summary: PatchSummary
     originals: list[tuple[nn.Module, str, nn.Module]]  # (parent, attribute name, original child)
     attention: list[tuple[object, str]]  # (config, original implementation)
+    amp_forward: object = None  # the forward wrapper of leanact.patching.amp (recipes under autocast)
 
 
 def _qualname(prefix: str, name: str) -> str:
@@ -303,7 +307,7 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     _patch_head(model, summary, bool(fused_loss))
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
-    object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
+    object.__setattr__(model, _ATTR, _PatchState(summary, originals, records, amp.install(model)))
     if lossy:
         try:
             _option("lossy").apply(model, lossy)
@@ -329,6 +333,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     for option in _OPTIONS.values():  # lossy swaps sit on top of the patch's
         option.remove(model)
+    amp.remove(model, getattr(state, "amp_forward", None))
 
     for parent, name, original in reversed(state.originals):
         current = parent._modules.get(name)

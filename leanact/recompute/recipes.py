@@ -63,6 +63,8 @@ from leanact.saved import SavedTensorTransform, active_transforms, disabled
 from leanact.saved import _pack as _pipeline_pack
 from leanact.ops.transforms import functorch_active
 
+from .casts import cast_recipe, tag_kept
+
 __all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "foreign_hooks", "scope", "counters", "reset_counters",
            "cached_bytes", "live_recipes"]
 
@@ -340,6 +342,8 @@ class RecipeTransform(SavedTensorTransform):
         if torch.compiler.is_compiling():
             return None
         r = _find(t)
+        if r is None:
+            r = cast_recipe(t, Recipe)  # autocast's cast of a kept tensor (leanact.recompute.casts)
         if r is not None:
             pins = r.pins()
             if pins is not None:
@@ -355,6 +359,7 @@ class RecipeTransform(SavedTensorTransform):
         k = _key(t)
         if k is not None and not self._outer_others():
             _KEPT[k] = t
+            tag_kept(t)
         return None
 
     def _outer_others(self) -> bool:
