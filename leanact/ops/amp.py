@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-__all__ = ["autocast_dtype", "autocast_off", "no_autocast_backward", "norm_inputs"]
+__all__ = ["autocast_dtype", "autocast_off", "no_autocast_backward", "norm_inputs", "keeps_output"]
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -55,3 +55,13 @@ def norm_inputs(x: torch.Tensor, *ts):
     if x.device.type != "cuda" or autocast_dtype("cuda") is None:
         return (x, *ts)
     return tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (x, *ts))
+
+
+def keeps_output(x: torch.Tensor) -> bool:
+    """Whether ``x`` (or the tensor it is a view of) is kept for backward by the leanact op that made
+    it (a norm or GELU keeping its output: its autograd node says ``keeps_output``). A consumer that
+    would keep ``x`` itself then adds nothing; one keeping something else instead adds that."""
+    base = x if x._base is None else x._base
+    node = base.grad_fn
+    return (isinstance(node, torch.autograd.function.BackwardCFunction) and base.output_nr == 0
+            and bool(getattr(node, "keeps_output", False)))

@@ -166,6 +166,7 @@ class LayerNormFromOutput(torch.autograd.Function):
             y, rstd = fused
         ctx.normalized_shape = normalized_shape
         ctx.save_for_backward(y, rstd, weight, bias)
+        ctx.keeps_output = True  # (leanact.ops.amp.keeps_output)
         return y
 
     @staticmethod

@@ -55,7 +55,7 @@ class RMSNormFunction(torch.autograd.Function):
         fused = _triton.rms_norm_forward(x, normalized_shape, weight, eps)  # CUDA: one kernel
         y, rstd = _fused(x, normalized_shape, weight, eps) if fused is None else fused
         ctx.n = math.prod(normalized_shape)
-        ctx.from_output = from_output
+        ctx.from_output = ctx.keeps_output = from_output
         ctx.save_for_backward(y if from_output else x, rstd, weight)
         return y
 

@@ -82,7 +82,7 @@ class _HFRMSNormFunction(torch.autograd.Function):
         xf = x.to(torch.float32)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.n = x.shape[-1]
-        ctx.from_output = from_output
+        ctx.from_output = ctx.keeps_output = from_output
         ctx.save_for_backward(y if from_output else x, rstd, weight)
         return y
 
