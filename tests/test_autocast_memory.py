@@ -137,3 +137,17 @@ def test_no_autocast_no_transform():
     assert counters().get("claimed", 0) == 0
     leanact.unpatch(model)
     assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_fused_loss_dtype_follows_autocast(family):
+    """autocast runs cross_entropy in fp32: the fused loss of a patched model is fp32 there too
+    (BERT's MLM loss reads bf16 logits; LLaMA's loss upcasts them itself)."""
+    from _tiny import tiny_batch, tiny_hf
+
+    ref, lean = tiny_hf(family), leanact.patch(tiny_hf(family))
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore")
+        a, b = ref(**tiny_batch()).loss, lean(**tiny_batch()).loss
+    assert leanact.summary(lean).loss_states[""].fused_calls == 1
+    assert a.dtype == b.dtype == torch.float32
