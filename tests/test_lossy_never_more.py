@@ -2,7 +2,11 @@
 tensor the lean path keeps anyway skips it (compression leaves tensors it does not compress to the
 recipes; a randomized Linear whose input is a norm/GELU output kept anyway, or a recipe, runs the
 exact Linear; a lean SwiGLU keeps its SiLU). Tiny BERT and LLaMA, fp32, bf16 weights, fp32 weights
-with bf16 autocast."""
+with bf16 autocast.
+
+Not covered: ``fewbit=b`` with b > 1 alone, on a GELU whose output the next (exact) Linear keeps:
+its b-bit index then replaces leanact's 1-bit branch mark, b − 1 more bits per element (the
+option pays with a randomized next Linear, or where nothing else keeps the output)."""
 import contextlib
 import warnings
 
@@ -18,8 +22,9 @@ from _tiny import tiny_batch, tiny_hf  # noqa: E402
 OPTIONS = {
     "fp8": {"compress": {"format": "fp8", "min_numel": 64}},
     "int8": {"compress": {"format": "int8", "min_numel": 64}},
-    "fewbit": {"fewbit": 2},
+    "fewbit=1": {"fewbit": 1},
     "randomized_linear": {"randomized_linear": 0.5},
+    "fewbit=2 + randomized_linear": {"fewbit": 2, "randomized_linear": 0.5},
     "all": {"fewbit": 2, "randomized_linear": 0.5, "compress": {"format": "fp8", "min_numel": 64}},
 }
 
