@@ -111,6 +111,7 @@ class StepMemory:
     optimizer_state: int
     saved: int  # kept for backward (meter: distinct storages, parameters excluded)
     saved_by_module: dict[str, int]
+    weight_copies: int = 0  # of saved: autocast's 16-bit copies of fp32 parameters
     alive_by_module: dict[str, int] = field(default_factory=dict)  # activation growth over each module's forward
 
 
@@ -122,8 +123,11 @@ def _init_optimizer(opt, params: list[nn.Parameter]) -> None:
 
 
 def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
-             block: int = 1, foreach: bool | None = None) -> StepMemory:
-    """Run one training step of ``model`` on ``inputs`` (real or fake tensors) under the tracker."""
+             block: int = 1, foreach: bool | None = None, autocast: torch.dtype | None = None) -> StepMemory:
+    """Run one training step of ``model`` on ``inputs`` (real or fake tensors) under the tracker.
+    ``autocast``: run the forward and the loss under ``torch.autocast`` of that dtype, for the
+    device of the model's parameters (backward and the optimizer step outside it, as usual); None:
+    the forward runs with autocast off, even when the call is inside ``torch.autocast``."""
     loss_fn = loss_fn or default_loss
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, params, foreach=foreach)
@@ -135,10 +139,12 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
     tracker.track_external(model, *_tensors(inputs), *([opt] if opt is not None else []))
     start = _total(tracker.get_tracker_snapshot())
     meter = SavedTensorMeter(model, exclude=_tensors(inputs))
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    amp = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)  # None: off, even inside one
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
         with tracker:
-            with meter:
+            with meter, amp:
                 out = _call(model, inputs)
                 loss = loss_fn(out, inputs)
             after_forward = _total(tracker.get_tracker_snapshot())
@@ -157,7 +163,8 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
         peak=peak.get("Total", 0), at_peak=peak, after_forward=after_forward,
         params=start.get(_MemRefType.PARAM.value, 0), buffers=start.get(_MemRefType.BUFFER.value, 0),
         grads=grads, optimizer_state=opt_bytes, saved=meter.total_bytes,
-        saved_by_module=dict(meter.by_module()), alive_by_module=_alive_by_module(tracker))
+        saved_by_module=dict(meter.by_module()), alive_by_module=_alive_by_module(tracker),
+        weight_copies=meter.weight_copy_bytes)
 
 
 def _nbytes(t: torch.Tensor, block: int) -> int:

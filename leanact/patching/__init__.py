@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import amp, hf_head, training_cache
+from . import amp, hf_head, training_cache, weight_recast
 from .generic import replacement_for
 from .hf_head import keep_logits
 
@@ -278,7 +278,7 @@ def _check_not_inside_patched(model: nn.Module) -> None:
 
 
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
-          lossy: str | dict | None = None, fused_loss: bool = True) -> nn.Module:
+          lossy: str | dict | None = None, fused_loss: bool = True, recast_weights: bool = True) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
 
     ``attention``: "recompute" (default; keeps q, k, v, output and one statistic per row),
@@ -290,6 +290,10 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     under autograd compute their loss with leanact's fused linear + cross-entropy and return
     ``logits=None``
     (:mod:`leanact.patching.hf_head`); False = leave the head and loss as they are.
+    ``recast_weights``: True (default) = under ``torch.autocast``, ``nn.Linear`` and GPT-2's
+    ``Conv1D`` keep their fp32 weight (a parameter, free) instead of autocast's 16-bit copy of it and
+    cast it again in backward: 2 bytes per parameter less, gradients bit-identical
+    (:mod:`leanact.patching.weight_recast`); False = keep autocast's copies.
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
     _check_module("patch", model)
@@ -308,12 +312,13 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records, amp.install(model)))
-    if lossy:
-        try:
+    try:
+        if lossy:
             _option("lossy").apply(model, lossy)
-        except Exception:
-            unpatch(model)  # a bad lossy spec leaves the model as it was
-            raise
+        _option("recast_weights").apply(model, recast_weights)  # after lossy: it wraps plain Linears only
+    except Exception:
+        unpatch(model)  # a bad option leaves the model as it was
+        raise
     if verbose:
         from rich.console import Console
 
@@ -349,6 +354,9 @@ def unpatch(model: nn.Module) -> nn.Module:
     hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)
     return model
+
+
+register_option("recast_weights", weight_recast.apply, weight_recast.remove)
 
 
 def summary(model: nn.Module) -> PatchSummary | None:
