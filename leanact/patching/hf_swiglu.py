@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import re
 
 import torch
@@ -38,9 +37,10 @@ from torch import nn
 
 from ..ops.gated_mlp import gated_down
 from ..ops.transforms import functorch_active
+from .source import forward_body
 from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, lean_subclass
 
-__all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp", "activation_kind", "forward_body", "fresh_containers"]
+__all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp", "activation_kind", "fresh_containers"]
 
 _ACT_NAMES = ("act_fn", "activation_fn", "act")
 _SEPARATE = ("gate_proj", "up_proj", "down_proj")
@@ -68,34 +68,6 @@ def is_hf_swiglu_mlp(m: nn.Module) -> bool:
     """A transformers module with a gated MLP's children (gate/up/down or gate_up/down projections
     and one activation), whatever its class name."""
     return type(m).__module__.startswith("transformers.models.") and _layout(m) is not None
-
-
-def forward_body(fn) -> tuple[list[str], str] | None:
-    """(argument names after self, code of the body without blanks/comments/docstring/spaces)."""
-    try:
-        src = inspect.getsource(inspect.unwrap(fn))
-        params = list(inspect.signature(inspect.unwrap(fn)).parameters)
-    except (OSError, TypeError, ValueError):
-        return None
-    lines = src.splitlines()
-    while lines and not lines[0].lstrip().startswith("def "):  # decorators
-        lines = lines[1:]
-    code, in_doc, head = [], False, True
-    for ln in lines:
-        s = ln.strip()
-        if head:  # the signature, possibly over several lines
-            head = not re.search(r"\)\s*(->.*)?:\s*(#.*)?$", s)
-            continue
-        if in_doc:
-            in_doc = not s.endswith(('"""', "'''"))
-            continue
-        if s.startswith(('"""', "'''")):
-            in_doc = not (len(s) > 3 and s.endswith(s[:3]))
-            continue
-        if not s or s.startswith("#"):
-            continue
-        code.append(re.sub(r"\s+", "", s.split("#")[0]))
-    return params[1:], ";".join(code)
 
 
 def _forward_reason(t: type, act: str, fused: bool) -> str | None:
