@@ -13,6 +13,8 @@
   ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
   leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
   ``fused_loss=False`` or :func:`keep_logits` to keep them).
+* ``torch.nn.functional.dropout`` calls in Hugging Face modeling code (BART, Whisper, ...): keep a
+  seed instead of a mask in training (:mod:`leanact.patching.functional_dropout`).
 
 ``leanact.unpatch(model)`` puts the original module objects and attention implementation back.
 The summary of what was replaced and what was left (and why) is returned by :func:`summary` and
@@ -28,7 +30,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import hf_head, training_cache
+from . import functional_dropout, hf_head, training_cache
 from .generic import replacement_for
 from .hf_head import keep_logits
 
@@ -79,6 +81,19 @@ class PatchSummary:
     #: model path -> :class:`leanact.patching.hf_head.HeadState`: fused calls so far and the operations
     #: for which the logits had to be materialised (the model's own loss then).
     loss_states: dict = field(default_factory=dict, repr=False, compare=False)
+    #: ``torch.nn.functional.dropout`` calls in modeling code (:mod:`leanact.patching.functional_dropout`):
+    #: the classes whose forward calls it and how many calls kept a seed so far; None: no such class.
+    functional_dropout: "functional_dropout.DropoutState | None" = field(default=None, compare=False)
+
+    def functional_dropout_row(self) -> tuple[str, str, str] | None:
+        """(what, was, now) for the table: the wrapped classes and the calls redirected so far."""
+        st = self.functional_dropout
+        if st is None:
+            return None
+        now = f"leanact seed: {st.lean_calls} calls so far"
+        if st.torch_calls:
+            now += f"; [yellow]torch's mask[/] for {st.torch_calls} (checkpointed or transformed regions)"
+        return f"functional dropout in {', '.join(st.classes)}", "F.dropout (mask)", now
 
     def attention_fallbacks(self) -> dict[str, set]:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
@@ -109,6 +124,8 @@ class PatchSummary:
             if st is not None and st.fallbacks:
                 after += f"; [yellow]logits materialised[/] for {', '.join(sorted(st.fallbacks))}"
             t.add_row(f"loss ({path or 'model'})", before, after)
+        if (row := self.functional_dropout_row()) is not None:
+            t.add_row(*row)
         for note in self.notes:
             t.add_row("model", "", note)
         return t
@@ -301,6 +318,7 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     if attention:
         _patch_attention(model, attention, summary, records)
     _patch_head(model, summary, bool(fused_loss))
+    summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
@@ -341,6 +359,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
     training_cache.remove(model)
+    functional_dropout.uninstall(model)
     hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)
     return model
