@@ -162,4 +162,7 @@ def test_models_without_functional_dropout_report_none():
     cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                    vocab_size=50)
     model = leanact.patch(transformers.LlamaForCausalLM(cfg))
-    assert leanact.summary(model).functional_dropout is None
+    ids = torch.randint(3, 50, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert leanact.summary(model).functional_dropout_row() is None
+    assert not FD.active()

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import functional_dropout, hf_head, training_cache
+from . import functional_dropout, hf_head, peft_lora, training_cache
 from .generic import replacement_for
 from .hf_head import keep_logits
 
@@ -88,12 +88,13 @@ class PatchSummary:
     def functional_dropout_row(self) -> tuple[str, str, str] | None:
         """(what, was, now) for the table: the wrapped classes and the calls redirected so far."""
         st = self.functional_dropout
-        if st is None:
+        if st is None or not (st.classes or st.lean_calls or st.torch_calls):
             return None
         now = f"leanact seed: {st.lean_calls} calls so far"
         if st.torch_calls:
             now += f"; [yellow]torch's mask[/] for {st.torch_calls} (checkpointed or transformed regions)"
-        return f"functional dropout in {', '.join(st.classes)}", "F.dropout (mask)", now
+        where = ", ".join(st.classes) or "modules added after patching (PEFT)"
+        return f"functional dropout in {where}", "F.dropout (mask)", now
 
     def attention_fallbacks(self) -> dict[str, set]:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
@@ -148,10 +149,13 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
             if child is None:
                 continue
             qual = _qualname(prefix, name)
-            new, reason = replacement_for(child)
+            new, reason = peft_lora.replacement_through_lora(child, replacement_for)
             if new is not None:
                 parent._modules[name] = new
                 originals.append((parent, name, child))
+                for k, c in new._modules.items():  # PEFT LoRA layers kept as children: their dropouts
+                    if c is not None and peft_lora.is_lora_layer(c):
+                        visit(c, _qualname(qual, k))
                 if type(new).__module__.startswith("leanact.patching.hf_"):
                     label = f"leanact.patching.{type(new).__name__}"
                 else:
@@ -352,6 +356,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         current = parent._modules.get(name)
         if current is not None:
             original.train(current.training)
+            _keep_children(original, current)
         parent._modules[name] = original
     for config, before in state.attention:
         attention_hf.set_config_state(config, None)
@@ -363,6 +368,16 @@ def unpatch(model: nn.Module) -> nn.Module:
     hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)
     return model
+
+
+def _keep_children(original: nn.Module, current: nn.Module) -> None:
+    """Children set on a replacement since patching (PEFT's LoRA layers inserted, or merged back by
+    ``merge_and_unload``) stay when the original module comes back."""
+    if current is original or not isinstance(current, type(original)):
+        return
+    for k, c in current._modules.items():
+        if k in original._modules and original._modules[k] is not c:
+            original._modules[k] = c
 
 
 def summary(model: nn.Module) -> PatchSummary | None:

@@ -73,14 +73,18 @@ def active() -> bool:
 
 
 class _Scope:
-    """The context a wrapped forward runs in: enters the mode unless an outer scope already did."""
+    """The context a wrapped forward runs in: enters the mode unless an outer scope already did.
+    ``peft_root``: the patched model itself, whose scope enters the mode only once PEFT has been
+    applied to it (``get_peft_model`` sets its ``peft_config``): LoRA's ``nn.Dropout`` modules created
+    after patching then keep a seed too."""
 
-    def __init__(self, state: DropoutState):
-        self.state = state
+    def __init__(self, state: DropoutState, peft_root: nn.Module | None = None):
+        self.state, self.peft_root = state, peft_root
 
     def __enter__(self):
         stack = _local.__dict__.setdefault("stack", [])
-        mode = None if active() else _Mode(self.state)
+        wanted = self.peft_root is None or "peft_config" in self.peft_root.__dict__
+        mode = None if active() or not wanted else _Mode(self.state)
         if mode is not None:
             mode.__enter__()
         stack.append(mode)
@@ -105,13 +109,17 @@ def calls_functional_dropout(m: nn.Module) -> bool:
 
 
 def install(model: nn.Module) -> DropoutState | None:
-    """Wrap the forward of every module of ``model`` that calls functional dropout; None if none does."""
+    """Wrap the forward of every module of ``model`` that calls functional dropout, and ``model``'s own
+    when it is a Hugging Face model (for PEFT applied after patching); None if nothing was wrapped."""
     state = DropoutState()
     for m in model.modules():
         if calls_functional_dropout(m) and not _wrapped(m):
             wrap_forward(m, _Scope(state))
             if type(m).__name__ not in state.classes:
                 state.classes.append(type(m).__name__)
+    if not _wrapped(model) and hasattr(model, "config") and type(model).__module__.startswith("transformers."):
+        wrap_forward(model, _Scope(state, peft_root=model))
+        return state
     return state if state.classes else None
 
 
