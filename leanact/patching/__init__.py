@@ -16,6 +16,8 @@
 * Under ``torch.autocast`` the model's forward runs inside a recipe transform: autocast's 16-bit
   casts of tensors leanact keeps in fp32 anyway (norm outputs) are rebuilt in backward instead of
   kept (:mod:`leanact.patching.amp`).
+* ``torch.nn.functional.dropout`` calls in Hugging Face modeling code (BART, Whisper, ...): keep a
+  seed instead of a mask in training (:mod:`leanact.patching.functional_dropout`).
 
 ``leanact.unpatch(model)`` puts the original module objects and attention implementation back.
 The summary of what was replaced and what was left (and why) is returned by :func:`summary` and
@@ -31,7 +33,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import amp, hf_head, training_cache, weight_recast
+from . import amp, functional_dropout, hf_head, peft_lora, training_cache, weight_recast
 from .generic import replacement_for
 from .hf_head import keep_logits
 
@@ -82,6 +84,20 @@ class PatchSummary:
     #: model path -> :class:`leanact.patching.hf_head.HeadState`: fused calls so far and the operations
     #: for which the logits had to be materialised (the model's own loss then).
     loss_states: dict = field(default_factory=dict, repr=False, compare=False)
+    #: ``torch.nn.functional.dropout`` calls in modeling code (:mod:`leanact.patching.functional_dropout`):
+    #: the classes whose forward calls it and how many calls kept a seed so far; None: no such class.
+    functional_dropout: "functional_dropout.DropoutState | None" = field(default=None, compare=False)
+
+    def functional_dropout_row(self) -> tuple[str, str, str] | None:
+        """(what, was, now) for the table: the wrapped classes and the calls redirected so far."""
+        st = self.functional_dropout
+        if st is None or not (st.classes or st.lean_calls or st.torch_calls):
+            return None
+        now = f"leanact seed: {st.lean_calls} calls so far"
+        if st.torch_calls:
+            now += f"; [yellow]torch's mask[/] for {st.torch_calls} (checkpointed or transformed regions)"
+        where = ", ".join(st.classes) or "modules added after patching (PEFT)"
+        return f"functional dropout in {where}", "F.dropout (mask)", now
 
     def attention_fallbacks(self) -> dict[str, set]:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
@@ -112,6 +128,8 @@ class PatchSummary:
             if st is not None and st.fallbacks:
                 after += f"; [yellow]logits materialised[/] for {', '.join(sorted(st.fallbacks))}"
             t.add_row(f"loss ({path or 'model'})", before, after)
+        if (row := self.functional_dropout_row()) is not None:
+            t.add_row(*row)
         for note in self.notes:
             t.add_row("model", "", note)
         return t
@@ -135,10 +153,13 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
             if child is None:
                 continue
             qual = _qualname(prefix, name)
-            new, reason = replacement_for(child)
+            new, reason = peft_lora.replacement_through_lora(child, replacement_for)
             if new is not None:
                 parent._modules[name] = new
                 originals.append((parent, name, child))
+                for k, c in new._modules.items():  # PEFT LoRA layers kept as children: their dropouts
+                    if c is not None and peft_lora.is_lora_layer(c):
+                        visit(c, _qualname(qual, k))
                 if type(new).__module__.startswith("leanact.patching.hf_"):
                     label = f"leanact.patching.{type(new).__name__}"
                 else:
@@ -309,6 +330,7 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     if attention:
         _patch_attention(model, attention, summary, records)
     _patch_head(model, summary, bool(fused_loss))
+    summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records, amp.install(model)))
@@ -344,6 +366,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         current = parent._modules.get(name)
         if current is not None:
             original.train(current.training)
+            _keep_children(original, current)
         parent._modules[name] = original
     for config, before in state.attention:
         attention_hf.set_config_state(config, None)
@@ -351,12 +374,23 @@ def unpatch(model: nn.Module) -> nn.Module:
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
     training_cache.remove(model)
+    functional_dropout.uninstall(model)
     hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)
     return model
 
 
 register_option("recast_weights", weight_recast.apply, weight_recast.remove)
+
+
+def _keep_children(original: nn.Module, current: nn.Module) -> None:
+    """Children set on a replacement since patching (PEFT's LoRA layers inserted, or merged back by
+    ``merge_and_unload``) stay when the original module comes back."""
+    if current is original or not isinstance(current, type(original)):
+        return
+    for k, c in current._modules.items():
+        if k in original._modules and original._modules[k] is not c:
+            original._modules[k] = c
 
 
 def summary(model: nn.Module) -> PatchSummary | None:

@@ -22,7 +22,7 @@ __all__ = ["replacement_for"]
 
 # Types that keep nothing leanact can reduce (or keep only what backward inherently needs).
 _NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential,
-            nn.modules.conv._ConvNd, nn.ReLU, nn.Tanh)
+            nn.ParameterList, nn.ParameterDict, nn.modules.conv._ConvNd, nn.ReLU, nn.Tanh)
 _LEAN_TYPES = (lnn.GELU, lnn.LayerNorm, lnn.RMSNorm, lnn.Dropout)
 
 

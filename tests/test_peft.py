@@ -1,0 +1,109 @@
+"""PEFT LoRA: patching before or after ``get_peft_model`` keeps the same bytes; LoRA gradients exact."""
+import copy
+
+import pytest
+import torch
+
+import leanact
+from _tiny import tiny_batch, tiny_hf
+from leanact.memory import SavedTensorMeter
+
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+FAMILIES = ("llama", "bert")
+
+
+def _lora(model, dropout=0.1):
+    torch.manual_seed(3)  # init_lora_weights=False: random B, so that A's gradient is not zero
+    cfg = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False)
+    return peft.get_peft_model(model, cfg)
+
+
+def _kept(model, batch):
+    with SavedTensorMeter(model) as meter:
+        model(**batch)
+    return meter
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_before_or_after_get_peft_model_keeps_the_same_bytes(family):
+    batch = tiny_batch()
+    plain = _lora(tiny_hf(family))
+    before = _lora(leanact.patch(tiny_hf(family)))
+    after = leanact.patch(_lora(tiny_hf(family)))
+    k_plain, k_before, k_after = (_kept(m, batch).total_bytes for m in (plain, before, after))
+    assert k_before == k_after < k_plain
+    s = leanact.summary(after)
+    assert not [row for row in s.left if row[1].endswith("MLP")], s.left  # the SwiGLU MLP seen through LoRA
+    lora_dropouts = [r for r in s.replaced if ".lora_dropout." in r[0]]
+    assert lora_dropouts and all(r[2] == "leanact.nn.Dropout" for r in lora_dropouts)
+    # patch before: PEFT's dropouts, created afterwards, keep a seed through the functional-dropout mode;
+    # all but q, k, v's, whose input (the frozen embeddings' normalised output) needs no grad
+    assert leanact.summary(before.get_base_model()).functional_dropout.lean_calls == len(lora_dropouts) - 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_frozen_base_norms_and_gelus_keep_what_they_keep_without_peft(family):
+    batch = tiny_batch()
+    lean = _kept(leanact.patch(tiny_hf(family)), batch).by_module()
+    with_lora = _kept(leanact.patch(_lora(tiny_hf(family))), batch).by_module()
+    compared = 0
+    for name, kept in lean.items():  # (norms before the first LoRA layer see no grad: they keep nothing)
+        if ("norm" in name.lower() or name.endswith("act_fn")) and f"base_model.model.{name}" in with_lora:
+            assert with_lora[f"base_model.model.{name}"] == kept, name
+            compared += 1
+    assert compared >= 2
+    b, s, h = batch["input_ids"].shape + (32,)
+    norm = "bert.encoder.layer.0.output.LayerNorm" if family == "bert" else "model.norm"
+    row_stat = 4 * b * s  # one fp32 statistic per row
+    assert lean[norm] == 4 * b * s * h + row_stat  # output + statistic, not the input
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_gradients_match_unpatched(family, when):
+    batch = tiny_batch()
+    ref = _lora(tiny_hf(family), dropout=0.0)
+    lean = _lora(leanact.patch(tiny_hf(family)), 0.0) if when == "before" else leanact.patch(
+        _lora(tiny_hf(family), 0.0))
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), lean.state_dict().values()))
+    grads = []
+    for m in (ref, lean):
+        m(**batch).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0])
+    for n, g in grads[0].items():
+        assert (grads[1][n] - g).norm() <= 1e-5 * g.norm(), n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merge_save_and_unpatch_unchanged(family, tmp_path):
+    batch = tiny_batch(padded=False)
+    ref = _lora(tiny_hf(family))
+    lean = leanact.patch(copy.deepcopy(ref))
+    ref.save_pretrained(tmp_path / "ref")
+    lean.save_pretrained(tmp_path / "lean")
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ref", "lean"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ref_merged, lean_merged = ref.merge_and_unload().eval(), lean.merge_and_unload().eval()
+    assert ref_merged.state_dict().keys() == lean_merged.state_dict().keys()
+    assert all(torch.equal(x, y) for x, y in zip(ref_merged.state_dict().values(), lean_merged.state_dict().values()))
+    with torch.no_grad():
+        assert torch.equal(ref_merged(**batch).logits, lean_merged(**batch).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpatch_after_peft_keeps_the_adapters(family):
+    """Patch, get_peft_model, unpatch: the LoRA layers PEFT put into lean modules stay in the originals."""
+    batch = tiny_batch(padded=False)
+    ref = _lora(tiny_hf(family)).eval()
+    base = leanact.patch(tiny_hf(family))
+    model = _lora(base).eval()
+    leanact.unpatch(base)
+    assert sum(peft.tuners.lora.LoraLayer in type(m).__mro__ for m in model.modules()) == sum(
+        peft.tuners.lora.LoraLayer in type(m).__mro__ for m in ref.modules())
+    with torch.no_grad():
+        assert torch.equal(ref(**batch).logits, model(**batch).logits)
