@@ -321,3 +321,17 @@ def test_plain_model_tuple_inputs_and_loss_fn():
     # batch/seq resize the sample tensor (4, 16, 32) -> (8, 64, 32)
     big = estimate(model, x, loss_fn=loss_fn, optimizer="sgd", batch=8, seq=64)
     assert big.per_layer["blocks.1"] == 8 * pred.per_layer["blocks.1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trainer_protocol_releases_the_output(dtype):
+    """Default: the output (logits) is released before backward, as HF Trainer does; keep_output=True
+    holds it through backward: the peak differs by exactly the logits (the backward's peak is then)."""
+    model = _build("llama", dtype, layers=2, h=64)
+    x = _inputs(2, 32)
+    trainer, held = estimate(model, x), estimate(model, x, keep_output=True)
+    logits = 2 * 32 * V * dtype.itemsize
+    assert held.peak - trainer.peak == logits
+    assert held.activations - trainer.activations == logits
+    real = measure(model, x, keep_output=True)
+    assert real.peak == held.peak

@@ -136,7 +136,7 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
 
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
-         mode, optimizer: Any, loss_fn: Callable | None) -> Estimate:
+         mode, optimizer: Any, loss_fn: Callable | None, keep_output: bool = False) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
     fake_model.train()
     warm_lean_caches(fake_model, dtype)
@@ -147,7 +147,8 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         with value_decisions(real_of), emulate, fewer_slices(kind), \
                 caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
-                           block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)
+                           block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None,
+                           keep_output=keep_output)
     finally:
         if plan is not None:
             plan.remove(fake_model)
@@ -156,13 +157,15 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
 
 def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None, device: Any = None, *,
              dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
-             batch: int | None = None, seq: int | None = None) -> Estimate:
+             batch: int | None = None, seq: int | None = None, keep_output: bool = False) -> Estimate:
     """Predict the memory of one training step of ``model`` without running it for real.
 
     The model (real or already fake; patched or not; never modified) is copied with fake weights,
     ``strategy_or_plan`` (None, a name for ``leanact.strategies.uniform`` or a Plan) is applied to
     the copy, and one step -- forward + loss, backward, ``optimizer`` step ("adamw", "sgd", None or
-    a callable) -- runs on fake tensors under torch's ``MemTracker``. ``sample_inputs``: dict of
+    a callable) -- runs on fake tensors under torch's ``MemTracker``. The model output is released
+    before backward, as Hugging Face's ``Trainer`` and most loops do (they keep the loss only);
+    ``keep_output=True`` holds it (the logits) through backward. ``sample_inputs``: dict of
     keyword arguments or tuple (real or fake tensors), resized to ``batch`` / ``seq`` if given.
     ``dtype`` casts weights and floating inputs. ``device="cuda"`` models CUDA from the CPU trace
     (see :data:`CUDA_NOTES`). ``loss_fn(out, inputs)``: default the model's ``.loss``.
@@ -179,13 +182,14 @@ def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None,
     fake_model, real_of = fake_copy(model, mode, dtype)
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
-    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn)
+    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn,
+                keep_output)
 
 
 def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, strategy_or_plan: Any = None,
                     device: Any = "cpu", *, model_class: type | None = None, patch: bool | str = False,
                     dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
-                    batch: int | None = None, seq: int | None = None) -> Estimate:
+                    batch: int | None = None, seq: int | None = None, keep_output: bool = False) -> Estimate:
     """Like :func:`estimate` for a model that is never built for real: ``build()`` (or
     ``model_class(build)`` when ``build`` is a config) runs under ``FakeTensorMode``. ``patch``:
     True / "recompute" / "tempo" applies ``leanact.patch`` to the fake model first. Norm weights
@@ -208,4 +212,5 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
         patch_model(fake_model, attention="recompute" if patch is True else patch)
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
-    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn)
+    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn,
+                keep_output)
