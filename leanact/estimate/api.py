@@ -1,6 +1,7 @@
 """``leanact.estimate``: the memory of one training step, predicted on fake tensors."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -8,7 +9,8 @@ from torch import nn
 
 from leanact.strategies.cache import caches_off
 
-from .compat import cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
+from .compat import causal_skip_on_fake, cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
+from .cuda_kernels import CudaKernels
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -21,9 +23,10 @@ CUDA_NOTES = [
     "(c10::Error, no device guard) when autograd records one, so the trace runs on fake CPU tensors",
     "every storage is rounded up to 512 bytes (CUDA caching allocator; torch.cuda.max_memory_allocated)",
     "optimizer uses foreach=True (torch's CUDA default; its step temporaries are counted)",
-    "SDPA: the CPU trace uses the CPU flash kernel, which keeps q, k, v, out and a float32 logsumexp "
-    "(b, heads, s); CUDA's flash/efficient kernels keep the same tensors (efficient pads logsumexp "
-    "to 32 rows, dropout adds two 8-byte philox scalars); the math fallback would keep the probabilities",
+    "plain dropout and SDPA follow CUDA's kernels (leanact.estimate.cuda_kernels): dropout keeps a bool mask; "
+    "SDPA runs flash (fp16/bf16, no attn_mask: keeps q, k, v, out, an fp32 logsumexp (b, heads, s) and the RNG "
+    "state), else memory-efficient (masks, fp32: + the bias in q's dtype, logsumexp padded to 32 rows), else math; "
+    "an Ampere or newer GPU assumed",
     "leanact's dropout, GELU and norms allocate what their Triton kernels allocate on CUDA (outputs only; "
     "LEANACT_TRITON=0: their PyTorch path's temporaries)",
     "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
@@ -144,7 +147,8 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         plan.apply(fake_model)
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
-        with value_decisions(real_of), emulate, fewer_slices(kind), \
+        kernels = CudaKernels() if kind == "cuda" else contextlib.nullcontext()
+        with value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
                 caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None,
