@@ -16,13 +16,15 @@ __all__ = ["measure"]
 
 def measure(model: nn.Module, inputs: Any, strategy_or_plan: Any = None, *, optimizer: Any = "adamw",
             loss_fn: Callable | None = None, copy_model: bool = True,
-            warmup: bool = True, autocast: Any = None) -> Estimate:
+            warmup: bool = True, autocast: Any = None,
+            keep_output: bool = False) -> Estimate:
     """Run one real training step (real tensors, CPU) with the estimator's protocol and return
     the measured numbers in an :class:`Estimate`. ``copy_model``: step on a deep copy so the
     model's weights are not updated. ``warmup``: one untracked forward + backward first, so
     per-process caches built lazily on first use (leanact's CPU dropout index ranges) are not
     counted in the step. ``autocast``: as for :func:`leanact.estimate` (the forward under
-    ``torch.autocast`` of the model's device)."""
+    ``torch.autocast`` of the model's device). ``keep_output``: as in :func:`leanact.estimate` (default:
+    the output is released before backward)."""
     from leanact.ops.amp import autocast_arg
 
     from .api import _resolve_plan, _result
@@ -50,7 +52,7 @@ def measure(model: nn.Module, inputs: Any, strategy_or_plan: Any = None, *, opti
                 loss.backward()
                 del loss
                 m.zero_grad(set_to_none=True)
-            mem = run_step(m, inputs, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast)
+            mem = run_step(m, inputs, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast, keep_output=keep_output)
     finally:
         if plan is not None:
             plan.remove(m)
