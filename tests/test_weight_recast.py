@@ -274,3 +274,35 @@ def test_meter_no_weight_copies_without_autocast():
     with meter:
         m(**_batch(1)).loss.backward()
     assert meter.weight_copy_bytes == 0 and meter.activation_bytes == meter.total_bytes > 0
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_layer_cost_under_autocast(family):
+    """measure_layer_cost (2 layers - 1 layer) under bf16 autocast: with recast_weights=False one
+    layer keeps exactly 2 bytes per Linear weight element more, all of it reported as weight copies."""
+    import transformers
+
+    from leanact.memory import measure_layer_cost
+
+    def build(n, recast):
+        torch.manual_seed(0)
+        if family == "bert":
+            cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=n, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=50, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0)
+            model = transformers.BertModel(cfg, add_pooling_layer=False)
+        else:
+            cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=n, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=64, vocab_size=50)
+            model = transformers.LlamaModel(cfg)
+        return leanact.patch(model.train(), recast_weights=recast)
+
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    cost = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for recast in (False, True):
+            cost[recast] = measure_layer_cost(lambda n: build(n, recast), lambda: (ids,), 8, 2, 32)
+    layer = build(1, True)
+    elements = sum(m.weight.numel() for m in layer.modules() if type(m) is nn.Linear)
+    assert cost[False].bytes - cost[True].bytes == 2 * elements
+    assert cost[False].weight_copies == 2 * elements and cost[True].weight_copies == 0
