@@ -306,3 +306,22 @@ def test_layer_cost_under_autocast(family):
     elements = sum(m.weight.numel() for m in layer.modules() if type(m) is nn.Linear)
     assert cost[False].bytes - cost[True].bytes == 2 * elements
     assert cost[False].weight_copies == 2 * elements and cost[True].weight_copies == 0
+
+
+def test_computed_weight_is_left_to_autocast():
+    """A weight that is not a parameter (computed in forward; swapped in by ``functional_call``) is
+    recast only from a Parameter: recasting a computed fp32 tensor would keep it alive, more than its
+    copy, so the Linear runs autocast's own path."""
+    torch.manual_seed(0)
+    base = nn.Parameter(torch.randn(8, 16))
+    net = nn.Sequential(nn.Linear(16, 8))
+    lean = leanact.patch(copy.deepcopy(net))
+    x = torch.randn(4, 16, requires_grad=True)
+    kept = []
+    for m in (net, lean):
+        meter = SavedTensorMeter(m)
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.func.functional_call(m, {"0.weight": 2 * base}, (x,))
+        meter.release()
+        kept.append(meter.total_bytes)
+    assert kept[0] == kept[1] == 4 * 16 * 2 + 8 * 16 * 2  # x's cast and the weight's cast
