@@ -325,3 +325,26 @@ def test_computed_weight_is_left_to_autocast():
         meter.release()
         kept.append(meter.total_bytes)
     assert kept[0] == kept[1] == 4 * 16 * 2 + 8 * 16 * 2  # x's cast and the weight's cast
+
+
+def test_composes_with_recipes():
+    """leanact.nn.LeanMLP (a RecipeTransform scope: fc2's input is a recipe) under autocast, patched:
+    the weight copies go, the recipe stays, outputs and gradients bit-identical, dropout included."""
+    from leanact import nn as lnn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(lnn.LeanMLP(32, 64, "gelu", dropout=0.1)).train()
+    lean = leanact.patch(copy.deepcopy(base))
+    x = torch.randn(2, 8, 32)
+    res = []
+    for m in (base, lean):
+        meter = SavedTensorMeter(m, exclude=[x])
+        torch.manual_seed(1)
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x.requires_grad_(True))
+        y.float().pow(2).sum().backward()
+        res.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in m.parameters()], meter.total_bytes))
+        x.grad = None
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
+    assert res[0][3] - res[1][3] == 2 * (64 * 32 + 32 * 64)
