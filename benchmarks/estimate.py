@@ -3,7 +3,9 @@ MemTracker, one AdamW training step on the CPU), BERT / GPT-2 / LLaMA geometries
 unpatched and leanact.patch'ed (optionally with a strategy). Prints a rich table.
 
     python benchmarks/estimate.py [--hidden 256 --layers 4 --seq 128 --batch 4] [--families bert gpt2 llama]
-                                  [--dtypes float32 bfloat16] [--strategy full]
+                                  [--dtypes float32 bfloat16] [--strategy full] [--autocast bf16|fp16]
+
+``--autocast``: fp32 weights, the forward under ``torch.autocast`` of that dtype (``--dtypes`` ignored).
 """
 from __future__ import annotations
 
@@ -62,7 +64,11 @@ def main(argv=None) -> None:
     ap.add_argument("--families", nargs="+", default=["bert", "gpt2", "llama"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--strategy", default=None, help="a leanact.strategies name applied to every layer")
+    ap.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                    help="fp32 weights, the forward under torch.autocast of this dtype")
     args = ap.parse_args(argv)
+    if args.autocast:
+        args.dtypes = ["float32"]
 
     tab = Table(title=f"leanact.estimate vs measured (CPU, MemTracker, AdamW step; h={args.hidden} "
                       f"L={args.layers} s={args.seq} b={args.batch}{', ' + args.strategy if args.strategy else ''})")
@@ -77,13 +83,13 @@ def main(argv=None) -> None:
                     leanact.patch(model)
                 x = inputs(args.batch, args.seq, args.vocab)
                 t0 = time.perf_counter()
-                pred = estimate(model, x, args.strategy)
+                pred = estimate(model, x, args.strategy, autocast=args.autocast or False)
                 t1 = time.perf_counter()
-                real = measure(model, x, args.strategy)
+                real = measure(model, x, args.strategy, autocast=args.autocast or False)
                 t2 = time.perf_counter()
                 pe = (pred.peak - real.peak) / real.peak
                 ae = (pred.activations - real.activations) / real.activations
-                tab.add_row(family, dt, "yes" if patched else "no", fmt_bytes(pred.peak), fmt_bytes(real.peak),
+                tab.add_row(family, dt + (f" + {args.autocast} autocast" if args.autocast else ""), "yes" if patched else "no", fmt_bytes(pred.peak), fmt_bytes(real.peak),
                             f"{pe:+.2%}", fmt_bytes(pred.activations), fmt_bytes(real.activations), f"{ae:+.2%}",
                             "yes" if pred.per_layer == real.per_layer else "NO", f"{t1 - t0:.1f}s", f"{t2 - t1:.1f}s")
     Console(width=220).print(tab)

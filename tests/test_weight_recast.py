@@ -274,3 +274,77 @@ def test_meter_no_weight_copies_without_autocast():
     with meter:
         m(**_batch(1)).loss.backward()
     assert meter.weight_copy_bytes == 0 and meter.activation_bytes == meter.total_bytes > 0
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_layer_cost_under_autocast(family):
+    """measure_layer_cost (2 layers - 1 layer) under bf16 autocast: with recast_weights=False one
+    layer keeps exactly 2 bytes per Linear weight element more, all of it reported as weight copies."""
+    import transformers
+
+    from leanact.memory import measure_layer_cost
+
+    def build(n, recast):
+        torch.manual_seed(0)
+        if family == "bert":
+            cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=n, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=50, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0)
+            model = transformers.BertModel(cfg, add_pooling_layer=False)
+        else:
+            cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=n, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=64, vocab_size=50)
+            model = transformers.LlamaModel(cfg)
+        return leanact.patch(model.train(), recast_weights=recast)
+
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    cost = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for recast in (False, True):
+            cost[recast] = measure_layer_cost(lambda n: build(n, recast), lambda: (ids,), 8, 2, 32)
+    layer = build(1, True)
+    elements = sum(m.weight.numel() for m in layer.modules() if type(m) is nn.Linear)
+    assert cost[False].bytes - cost[True].bytes == 2 * elements
+    assert cost[False].weight_copies == 2 * elements and cost[True].weight_copies == 0
+
+
+def test_computed_weight_is_left_to_autocast():
+    """A weight that is not a parameter (computed in forward; swapped in by ``functional_call``) is
+    recast only from a Parameter: recasting a computed fp32 tensor would keep it alive, more than its
+    copy, so the Linear runs autocast's own path."""
+    torch.manual_seed(0)
+    base = nn.Parameter(torch.randn(8, 16))
+    net = nn.Sequential(nn.Linear(16, 8))
+    lean = leanact.patch(copy.deepcopy(net))
+    x = torch.randn(4, 16, requires_grad=True)
+    kept = []
+    for m in (net, lean):
+        meter = SavedTensorMeter(m)
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.func.functional_call(m, {"0.weight": 2 * base}, (x,))
+        meter.release()
+        kept.append(meter.total_bytes)
+    assert kept[0] == kept[1] == 4 * 16 * 2 + 8 * 16 * 2  # x's cast and the weight's cast
+
+
+def test_composes_with_recipes():
+    """leanact.nn.LeanMLP (a RecipeTransform scope: fc2's input is a recipe) under autocast, patched:
+    the weight copies go, the recipe stays, outputs and gradients bit-identical, dropout included."""
+    from leanact import nn as lnn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(lnn.LeanMLP(32, 64, "gelu", dropout=0.1)).train()
+    lean = leanact.patch(copy.deepcopy(base))
+    x = torch.randn(2, 8, 32)
+    res = []
+    for m in (base, lean):
+        meter = SavedTensorMeter(m, exclude=[x])
+        torch.manual_seed(1)
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x.requires_grad_(True))
+        y.float().pow(2).sum().backward()
+        res.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in m.parameters()], meter.total_bytes))
+        x.grad = None
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
+    assert res[0][3] - res[1][3] == 2 * (64 * 32 + 32 * 64)

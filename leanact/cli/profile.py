@@ -129,10 +129,15 @@ class ProfileResult:
                 "modes": [asdict(m) for m in self.modes], "plan": self.plan}
 
 
-def _cost(model: torch.nn.Module, inputs: dict, amp=None) -> tuple[int, dict[str, int], dict[str, int], int]:
-    """(bytes kept for backward, bytes by autograd op, bytes by role, of which weight copies) of one
-    forward (under ``amp``, an autocast context); its graph is then released
-    (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
+def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(bytes kept for backward, bytes by autograd op, bytes by role) of one forward; its graph is
+    then released (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
+    return _measure(model, inputs)[:3]
+
+
+def _measure(model: torch.nn.Module, inputs: dict, amp=None) -> tuple[int, dict[str, int], dict[str, int], int]:
+    """:func:`_cost` and, last, the bytes of autocast's weight copies in it; the forward under
+    ``amp`` (an autocast context) if given."""
     meter = SavedTensorMeter(model, exclude=[t for t in inputs.values() if isinstance(t, torch.Tensor)])
     with meter, (amp or contextlib.nullcontext()):
         out = model(**inputs)
@@ -198,7 +203,7 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
         for n in (1, 2):
             model = mode_model(bases[n], attn, lean)
             for b in (1, 2):
-                costs[n, b] = _cost(model, samples[b], cfg.amp())
+                costs[n, b] = _measure(model, samples[b], cfg.amp())
             tick(1, f"memory: {label}, {n} layer{'s' * (n > 1)}")
             if n == 1 and cfg.repeats:
                 timed.append(model)

@@ -5,7 +5,9 @@ of an fp32 weight keeps autocast's 16-bit cast of that weight for backward: 2 by
 parameter, whatever the batch. With this option (on by default in :func:`leanact.patch`), their
 ``forward`` becomes a :class:`RecastForward` on the instance (the class, the module object, its
 hooks and the state dict are unchanged): when autocast is active at call time (CPU or CUDA, bf16
-or fp16), the weight is an fp32 tensor and autograd will need it, the weight is cast by
+or fp16), the weight is an fp32 ``nn.Parameter`` (not a DTensor; not a tensor computed in forward
+or swapped in by ``functional_call``: keeping that alive to recast it would cost more than its
+copy) and autograd will need it, the weight is cast by
 :func:`leanact.ops.weight_recast.recast_weight`, which keeps the fp32 parameter (free: it lives
 anyway) and casts it again in backward (the same rounding: outputs and gradients are bit-identical
 to the unpatched model's). Otherwise, and wherever saved-tensor hooks cannot be pushed
@@ -14,7 +16,8 @@ to the unpatched model's). Otherwise, and wherever saved-tensor hooks cannot be 
 Only exact ``nn.Linear`` / ``Conv1D`` modules whose forward was not already replaced on the
 instance are wrapped (a subclass may override ``forward``; lossy's ``RandomizedLinear`` already
 keeps the parameter), and not the language-model heads whose loss leanact fuses (the fused op
-keeps the parameter; when it materialises the logits, the head keeps autocast's copy). ``recast_weights=False`` leaves them alone.
+keeps the parameter; when it materialises the logits, the head keeps autocast's copy).
+``recast_weights=False`` leaves them alone.
 """
 from __future__ import annotations
 
@@ -60,7 +63,10 @@ def recast_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
     """The dtype to recast ``weight`` to for a call on ``x`` (None: run the module's own forward)."""
     if not isinstance(x, torch.Tensor) or not torch.is_grad_enabled():
         return None
-    if weight.dtype != torch.float32 or is_traceable_wrapper_subclass(weight) or weight.device.type != x.device.type:
+    # a Parameter (a weight computed in forward, e.g. by a parametrization, would have to stay alive
+    # in fp32 to be recast: more than its copy), plain (not a DTensor shard: FSDP2 / TP keep theirs)
+    if (not isinstance(weight, nn.Parameter) or weight.dtype != torch.float32 or is_traceable_wrapper_subclass(weight)
+            or weight.device.type != x.device.type):
         return None
     if not (weight.requires_grad or x.requires_grad):
         return None
