@@ -132,10 +132,13 @@ def _batch(b):
 
 
 def _wrapped_weight_elements(model):
+    """Weight elements whose autocast copy the recast removes: every Linear / Conv1D but the fused
+    LM head and the gated MLPs' down projections (leanact's gated_down keeps their fp32 weight either way)."""
     heads = {id(m.get_output_embeddings()) for m in model.modules() if hasattr(m, "get_output_embeddings")}
     n = 0
-    for m in model.modules():
-        if (type(m) is nn.Linear or type(m).__name__ == "Conv1D") and id(m) not in heads:
+    for name, m in model.named_modules():
+        if ((type(m) is nn.Linear or type(m).__name__ == "Conv1D") and id(m) not in heads
+                and not name.endswith("mlp.down_proj")):
             n += m.weight.numel()
     return n
 
@@ -279,7 +282,8 @@ def test_meter_no_weight_copies_without_autocast():
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_layer_cost_under_autocast(family):
     """measure_layer_cost (2 layers - 1 layer) under bf16 autocast: with recast_weights=False one
-    layer keeps exactly 2 bytes per Linear weight element more, all of it reported as weight copies."""
+    layer keeps exactly 2 bytes per Linear weight element more (down_proj aside: see
+    _wrapped_weight_elements), all of it reported as weight copies."""
     import transformers
 
     from leanact.memory import measure_layer_cost
@@ -303,7 +307,7 @@ def test_layer_cost_under_autocast(family):
         for recast in (False, True):
             cost[recast] = measure_layer_cost(lambda n: build(n, recast), lambda: (ids,), 8, 2, 32)
     layer = build(1, True)
-    elements = sum(m.weight.numel() for m in layer.modules() if type(m) is nn.Linear)
+    elements = _wrapped_weight_elements(layer)
     assert cost[False].bytes - cost[True].bytes == 2 * elements
     assert cost[False].weight_copies == 2 * elements and cost[True].weight_copies == 0
 
@@ -348,3 +352,16 @@ def test_composes_with_recipes():
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
     assert all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
     assert res[0][3] - res[1][3] == 2 * (64 * 32 + 32 * 64)
+
+
+def test_gated_mlp_stays_lean_with_recast_projections():
+    """The recast wraps the gate/up projections' forward; the lean gated MLP still runs (keeps g and
+    u only: nothing saved by SiLU or the product), as without autocast."""
+    m = leanact.patch(_model("llama"))
+    batch = _batch(2)
+    meter = SavedTensorMeter(m, exclude=list(batch.values()))
+    with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(**batch).loss
+    meter.attribute(loss)
+    ops = {r.op for r in meter.records if r.module.endswith("mlp") or ".mlp." in r.module}
+    assert "GatedDownFunction" in ops and not {"Silu", "Mul"} & ops, ops

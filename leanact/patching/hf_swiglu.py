@@ -125,9 +125,16 @@ def activation_kind(act: nn.Module | None) -> tuple[str | None, str | None]:
     return kind, None
 
 
+def _own_forward(m: nn.Module) -> bool:
+    """No forward override on the instance, or only leanact's weight recast (same computation)."""
+    from .weight_recast import RecastForward
+
+    return "forward" not in m.__dict__ or isinstance(m.__dict__["forward"], RecastForward)
+
+
 def _plain(m: nn.Module | None, cls: type) -> bool:
     """Still the module patching saw: that exact class, no forward override, no hooks."""
-    return (type(m) is cls and "forward" not in m.__dict__ and not (m._forward_hooks or m._forward_pre_hooks
+    return (type(m) is cls and _own_forward(m) and not (m._forward_hooks or m._forward_pre_hooks
                                                                   or m._backward_hooks or m._backward_pre_hooks))
 
 
