@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
 
@@ -114,7 +115,10 @@ def main() -> None:
     rows, trows = [], []
     for fam in args.families:
         s = args.seq or FAMILIES[fam][3]
-        res = {m: layer_memory(fam, m, s) for m in args.modes}
+        res = {}
+        for m in args.modes:
+            res[m] = layer_memory(fam, m, s)
+            print(f"{fam} s={s} {m}: {res[m][0]:.2f} B/sbh, {res[m][1]:.2f} MiB", file=sys.stderr, flush=True)
         base = res.get("sdpa")
         for m, (per, const) in res.items():
             rows.append([fam, str(s), m, f"{per:.2f}", f"{const:.2f}", "" if base is None else f"{per / base[0]:.3f}x"])

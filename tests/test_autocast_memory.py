@@ -151,3 +151,27 @@ def test_fused_loss_dtype_follows_autocast(family):
         a, b = ref(**tiny_batch()).loss, lean(**tiny_batch()).loss
     assert leanact.summary(lean).loss_states[""].fused_calls == 1
     assert a.dtype == b.dtype == torch.float32
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_the_autocast_recipes(how):
+    """A deep copy or pickle round trip of a patched model rebuilds autocast's casts as the original does."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = leanact.patch(_llama(1).train())
+    twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    ids = torch.randint(1, 100, (1, S))
+    kept = []
+    for m in (model, twin):
+        meter = SavedTensorMeter(m)
+        reset_counters()
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(ids).last_hidden_state
+        out.float().sum().backward()
+        kept.append(meter.total_bytes)
+        assert counters().get("recompute:cast", 0) == 5  # q, k, v, gate, up: rebuilt, not kept
+    assert kept[0] == kept[1]
+    leanact.unpatch(twin)
+    assert "forward" not in twin.__dict__
