@@ -187,7 +187,16 @@ def _configs(model: nn.Module) -> list:
     return list(found.values())
 
 
-_FEATURES = {"softcap": "logit softcapping", "s_aux": "attention sinks", "sinks": "attention sinks"}
+def _variants(config, modules) -> str:
+    """The attention variants the core runs for this config (shown in the summary)."""
+    found = []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        found.append("logit softcap")
+    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        found.append("sliding windows")
+    if any("sinks" in m._parameters for m in modules):
+        found.append("attention sinks")
+    return "".join(f", {f}" for f in found)
 
 
 def _set_implementation(config, name: str) -> None:
@@ -230,16 +239,13 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         else:
             was = was or "eager"
             users = [m for m in model.modules() if getattr(m, "config", None) is c]
-            state = attention_hf._ConfigState(was, mode, attention_hf.static_fallbacks(c, users))
+            state = attention_hf._ConfigState(was, mode)
             states[id(c)] = state
             attention_hf.set_config_state(c, state)
             records.append((c, was))
             summary.attention_states[path] = state
-            if state.fallbacks:
-                names = ", ".join(sorted(_FEATURES.get(f, f) for f in state.fallbacks))
-                summary.attention.append((path, was, f"left: {was} (leanact's core has no {names})"))
-            elif any(not isinstance(m, PreTrainedModel) for m in users):  # (a composite's top config has no layers)
-                summary.attention.append((path, was, f"leanact ({mode})"))
+            if any(not isinstance(m, PreTrainedModel) for m in users):  # (a composite's top config has no layers)
+                summary.attention.append((path, was, f"leanact ({mode}{_variants(c, users)})"))
     for m in model.modules():  # the state travels with the modules (deepcopy, pickle)
         state = states.get(id(getattr(m, "config", None)))
         if state is not None:
