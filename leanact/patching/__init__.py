@@ -100,6 +100,32 @@ class PatchSummary:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
         return {p: set(st.fallbacks) for p, st in self.attention_states.items() if st.fallbacks}
 
+    def left_in_layers(self) -> list[str]:
+        """What was left inside the model's repeated layers (paths with a layer index), by name:
+        "attention" if its row says left or calls fell back, then the classes of the modules left
+        (RoPE tables excepted: built without autograd, they keep nothing); [] when nothing was."""
+        import re
+
+        out = []
+        if any(after.startswith("left") for _, _, after in self.attention) or self.attention_fallbacks():
+            out.append("attention")
+        for name, cls, _ in self.left:
+            if re.search(r"\.\d+(\.|$)", name) and not cls.endswith("RotaryEmbedding") and cls not in out:
+                out.append(cls)
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain data (no markup) for JSON: every row of :meth:`table` by kind."""
+        from rich.text import Text
+
+        plain = lambda rows: [[Text.from_markup(x).plain for x in r] for r in rows]  # noqa: E731
+        row = self.functional_dropout_row()
+        return {"replaced": plain(self.replaced), "left": plain(self.left), "attention": plain(self.attention),
+                "attention_fallbacks": {p: sorted(f) for p, f in self.attention_fallbacks().items()},
+                "loss": plain(self.loss), "notes": list(self.notes),
+                "functional_dropout": None if row is None else plain([row])[0],
+                "left_in_layers": self.left_in_layers()}
+
     def table(self):
         """A rich Table of the replacements, what was left and why, and attention (``print()`` shows it)."""
         from leanact._format import text_table
