@@ -167,6 +167,11 @@ class SavedTensorTransform(_PipelineMember):
         """Tensors (on any device) that ``packed`` keeps alive, for the meter."""
         return []
 
+    def may_replace(self, t: torch.Tensor) -> bool:
+        """Whether :meth:`pack` might replace ``t`` (default: yes). A transform that knows it leaves
+        some tensors as they are says so, so that inner transforms may count on them being kept."""
+        return True
+
 
 class SavedTensorObserver(_PipelineMember):
     """Sees every saved tensor and what is finally kept for it."""

@@ -149,7 +149,7 @@ def test_saved_bytes_per_layer_exact():
     per_token = 2 * (e * h + 4) + e * (2 * h + 2 * kv * d) + 4 * heads + 2 * e * ffn
     lean = measure_layer_cost(build(True, "eager"), ids, s, b, h)
     assert lean.bytes == s * b * per_token, dict(lean.by_op)
-    assert lean.by_op["_SwiGLU"] == s * b * 2 * e * ffn
+    assert lean.by_op["GatedDownFunction"] == s * b * 2 * e * ffn
     assert measure_layer_cost(build(True, "sdpa"), ids, s, b, h).bytes == lean.bytes
     eager = measure_layer_cost(build(False, "eager"), ids, s, b, h)
     # HF eager keeps, among others, g, silu(g), u, silu(g)*u: 4·e·I per token in the MLP alone.

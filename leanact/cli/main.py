@@ -72,7 +72,10 @@ def _add_profile(sub) -> None:
     p.add_argument("--seq", type=_positive, help="sequence length s (default: per model, 128 for bert-base)")
     p.add_argument("--batch", type=_positive, help="batch for the activation column and the timing "
                                                    "(default: per model, 2 for bert-base)")
-    p.add_argument("--dtype", choices=list(profile_cmd.DTYPES), default="bf16", help="default bf16")
+    p.add_argument("--dtype", choices=list(profile_cmd.DTYPES), default=None,
+                   help="weights and inputs (default bf16; fp32 with --autocast)")
+    p.add_argument("--autocast", choices=list(profile_cmd.AUTOCAST), default=None,
+                   help="fp32 weights, every forward under torch.autocast of this dtype (mixed precision)")
     p.add_argument("--dropout", type=_probability, help="set every dropout probability of the config "
                                                         "(default: the config's own)")
     p.add_argument("--repeats", type=_non_negative,
@@ -153,8 +156,9 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
 
     try:
         geo = resolve(args.model)
-        cfg = profile_cmd.ProfileConfig(args.model, args.seq, args.batch, args.dtype, args.dropout, args.repeats,
-                                        args.budget).resolved(geo)
+        dtype = args.dtype or ("fp32" if args.autocast else "bf16")
+        cfg = profile_cmd.ProfileConfig(args.model, args.seq, args.batch, dtype, args.dropout, args.repeats,
+                                        args.budget, autocast=args.autocast).resolved(geo)
         geo.check_seq(cfg.seq)
     except ValueError as e:
         parser.error(str(e))

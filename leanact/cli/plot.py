@@ -40,7 +40,7 @@ def plot(result: ProfileResult, path: str) -> None:
                     ha="center", va="bottom", fontsize="small")
     ax.set_ylim(0, max(m.per_sbh for m in result.modes) * 1.2)
     ax.set_ylabel("kept per layer / (s·b·h)  [B/sbh]")
-    ax.set_title(f"{g['name']} ({g['model_class']}): s={cfg.seq}, b={cfg.batch}, {cfg.dtype}, "
+    ax.set_title(f"{g['name']} ({g['model_class']}): s={cfg.seq}, b={cfg.batch}, {cfg.precision}, "
                  f"{dropout_label(result)}\nkept for backward per layer, by role (MiB per layer at b={cfg.batch})",
                  fontsize="medium")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

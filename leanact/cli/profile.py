@@ -19,12 +19,18 @@ it against direct measurements of the full L-layer model at other batch sizes. B
 per-op breakdown are at batch 1. Parameters, gradients and optimizer state are not activation
 memory and are not counted.
 
+``--autocast bf16|fp16``: fp32 weights, every forward (and the timed steps) under ``torch.autocast``
+of that dtype, as mixed-precision training runs. The meter then also reports, per layer, the
+16-bit weight copies autocast's matmuls keep (batch-independent, in the layer's bytes;
+``leanact.patch`` keeps none: it recasts the weights in backward).
+
 Time: forward+backward of the 1-layer model (head and loss included, so the ratios are diluted
 relative to a deep model) at the chosen batch and sequence, modes interleaved step by step so
 that drifts in machine load hit all alike; medians of ``repeats`` steps after one warm-up step.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -41,6 +47,7 @@ from leanact.models.geometries import Geometry, resolve
 from .roles import role_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+AUTOCAST = ("bf16", "fp16")  # --autocast: fp32 weights, the forward under torch.autocast
 DEFAULT_MODEL = "bert-base"
 # (label, HF attention implementation, leanact.patch attention mode or None for unpatched)
 MODES: list[tuple[str, str, str | None]] = [
@@ -61,11 +68,31 @@ class ProfileConfig:
     repeats: int | None = None  # 0: skip timing
     budget: int | None = None  # bytes of activation memory for the largest-batch column
     seed: int = 0
+    autocast: str | None = None  # "bf16" / "fp16": fp32 weights (dtype "fp32"), forward under torch.autocast
+
+    def __post_init__(self) -> None:
+        if self.autocast is not None:
+            if self.autocast not in AUTOCAST:
+                raise ValueError(f"autocast={self.autocast!r}: use one of {AUTOCAST}")
+            if self.dtype != "fp32":
+                raise ValueError(f"--autocast {self.autocast} runs fp32 weights under torch.autocast: "
+                                 f"drop --dtype {self.dtype} (or use --dtype fp32)")
 
     def resolved(self, geo: Geometry) -> "ProfileConfig":
         """A copy with the geometry's defaults filled in."""
         return ProfileConfig(self.model, self.seq or geo.seq, self.batch or geo.batch, self.dtype, self.dropout,
-                             geo.repeats if self.repeats is None else self.repeats, self.budget, self.seed)
+                             geo.repeats if self.repeats is None else self.repeats, self.budget, self.seed,
+                             self.autocast)
+
+    def amp(self):
+        """The autocast context of the forwards (a no-op without ``autocast``)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=DTYPES[self.autocast])
+
+    @property
+    def precision(self) -> str:
+        return self.dtype if self.autocast is None else f"fp32 + {self.autocast} autocast"
 
 
 @dataclass
@@ -83,6 +110,7 @@ class ModeResult:
     step_ms: float | None = None
     step_ratio: float | None = None
     max_batch: int | None = None  # under the budget
+    weight_copies: int = 0  # per layer: autocast's 16-bit weight copies (batch-independent; in bytes_per_layer)
     #: leanact modes: ``PatchSummary.to_dict()`` of the patched 1-layer model (what was left and why)
     summary: dict | None = None
     label: str = ""  # the name shown; "(partial: ... left)" when leanact left parts of the layer
@@ -107,11 +135,12 @@ class ProfileResult:
                 "modes": [asdict(m) for m in self.modes], "plan": self.plan}
 
 
-def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int], dict[str, int]]:
-    """(bytes kept for backward, bytes by autograd op, bytes by role) of one forward; its graph is
-    then released (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
+def _cost(model: torch.nn.Module, inputs: dict, amp=None) -> tuple[int, dict[str, int], dict[str, int], int]:
+    """(bytes kept for backward, bytes by autograd op, bytes by role, of which weight copies) of one
+    forward (under ``amp``, an autocast context); its graph is then released
+    (:meth:`SavedTensorMeter.release`: no backward needed to free it)."""
     meter = SavedTensorMeter(model, exclude=[t for t in inputs.values() if isinstance(t, torch.Tensor)])
-    with meter:
+    with meter, (amp or contextlib.nullcontext()):
         out = model(**inputs)
     meter.attribute(out)
     meter.release()
@@ -119,7 +148,7 @@ def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int], di
     for r in meter.counted():
         role = role_of(r.module, r.op)
         roles[role] = roles.get(role, 0) + r.counted_bytes
-    return meter.total_bytes, dict(meter.by_op()), roles
+    return meter.total_bytes, dict(meter.by_op()), roles, meter.weight_copy_bytes
 
 
 def _difference(two: dict[str, int], one: dict[str, int]) -> dict[str, int]:
@@ -142,10 +171,12 @@ def mode_model(base: torch.nn.Module, attn: str, lean: str | None) -> torch.nn.M
     return model.train()
 
 
-def _step(model: torch.nn.Module, inputs: dict) -> float:
+def _step(model: torch.nn.Module, inputs: dict, amp=None) -> float:
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    model(**inputs).loss.backward()
+    with amp or contextlib.nullcontext():
+        loss = model(**inputs).loss
+    loss.backward()
     return time.perf_counter() - t0
 
 
@@ -169,12 +200,12 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
                                      dropout=geo.dropout_probabilities(cfg.dropout)))
     timed: list[torch.nn.Module] = []
     for label, attn, lean in MODES:
-        costs: dict[tuple[int, int], tuple[int, dict[str, int], dict[str, int]]] = {}
+        costs: dict[tuple[int, int], tuple[int, dict[str, int], dict[str, int], int]] = {}
         summary = None
         for n in (1, 2):
             model = mode_model(bases[n], attn, lean)
             for b in (1, 2):
-                costs[n, b] = _cost(model, samples[b])
+                costs[n, b] = _cost(model, samples[b], cfg.amp())
             tick(1, f"memory: {label}, {n} layer{'s' * (n > 1)}")
             if n == 1 and lean is not None:
                 summary = _summary(model)
@@ -190,12 +221,14 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
                        summary=summary, label=honest_label(label, summary))
         m.activation_bytes = m.activation_at(cfg.batch)
         m.layer_bytes = layer[1] + (cfg.batch - 1) * (layer[2] - layer[1])
+        m.weight_copies = costs[2, 1][3] - costs[1, 1][3]
         if cfg.budget is not None:
             m.max_batch = max_batch(cfg.budget, m.fixed_bytes, m.per_sample_bytes)
         result.modes.append(m)
     del bases
     if cfg.repeats:
-        _time_modes(result, timed, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.repeats, tick)
+        _time_modes(result, timed, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.repeats, tick,
+                    cfg)
     return result
 
 
@@ -239,11 +272,11 @@ def render_summary(result: ProfileResult):
     return tab
 
 
-def _time_modes(result: ProfileResult, models: list, inputs: dict, repeats: int, tick) -> None:
+def _time_modes(result: ProfileResult, models: list, inputs: dict, repeats: int, tick, cfg: ProfileConfig) -> None:
     times: list[list[float]] = [[] for _ in models]
     for r in range(1 + repeats):  # round 0 is the warm-up
         for i, model in enumerate(models):
-            t = _step(model, inputs)
+            t = _step(model, inputs, cfg.amp())
             if r:
                 times[i].append(t)
             tick(1, f"timing: {result.modes[i].name}" + (f", step {r}/{repeats}" if r else ", warm-up"))
@@ -274,7 +307,8 @@ def planner_explanation(cfg: ProfileConfig):
     cfg = cfg.resolved(geo)
     dtype = DTYPES[cfg.dtype]
     model = geo.build(geo.layers, "sdpa", dtype, cfg.dropout, cfg.seq, cfg.seed)
-    explained = plan(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.budget).explain()
+    explained = plan(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.budget,
+                     autocast=DTYPES[cfg.autocast] if cfg.autocast else False).explain()
     return explained, f"plan for the unpatched model under {format_bytes(cfg.budget)}"
 
 
@@ -290,20 +324,24 @@ def render(result: ProfileResult):
     """A rich Table, one row per mode; it fits 80 columns (units in the headers, legend in the caption)."""
     cfg, g = result.config, result.geometry
     title = (f"{g['name']} ({g['model_class']}: h={g['hidden']}, L={g['layers']}, a={g['heads']}"
-             f"{', vocab ' + str(g['vocab']) if g['vocab'] else ''}), s={cfg.seq}, b={cfg.batch}, {cfg.dtype}, "
+             f"{', vocab ' + str(g['vocab']) if g['vocab'] else ''}), s={cfg.seq}, b={cfg.batch}, {cfg.precision}, "
              f"{dropout_label(result)}, random weights")
     timing = (f"step: fwd+bwd of the 1-layer model, median of {cfg.repeats}, modes interleaved." if cfg.repeats
               else "step: not timed (--repeats 0).")
     budget = ("" if cfg.budget is None else
               f" max batch: the largest batch whose total fits {format_bytes(cfg.budget)}.")
+    copies = (" copies: autocast's 16-bit weight copies one layer keeps (batch-independent; in B/sbh and "
+              "layer)." if cfg.autocast else "")
     tab = compact_table(title, (
         "B/sbh: bytes one layer keeps for backward / (s·b·h), parameters excluded (2-layer minus 1-layer "
         f"model). layer, outside (embeddings, head, loss), total (whole model): at b={cfg.batch}.{budget} "
-        f"{timing} vs eager: relative to HF eager."))
+        f"{timing} vs eager: relative to HF eager.{copies}"))
     modes, layers = result.modes, g["layers"]
     outside = [m.activation_bytes - layers * m.layer_bytes for m in modes]
     memory = {"layer": [m.layer_bytes for m in modes], "outside": outside,
               "total": [m.activation_bytes for m in modes]}
+    if cfg.autocast:
+        memory = {"copies": [m.weight_copies for m in modes], **memory}
     units = {name: unit_for(values) for name, values in memory.items()}
     tab.add_column("mode", justify="left", no_wrap=False)
     tab.add_column("B/sbh", justify="right", no_wrap=True)

@@ -1,14 +1,17 @@
 """``leanact.estimate``: the memory of one training step, predicted on fake tensors."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from leanact.ops.amp import autocast_arg
 from leanact.strategies.cache import caches_off
 
-from .compat import cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
+from .compat import causal_skip_on_fake, cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
+from .cuda_kernels import CudaKernels
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -21,9 +24,10 @@ CUDA_NOTES = [
     "(c10::Error, no device guard) when autograd records one, so the trace runs on fake CPU tensors",
     "every storage is rounded up to 512 bytes (CUDA caching allocator; torch.cuda.max_memory_allocated)",
     "optimizer uses foreach=True (torch's CUDA default; its step temporaries are counted)",
-    "SDPA: the CPU trace uses the CPU flash kernel, which keeps q, k, v, out and a float32 logsumexp "
-    "(b, heads, s); CUDA's flash/efficient kernels keep the same tensors (efficient pads logsumexp "
-    "to 32 rows, dropout adds two 8-byte philox scalars); the math fallback would keep the probabilities",
+    "plain dropout and SDPA follow CUDA's kernels (leanact.estimate.cuda_kernels): dropout keeps a bool mask; "
+    "SDPA runs flash (fp16/bf16, no attn_mask: keeps q, k, v, out, an fp32 logsumexp (b, heads, s) and the RNG "
+    "state), else memory-efficient (masks, fp32: + the bias in q's dtype, logsumexp padded to 32 rows), else math; "
+    "an Ampere or newer GPU assumed",
     "leanact's dropout, GELU and norms allocate what their Triton kernels allocate on CUDA (outputs only; "
     "LEANACT_TRITON=0: their PyTorch path's temporaries)",
     "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
@@ -122,7 +126,8 @@ def _layers(model: nn.Module) -> list[str]:
         return []
 
 
-def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, notes: list[str]) -> Estimate:
+def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, notes: list[str],
+            autocast: torch.dtype | None = None) -> Estimate:
     layers = _layers(model)
     act = mem.after_forward.get("Activation", 0)
     accounted = sum(mem.at_peak.get(k, 0) for k in ("Parameter", "Buffer", "Optstate", "Activation", "Gradient"))
@@ -132,60 +137,75 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
         per_layer_alive=group_by_layer(mem.alive_by_module, layers, exact_only=True),
         activations=act, saved=mem.saved, params=mem.params, buffers=mem.buffers, grads=mem.grads,
         optimizer_state=mem.optimizer_state, temporaries=mem.peak - accounted, peak=mem.peak,
-        at_peak=mem.at_peak, notes=notes)
+        at_peak=mem.at_peak, notes=notes, weight_copies=mem.weight_copies,
+        autocast=None if autocast is None else str(autocast).replace("torch.", ""))
 
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
-         mode, optimizer: Any, loss_fn: Callable | None) -> Estimate:
+         mode, optimizer: Any, loss_fn: Callable | None, autocast: torch.dtype | None = None,
+         keep_output: bool = False) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
     fake_model.train()
     warm_lean_caches(fake_model, dtype)
+    if autocast is not None and autocast != dtype:  # the lean ops then also see autocast's dtype
+        warm_lean_caches(fake_model, autocast)
     if plan is not None:
         plan.apply(fake_model)
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
-        with value_decisions(real_of), emulate, fewer_slices(kind), \
+        kernels = CudaKernels() if kind == "cuda" else contextlib.nullcontext()
+        with value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
                 caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
-                           block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None)
+                           block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None,
+                           autocast=autocast, keep_output=keep_output)
     finally:
         if plan is not None:
             plan.remove(fake_model)
-    return _result(mem, fake_model, kind, dtype, notes)
+    return _result(mem, fake_model, kind, dtype, notes, autocast)
 
 
 def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None, device: Any = None, *,
              dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
-             batch: int | None = None, seq: int | None = None) -> Estimate:
+             batch: int | None = None, seq: int | None = None, autocast: Any = None,
+             keep_output: bool = False) -> Estimate:
     """Predict the memory of one training step of ``model`` without running it for real.
 
     The model (real or already fake; patched or not; never modified) is copied with fake weights,
     ``strategy_or_plan`` (None, a name for ``leanact.strategies.uniform`` or a Plan) is applied to
     the copy, and one step -- forward + loss, backward, ``optimizer`` step ("adamw", "sgd", None or
-    a callable) -- runs on fake tensors under torch's ``MemTracker``. ``sample_inputs``: dict of
+    a callable) -- runs on fake tensors under torch's ``MemTracker``. The model output is released
+    before backward, as Hugging Face's ``Trainer`` and most loops do (they keep the loss only);
+    ``keep_output=True`` holds it (the logits) through backward. ``sample_inputs``: dict of
     keyword arguments or tuple (real or fake tensors), resized to ``batch`` / ``seq`` if given.
     ``dtype`` casts weights and floating inputs. ``device="cuda"`` models CUDA from the CPU trace
     (see :data:`CUDA_NOTES`). ``loss_fn(out, inputs)``: default the model's ``.loss``.
     ``dtype`` also takes a name ("bf16", "fp16", "fp32", "bfloat16", ...). Hugging Face KV caches
     are off for the step (``use_cache=False``: training does not read them; restored after).
+    ``autocast``: "bf16" / "fp16" (or torch.bfloat16 / torch.float16) runs the forward and the loss
+    under ``torch.autocast`` of that dtype (fp32 weights: mixed precision); None (default) does so
+    when the call itself is inside ``torch.autocast`` (CPU or CUDA), with its dtype; False never.
     Bad arguments (``batch=0``, ``seq`` beyond the model's learned positions, ...) raise first.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     dtype = _dtype_arg(dtype)
+    autocast = autocast_arg(autocast, "estimate")
     _check_sizes(model, batch, seq)
     kind = _device_kind(device, model)
     mode = new_mode()
     fake_model, real_of = fake_copy(model, mode, dtype)
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
-    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn)
+    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn,
+                autocast, keep_output)
 
 
 def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, strategy_or_plan: Any = None,
                     device: Any = "cpu", *, model_class: type | None = None, patch: bool | str = False,
                     dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
-                    batch: int | None = None, seq: int | None = None) -> Estimate:
+                    batch: int | None = None, seq: int | None = None, autocast: Any = None,
+                    keep_output: bool = False) -> Estimate:
     """Like :func:`estimate` for a model that is never built for real: ``build()`` (or
     ``model_class(build)`` when ``build`` is a config) runs under ``FakeTensorMode``. ``patch``:
     True / "recompute" / "tempo" applies ``leanact.patch`` to the fake model first. Norm weights
@@ -196,6 +216,7 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
     if not callable(build):
         raise TypeError("estimate_config needs a callable returning the model, or a config with model_class=...")
     dtype = _dtype_arg(dtype)
+    autocast = autocast_arg(autocast, "estimate_config")
     _size_arg("batch", batch)
     _size_arg("seq", seq)
     kind = "cpu" if device is None else _device_kind(device, nn.Module())
@@ -208,4 +229,5 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
         patch_model(fake_model, attention="recompute" if patch is True else patch)
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
-    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn)
+    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn,
+                autocast, keep_output)

@@ -6,7 +6,7 @@ manager and restored on exit; the owners' files are not modified):
 * ``leanact.ops.layer_norm.from_output_ok`` (imported by ``ops.rms_norm`` and
   ``patching.hf_rms_norm`` too) decides from the values of γ, β whether to keep y or x:
   ``bool(ok.all())`` raises ``DataDependentOutputException`` on fake weights. :func:`value_decisions`
-  answers with the real weight's decision, or True for config-built models (γ = 1, β = 0).
+  answers with the real weight's decision, or True for config-built models and meta weights (γ = 1, β = 0).
 * leanact's GELU backward builds lookup tables lazily with boolean-mask indexing (``aten.nonzero``:
   ``DynamicOutputShapeException``): :func:`warm_lean_caches` builds them on real tensors first.
 * (Recompute recipes accept fake tensors natively: ``leanact.recompute.recipes`` treats a
@@ -21,6 +21,8 @@ manager and restored on exit; the owners' files are not modified):
   :func:`fewer_slices` runs the first two GELU slices (sized for the modelled device) and the last
   three attention blocks (the largest: causal blocks grow; the last one may be ragged) on fake
   tensors: the same peak, in a fraction of the time.
+* Hugging Face builds a causal mask for fake inputs where it passes ``is_causal=True`` for real
+  ones (no padding mask; it cannot rule out packed sequences): :func:`causal_skip_on_fake`.
 * On CUDA leanact's ops run Triton kernels (:mod:`leanact.ops.triton`) that allocate their outputs
   only: :func:`triton_allocations` makes the ops on fake tensors allocate exactly that.
 """
@@ -34,7 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["value_decisions", "warm_lean_caches", "fewer_slices", "cpu_dropout_allocations", "warm_cpu_dropout",
-           "triton_allocations"]
+           "triton_allocations", "causal_skip_on_fake"]
 
 
 @contextlib.contextmanager
@@ -50,8 +52,8 @@ def value_decisions(real_of: dict[int, torch.Tensor]):
         if not any(t is not None and is_fake(t) for t in (weight, bias)):
             return original(weight, bias, n, dtype, max_ratio)
         real = [None if t is None else real_of.get(id(t)) for t in (weight, bias)]
-        if any(t is not None and r is None for t, r in zip((weight, bias), real)):
-            return True  # built from a config: default initialisation
+        if any(t is not None and (r is None or r.device.type == "meta") for t, r in zip((weight, bias), real)):
+            return True  # built from a config, or meta weights (no values): default initialisation
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             return original(real[0], real[1], n, dtype, max_ratio)
 
@@ -205,3 +207,33 @@ def triton_allocations():
         return
     with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=True):
         yield
+
+
+
+@contextlib.contextmanager
+def causal_skip_on_fake():
+    """While active, Hugging Face's mask builder treats fake ``position_ids`` as one sequence per
+    row (not packed), as it finds for real ones: ``masking_utils.find_packed_sequence_indices``
+    cannot read fake values and reports packing, which makes it build and keep a (b, 1, s, s) mask
+    where the real step passes SDPA ``is_causal=True`` (no padding mask; on CUDA the flash
+    kernel). Packed sequences given as ``position_ids`` are therefore not modelled."""
+    try:
+        from transformers import masking_utils as mu
+    except ImportError:  # pragma: no cover - transformers is optional
+        yield
+        return
+    original = getattr(mu, "find_packed_sequence_indices", None)
+    if original is None:  # pragma: no cover - other transformers versions
+        yield
+        return
+
+    def packed(position_ids, *args, **kwargs):
+        if isinstance(position_ids, torch.Tensor) and is_fake(position_ids):
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    mu.find_packed_sequence_indices = packed
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original

@@ -21,6 +21,9 @@ class Estimate:
         recompute, which the meter does not see).
     activations: activation bytes alive at the end of the forward (incl. the loss computation):
         all that is kept for backward plus the outputs. saved: the meter's total.
+    weight_copies: of ``saved``, autocast's 16-bit copies of fp32 weights (batch-independent; 0
+        without autocast, and for Linears patched by ``leanact.patch``, which recast in backward).
+    autocast: the autocast dtype the forward ran under ("bfloat16", "float16"), or None.
     params (+ buffers), grads (all trainable parameters), optimizer_state: their full sizes.
     temporaries: the rest of the peak (gradients of activations, op workspaces, the inputs).
     peak: largest total during forward, backward and optimizer step; at_peak: its breakdown.
@@ -40,6 +43,8 @@ class Estimate:
     peak: int
     at_peak: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    weight_copies: int = 0
+    autocast: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,7 +53,8 @@ class Estimate:
         """A rich Table: the per-layer kept bytes, then the step's totals (``print()`` shows it)."""
         from leanact._format import text_table
 
-        tab = text_table(title=title or f"leanact.estimate ({self.device}, {self.dtype})")
+        amp = f", autocast {self.autocast}" if self.autocast else ""
+        tab = text_table(title=title or f"leanact.estimate ({self.device}, {self.dtype}{amp})")
         tab.add_column("item")
         tab.add_column("bytes", justify="right")
         tab.add_column("", justify="right")
@@ -56,7 +62,9 @@ class Estimate:
             tab.add_row(f"layer {name} (kept for backward)", f"{n:,}", fmt_bytes(n))
         for label, n in (("parameters + buffers", self.params + self.buffers), ("gradients", self.grads),
                          ("optimizer state", self.optimizer_state), ("activations (end of forward)", self.activations),
-                         ("  of which kept for backward", self.saved), ("temporaries at peak", self.temporaries)):
+                         ("  of which kept for backward", self.saved),
+                         *((("    of which autocast weight copies", self.weight_copies),) if self.weight_copies else ()),
+                         ("temporaries at peak", self.temporaries)):
             tab.add_row(label, f"{n:,}", fmt_bytes(n))
         tab.add_row("peak", f"{self.peak:,}", fmt_bytes(self.peak), style="bold")
         return tab

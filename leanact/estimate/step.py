@@ -3,7 +3,9 @@ tensors) and for the measurement (real tensors), so the two are comparable numbe
 
 Protocol (a steady-state step): the optimizer state already exists (it is created beforehand by
 one step on zero gradients), gradients are None; then forward (+ loss) with the saved-tensor
-meter on, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``. The peak is the
+meter on, the model output released (the Trainer protocol: Hugging Face's ``Trainer`` and most
+loops keep only the loss; ``keep_output=True`` holds the output -- the logits -- through backward,
+as a loop that logs them does), backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``. The peak is the
 largest total the tracker saw: parameters + buffers + optimizer state + activations + gradients +
 temporaries (+ the inputs, "other").
 """
@@ -111,6 +113,7 @@ class StepMemory:
     optimizer_state: int
     saved: int  # kept for backward (meter: distinct storages, parameters excluded)
     saved_by_module: dict[str, int]
+    weight_copies: int = 0  # of saved: autocast's 16-bit copies of fp32 parameters
     alive_by_module: dict[str, int] = field(default_factory=dict)  # activation growth over each module's forward
 
 
@@ -122,8 +125,13 @@ def _init_optimizer(opt, params: list[nn.Parameter]) -> None:
 
 
 def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
-             block: int = 1, foreach: bool | None = None) -> StepMemory:
-    """Run one training step of ``model`` on ``inputs`` (real or fake tensors) under the tracker."""
+             block: int = 1, foreach: bool | None = None, autocast: torch.dtype | None = None,
+             keep_output: bool = False) -> StepMemory:
+    """Run one training step of ``model`` on ``inputs`` (real or fake tensors) under the tracker.
+    ``autocast``: run the forward and the loss under ``torch.autocast`` of that dtype, for the
+    device of the model's parameters (backward and the optimizer step outside it, as usual); None:
+    the forward runs with autocast off, even when the call is inside ``torch.autocast``.
+    ``keep_output``: hold the model output through backward (default: released before it)."""
     loss_fn = loss_fn or default_loss
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, params, foreach=foreach)
@@ -135,15 +143,21 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
     tracker.track_external(model, *_tensors(inputs), *([opt] if opt is not None else []))
     start = _total(tracker.get_tracker_snapshot())
     meter = SavedTensorMeter(model, exclude=_tensors(inputs))
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    amp = torch.autocast(device_type, dtype=autocast, enabled=autocast is not None)  # None: off, even inside one
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
         with tracker:
-            with meter:
+            with meter, amp:
                 out = _call(model, inputs)
                 loss = loss_fn(out, inputs)
+            if not keep_output:
+                del out
             after_forward = _total(tracker.get_tracker_snapshot())
             loss.backward()
-            del out, loss
+            del loss
+            if keep_output:
+                del out
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -157,7 +171,8 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
         peak=peak.get("Total", 0), at_peak=peak, after_forward=after_forward,
         params=start.get(_MemRefType.PARAM.value, 0), buffers=start.get(_MemRefType.BUFFER.value, 0),
         grads=grads, optimizer_state=opt_bytes, saved=meter.total_bytes,
-        saved_by_module=dict(meter.by_module()), alive_by_module=_alive_by_module(tracker))
+        saved_by_module=dict(meter.by_module()), alive_by_module=_alive_by_module(tracker),
+        weight_copies=meter.weight_copy_bytes)
 
 
 def _nbytes(t: torch.Tensor, block: int) -> int:

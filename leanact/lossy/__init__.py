@@ -131,6 +131,7 @@ def _in_layer_stack(model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 
 def _swap_modules(model: nn.Module, state: LossyState) -> None:
+    from ..patching.hf_swiglu import _LeanHFSwiGLU
     from ..patching.modules import hook_kinds
 
     fewbit, rl = state.options.get("fewbit"), state.options.get("randomized_linear")
@@ -144,7 +145,9 @@ def _swap_modules(model: nn.Module, state: LossyState) -> None:
                 continue
             qual = f"{prefix}.{name}" if prefix else name
             new = None
-            if fewbit is not None and (fn := _activation_function(child)) is not None:
+            if fewbit is not None and name == "act_fn" and isinstance(parent, _LeanHFSwiGLU):
+                pass  # the lean SwiGLU keeps g and u only; a few-bit SiLU would add silu(g) and the product
+            elif fewbit is not None and (fn := _activation_function(child)) is not None:
                 new = FewBitActivation(fn, int(fewbit.get("bits", 2)))
                 new.train(child.training)
             elif rl is not None and type(child) is nn.Linear and select(qual, child) and not hook_kinds(child):

@@ -209,6 +209,11 @@ class CompressTransform(SavedTensorTransform):
             return False
         return self.select is None or bool(self.select(t))
 
+    def may_replace(self, t: torch.Tensor) -> bool:
+        """Only eligible tensors: the rest (fp32 ones by default) are kept as they are, so inner
+        recipes may pin them (a consumer's copy is then rebuilt, not kept a second time)."""
+        return self.eligible(t)
+
     def pack(self, t: torch.Tensor) -> Any | None:
         if not self.eligible(t) or _kept_as_recipe(t):
             return None

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.amp import keeps_output
 from ..ops.fewbit import fewbit_activation, table
 from ..ops.randomized_linear import DEFAULT_BLOCK, randomized_linear, sketch_rows
+from ..recompute import recipes
 
 __all__ = ["FewBitActivation", "RandomizedLinear"]
 
@@ -28,7 +30,10 @@ class FewBitActivation(nn.Module):
 
 class RandomizedLinear(nn.Linear):
     """:class:`torch.nn.Linear` whose weight gradient is an unbiased random estimate; keeps
-    ``R X`` (ρ·N rows) and an 8-byte seed instead of its input (:mod:`leanact.ops.randomized_linear`).
+    ``R X`` (ρ·N rows) and an 8-byte seed instead of its input (:mod:`leanact.ops.randomized_linear`),
+    except when the input is kept anyway by the leanact op that made it (a norm or GELU keeping its
+    output) or is a recipe's output (rebuilt in backward): then it is the exact Linear, which keeps
+    nothing more.
     Same parameters and state dict as the Linear it replaces (:meth:`from_linear` shares them)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -45,6 +50,9 @@ class RandomizedLinear(nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if keeps_output(input) or (recipes.is_active() and recipes._find(input) is not None):
+            # kept anyway by its producer, or a recipe (free): R X would be a second, lossy copy
+            return super().forward(input)
         return randomized_linear(input, self.weight, self.bias, self.ratio, self.block)
 
     def extra_repr(self) -> str:

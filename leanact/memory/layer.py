@@ -22,6 +22,8 @@ class LayerCost:
     s: int
     b: int
     h: int
+    #: of ``bytes``, autocast's 16-bit weight copies (batch-independent; see SavedTensorMeter.weight_copy_bytes)
+    weight_copies: int = 0
 
     @property
     def per_sbh(self) -> float:
@@ -49,4 +51,5 @@ def measure_layer_cost(build: Callable[[int], nn.Module], inputs: Callable[[], t
     ops: OrderedDict[str, int] = OrderedDict()
     for op in list(two.by_op()) + list(one.by_op()):
         ops[op] = two.by_op().get(op, 0) - one.by_op().get(op, 0)
-    return LayerCost(two.total_bytes - one.total_bytes, ops, s, b, h)
+    return LayerCost(two.total_bytes - one.total_bytes, ops, s, b, h,
+                     two.weight_copy_bytes - one.weight_copy_bytes)

@@ -6,6 +6,11 @@ bytes, shape, dtype, the innermost module running at that moment) and, after the
 each record with the autograd node that holds it by walking the graph. Storages are counted once
 (a tensor kept by several ops, or several views of one buffer, cost one storage), and the
 storages of parameters and buffers are excluded: they live whether or not backward happens.
+
+Under ``torch.autocast`` a matmul of an fp32 weight keeps autocast's 16-bit cast of that weight:
+a copy of the parameter, counted (it is kept for backward), but batch-independent. The meter
+recognises such copies of the model's parameters and reports them apart
+(:attr:`SavedTensorMeter.weight_copy_bytes`; :attr:`SavedRecord.weight_copy` names the parameter).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class SavedRecord:
     op: str = "?"
     excluded: str | None = None  # "parameter" / "buffer" / "excluded" when not counted
     duplicate_of: int | None = None  # index of the record that already counted this storage
+    weight_copy: str | None = None  # the parameter this is a 16-bit cast of (autocast's weight copy)
 
     @property
     def counted_bytes(self) -> int:
@@ -50,6 +56,30 @@ class SavedRecord:
 def _storage_key(t: torch.Tensor) -> int:
     # Identity of the StorageImpl: equal for all views of one buffer; works for meta/fake tensors.
     return t.untyped_storage()._cdata
+
+
+_LOW = (torch.bfloat16, torch.float16)
+_VIEW_NODES = ("TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+               "ExpandBackward0", "AsStridedBackward0", "AliasBackward0", "SliceBackward0")
+
+
+def _cast_source(t: torch.Tensor) -> torch.Tensor | None:
+    """The leaf ``t`` is a cast (``.to``) of, through views, by its autograd history (None: none)."""
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0] if node.next_functions else None
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+        return None
+    leaf = node.next_functions[0][0]
+    return getattr(leaf, "variable", None)
+
+
+def _equal_cast(base: torch.Tensor, p: torch.Tensor) -> bool:
+    try:
+        with torch.no_grad():
+            return bool(torch.equal(base, p.to(base.dtype)))
+    except Exception:  # fake or meta tensors: no values to compare
+        return False
 
 
 class SavedTensorMeter(SavedTensorObserver):
@@ -74,9 +104,15 @@ class SavedTensorMeter(SavedTensorObserver):
         modules = [] if model is None else ([model] if isinstance(model, nn.Module) else list(model))
         self._names: dict[int, str] = {}
         self._excluded: dict[int, str] = {}
+        self._param_names: dict[int, str] = {}
+        self._fp32_by_shape: dict[tuple, list[nn.Parameter]] = {}
         for root in modules:
             for name, mod in root.named_modules():
                 self._names.setdefault(id(mod), name or type(mod).__name__)
+            for name, p in root.named_parameters():
+                self._param_names.setdefault(id(p), name)
+                if p.dtype == torch.float32:
+                    self._fp32_by_shape.setdefault(tuple(p.shape), []).append(p)
             for p in root.parameters():
                 self._excluded[_storage_key(p)] = "parameter"
             for b in root.buffers():
@@ -125,8 +161,27 @@ class SavedTensorMeter(SavedTensorObserver):
             first = self._first_by_key.setdefault(key, index)
             if first != index:
                 rec.duplicate_of = first
+            elif t.dtype in _LOW:
+                rec.weight_copy = self._weight_copy_of(t)
         self.records.append(rec)
         return index
+
+    def _weight_copy_of(self, t: torch.Tensor) -> str | None:
+        """The name of the fp32 parameter whose 16-bit cast ``t`` is (or a view of), else None:
+        by autograd history (the cast of a parameter that requires grad), else, for a tensor
+        without history (the cast of a frozen parameter), by shape and value (real tensors only)."""
+        src = _cast_source(t)
+        if src is not None:
+            if src.dtype == torch.float32 and (id(src) in self._param_names or isinstance(src, nn.Parameter)):
+                return self._param_names.get(id(src), "parameter")
+            return None
+        if t.grad_fn is not None:
+            return None
+        base = t._base if t._base is not None else t
+        for p in self._fp32_by_shape.get(tuple(base.shape), ()):
+            if p.device == base.device and _equal_cast(base, p):
+                return self._param_names[id(p)]
+        return None
 
     def on_pack(self, original: torch.Tensor, kept: list[torch.Tensor]) -> list[int]:
         return [self._record(t) for t in kept]
@@ -197,6 +252,17 @@ class SavedTensorMeter(SavedTensorObserver):
         """Bytes kept for backward: distinct storages, parameters and buffers excluded."""
         return sum(r.counted_bytes for r in self.records)
 
+    @property
+    def weight_copy_bytes(self) -> int:
+        """Of :attr:`total_bytes`, the 16-bit copies of fp32 parameters kept under autocast
+        (batch-independent; ``leanact.patch`` keeps none: it recasts in backward)."""
+        return sum(r.counted_bytes for r in self.records if r.weight_copy is not None)
+
+    @property
+    def activation_bytes(self) -> int:
+        """:attr:`total_bytes` without :attr:`weight_copy_bytes`."""
+        return self.total_bytes - self.weight_copy_bytes
+
     def counted(self) -> list[SavedRecord]:
         return [r for r in self.records if r.counted_bytes]
 
@@ -225,8 +291,11 @@ class SavedTensorMeter(SavedTensorObserver):
         for col in ("module", "op", "shape", "dtype", "bytes"):
             tab.add_column(col, justify="right" if col == "bytes" else "left")
         for r in self.counted():
-            tab.add_row(r.module, r.op, "x".join(map(str, r.shape)), str(r.dtype).replace("torch.", ""), f"{r.counted_bytes:,}")
+            op = r.op if r.weight_copy is None else f"{r.op} (copy of {r.weight_copy})"
+            tab.add_row(r.module, op, "x".join(map(str, r.shape)), str(r.dtype).replace("torch.", ""), f"{r.counted_bytes:,}")
         tab.add_row("total", "", "", "", f"{self.total_bytes:,}", style="bold")
+        if self.weight_copy_bytes:
+            tab.add_row("  of which autocast weight copies", "", "", "", f"{self.weight_copy_bytes:,}")
         return tab
 
 

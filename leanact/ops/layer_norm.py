@@ -52,6 +52,7 @@ from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .amp import no_autocast_backward, norm_inputs
 from .transforms import functorch_active, is_wrapped, unwrap
 from .triton import dispatch as _triton
 
@@ -165,10 +166,12 @@ class LayerNormFromOutput(torch.autograd.Function):
             y, rstd = fused
         ctx.normalized_shape = normalized_shape
         ctx.save_for_backward(y, rstd, weight, bias)
+        ctx.keeps_output = True  # (leanact.ops.amp.keeps_output)
         return y
 
     @staticmethod
     @once_differentiable
+    @no_autocast_backward
     def backward(ctx, dy):
         # Rebuild x − μ = (y − β)/(γ·rstd) in the compute dtype and hand it, with mean 0 and the
         # saved rstd, to torch's fused LayerNorm backward: it then sees x̂ = (y − β)/γ and computes
@@ -215,6 +218,7 @@ def layer_norm(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not needs_grad or functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
         return F.layer_norm(x, shape, weight, bias, eps)
+    x, weight, bias = norm_inputs(x, weight, bias)  # autocast's policy for layer_norm (ops.amp)
     if from_output is None:
         from_output = from_output_ok(weight, bias, math.prod(shape), x.dtype, max_ratio)
     if not from_output:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .amp import no_autocast_backward, norm_inputs
 from .layer_norm import compute_dtype, from_output_ok
 from .transforms import functorch_active
 from .triton import dispatch as _triton
@@ -54,12 +55,13 @@ class RMSNormFunction(torch.autograd.Function):
         fused = _triton.rms_norm_forward(x, normalized_shape, weight, eps)  # CUDA: one kernel
         y, rstd = _fused(x, normalized_shape, weight, eps) if fused is None else fused
         ctx.n = math.prod(normalized_shape)
-        ctx.from_output = from_output
+        ctx.from_output = ctx.keeps_output = from_output
         ctx.save_for_backward(y if from_output else x, rstd, weight)
         return y
 
     @staticmethod
     @once_differentiable
+    @no_autocast_backward
     def backward(ctx, dy):
         t, rstd, w = ctx.saved_tensors
         n = ctx.n
@@ -107,6 +109,7 @@ def rms_norm(
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
     if not needs_grad or functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
         return F.rms_norm(x, shape, weight, eps)
+    x, weight = norm_inputs(x, weight)  # autocast's policy for rms_norm (ops.amp)
     if from_output is None:
         from_output = from_output_ok(weight, None, math.prod(shape), x.dtype, math.inf)
     return RMSNormFunction.apply(x, weight, shape, eps, bool(from_output))

@@ -13,6 +13,9 @@
   ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
   leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
   ``fused_loss=False`` or :func:`keep_logits` to keep them).
+* Under ``torch.autocast`` the model's forward runs inside a recipe transform: autocast's 16-bit
+  casts of tensors leanact keeps in fp32 anyway (norm outputs) are rebuilt in backward instead of
+  kept (:mod:`leanact.patching.amp`).
 * ``torch.nn.functional.dropout`` calls in Hugging Face modeling code (BART, Whisper, ...): keep a
   seed instead of a mask in training (:mod:`leanact.patching.functional_dropout`).
 
@@ -30,7 +33,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import functional_dropout, hf_head, peft_lora, training_cache
+from . import amp, functional_dropout, hf_head, peft_lora, training_cache, weight_recast
 from .generic import replacement_for
 from .hf_head import keep_logits
 
@@ -163,6 +166,7 @@ class _PatchState:
     summary: PatchSummary
     originals: list[tuple[nn.Module, str, nn.Module]]  # (parent, attribute name, original child)
     attention: list[tuple[object, str]]  # (config, original implementation)
+    amp_forward: object = None  # the forward wrapper of leanact.patching.amp (recipes under autocast)
 
 
 def _qualname(prefix: str, name: str) -> str:
@@ -327,7 +331,7 @@ def _check_not_inside_patched(model: nn.Module) -> None:
 
 
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
-          lossy: str | dict | None = None, fused_loss: bool = True) -> nn.Module:
+          lossy: str | dict | None = None, fused_loss: bool = True, recast_weights: bool = True) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
 
     ``attention``: "recompute" (default; keeps q, k, v, output and one statistic per row),
@@ -339,6 +343,10 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     under autograd compute their loss with leanact's fused linear + cross-entropy and return
     ``logits=None``
     (:mod:`leanact.patching.hf_head`); False = leave the head and loss as they are.
+    ``recast_weights``: True (default) = under ``torch.autocast``, ``nn.Linear`` and GPT-2's
+    ``Conv1D`` keep their fp32 weight (a parameter, free) instead of autocast's 16-bit copy of it and
+    cast it again in backward: 2 bytes per parameter less, gradients bit-identical
+    (:mod:`leanact.patching.weight_recast`); False = keep autocast's copies.
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
     _check_module("patch", model)
@@ -357,13 +365,14 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
-    object.__setattr__(model, _ATTR, _PatchState(summary, originals, records))
-    if lossy:
-        try:
+    object.__setattr__(model, _ATTR, _PatchState(summary, originals, records, amp.install(model)))
+    try:
+        if lossy:
             _option("lossy").apply(model, lossy)
-        except Exception:
-            unpatch(model)  # a bad lossy spec leaves the model as it was
-            raise
+        _option("recast_weights").apply(model, recast_weights)  # after lossy: it wraps plain Linears only
+    except Exception:
+        unpatch(model)  # a bad option leaves the model as it was
+        raise
     if verbose:
         from rich.console import Console
 
@@ -383,6 +392,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     for option in _OPTIONS.values():  # lossy swaps sit on top of the patch's
         option.remove(model)
+    amp.remove(model, getattr(state, "amp_forward", None))
 
     for parent, name, original in reversed(state.originals):
         current = parent._modules.get(name)
@@ -400,6 +410,9 @@ def unpatch(model: nn.Module) -> nn.Module:
     hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)
     return model
+
+
+register_option("recast_weights", weight_recast.apply, weight_recast.remove)
 
 
 def _keep_children(original: nn.Module, current: nn.Module) -> None:

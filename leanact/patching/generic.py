@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import nn as lnn
 from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
+from .hf_moe import hf_experts_replacement, is_hf_experts
 from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
 from .modules import PatchedGELU, hooks_reason
 
@@ -107,6 +108,12 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         new, reason = hf_swiglu_replacement(m)
         if new is None:
             return None, reason
+    elif is_hf_experts(m):
+        new, reason = hf_experts_replacement(m)
+        if new is None:
+            return None, reason
+    elif t.__name__.endswith("Router") and t.__module__.startswith("transformers.models."):
+        return None, None  # keeps its input (shared) and T x E probabilities: already their true size
     elif t.__name__.endswith("RotaryEmbedding") and t.__module__.startswith("transformers.models."):
         return None, "RoPE cos/sin tables (built without autograd); q/k rotation stays in HF's attention code"
     elif isinstance(m, _NEUTRAL) or _is_hf_conv1d(t) or list(m.children()):

@@ -323,7 +323,7 @@ class _Window(TorchFunctionMode):
                                             ignore_index=a.get("ignore_index", -100),
                                             reduction=a.get("reduction", "mean"),
                                             label_smoothing=a.get("label_smoothing", 0.0), scale=scale, softcap=softcap)
-            if loss.dtype != e.t.dtype:
+            if loss.dtype != e.t.dtype and self.ac is None:  # (autocast runs cross_entropy in fp32: fp32 loss)
                 loss = loss.to(e.t.dtype)
         self.consumed = True
         self.state.fused_calls += 1

@@ -1,69 +1,112 @@
-"""Hugging Face RMSNorm classes (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``,
-``Qwen3RMSNorm``, ...) -> a subclass whose backward keeps only y and one rstd per row.
+"""Hugging Face RMSNorms (LLaMA's, Gemma's ``(1 + w)``, OLMo 2's, T5's: any class computing one of
+them, whatever its name) -> a subclass whose backward keeps only y and one rstd per row.
 
-HF's forward is ``w * (x.float() * rsqrt(mean(x.float()²) + eps)).to(dtype)``: it keeps, for
-backward, the fp32 copy of x, rstd, the normalised fp32 x̂ and its cast (and w). The replacement's
-*forward is HF's own* (the original class's ``forward``, called without autograd), so outputs are
-bit-identical in every dtype; only what is kept changes: y (the output, already alive for the next
-op) and rstd (fp32, one per row), and backward is :class:`leanact.ops.rms_norm.RMSNormFunction`'s
-(x̂ = y/w). In fp32 this is exact to rounding (≤ 1 ulp in x̂); in 16-bit dtypes HF rounds x̂ to
-the input dtype before multiplying by w, so x̂ = y/w is recovered within 16-bit rounding (the
-gradients are within 16-bit tolerance, not bitwise HF's). When w cannot be divided by safely
-(zero/subnormal entries) the input x is kept instead (x̂ = x·rstd, exact).
+The variants, as HF writes them (x̂ = x·rsqrt(mean(x²) + eps), computed in fp32):
 
-Recognised: a module whose class name ends in ``RMSNorm``, defined in ``transformers.models.*``,
-with exactly the state ``weight`` (shape (h,)) and ``variance_epsilon``, and whose ``forward``
-source is the standard one (checked once per class against the expression above) -- anything else
-is left with a reason (e.g. Gemma's ``(1 + w)`` variant).
+=========  ==============================================  =======================================
+variant    forward                                         where
+=========  ==============================================  =======================================
+llama      ``w * x̂.to(input dtype)``                       LLaMA, Qwen 2/3 (q/k norms too), Mistral, Mixtral, Phi-3
+fp32_mul   ``(w * x̂).to(input dtype)``                     OLMo 2 (also its q/k norms over all heads)
+offset     ``(x̂ * (1 + w.float())).type_as(x)``             Gemma 1/2/3 (Gemma 3's q/k norms too)
+t5         ``w * x̂`` (x̂ cast to w's dtype if 16-bit)       T5
+=========  ==============================================  =======================================
+
+HF's autograd keeps the fp32 copy of x, rstd, x̂ and casts of it. The replacement's *forward is
+HF's own* (the original class's ``forward``, run without autograd), so outputs are bit-identical
+in every dtype; only what is kept changes: y (the output, already alive for the next op) and rstd
+(fp32, one per row). Backward (fp32, float64 for float64 inputs) with γ = w (``1 + w`` for the
+offset variant)::
+
+    x̂ = y/γ,  g = dy·γ,  dx = rstd·(g − x̂·mean(g·x̂)),  dw = Σ_rows dy·x̂,  (g·x̂ = dy·y)
+
+In fp32 this is exact to rounding; in 16-bit dtypes y is x̂·γ rounded once (or x̂ rounded, then
+multiplied), so x̂ = y/γ is recovered within 16-bit rounding (gradients within 16-bit tolerance, not
+bitwise HF's). When γ cannot be divided by safely (zero or subnormal entries) the input x is kept
+instead (x̂ = x·rstd).
+
+Recognised: a module defined in ``transformers.models.*`` with no children, exactly one
+Parameter ``weight`` of shape (h,), a float ``variance_epsilon`` or ``eps``, and a ``forward``
+whose source is one of the variants above (checked once per class). A module named ``*RMSNorm``
+(or with that state) computing something else is left, with the reason in the summary.
 """
 from __future__ import annotations
 
 import copy
 import inspect
 import math
-import re
-from collections import OrderedDict
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..ops.layer_norm import from_output_ok
+from ..ops.layer_norm import compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.transforms import functorch_active
+from .hf_swiglu import fresh_containers
 from .modules import lean_subclass
+from .source import forward_body
 
-__all__ = ["hf_rms_norm_replacement", "is_hf_rms_norm"]
+__all__ = ["hf_rms_norm_replacement", "is_hf_rms_norm", "VARIANTS"]
 
-_STANDARD = [
-    r"input_dtype\s*=\s*hidden_states\.dtype",
-    r"hidden_states\s*=\s*hidden_states\.to\(torch\.float32\)",
-    r"variance\s*=\s*hidden_states\.pow\(2\)\.mean\(-1,\s*keepdim=True\)",
-    r"hidden_states\s*=\s*hidden_states\s*\*\s*torch\.rsqrt\(variance\s*\+\s*self\.variance_epsilon\)",
-    r"return\s+self\.weight\s*\*\s*hidden_states\.to\(input_dtype\)",
-]
-_checked: dict[type, str | None] = {}
+_HF_BODY = ("input_dtype={x}.dtype;{x}={x}.to(torch.float32);variance={x}.pow(2).mean(-1,keepdim=True);"
+            "{x}={x}*torch.rsqrt(variance+self.variance_epsilon);")
+#: variant -> normalised forward bodies ({x}: the argument's name); "offset" also checks ``_norm``.
+VARIANTS = {
+    "llama": (_HF_BODY + "returnself.weight*{x}.to(input_dtype)",),
+    "fp32_mul": (_HF_BODY + "return(self.weight*{x}).to(input_dtype)",),
+    "offset": ("output=self._norm({x}.float());output=output*(1.0+self.weight.float());returnoutput.type_as({x})",),
+    "t5": ("variance={x}.to(torch.float32).pow(2).mean(-1,keepdim=True);"
+           "{x}={x}*torch.rsqrt(variance+self.variance_epsilon);"
+           "ifself.weight.dtypein[torch.float16,torch.bfloat16]:;{x}={x}.to(self.weight.dtype);"
+           "returnself.weight*{x}",),
+}
+_OFFSET_NORM = "return{x}*torch.rsqrt({x}.pow(2).mean(-1,keepdim=True)+self.eps)"
+_EPS = {"llama": "variance_epsilon", "fp32_mul": "variance_epsilon", "t5": "variance_epsilon", "offset": "eps"}
+_checked: dict[type, tuple[str | None, str | None]] = {}
+
+
+def _eps_attr(m: nn.Module) -> str | None:
+    for k in ("variance_epsilon", "eps"):
+        if isinstance(getattr(m, k, None), float):
+            return k
+    return None
 
 
 def is_hf_rms_norm(m: nn.Module) -> bool:
+    """A transformers module named ``*RMSNorm``, or with an RMSNorm's state (no children, one 1-D
+    ``weight``, a float ``variance_epsilon``/``eps``)."""
     t = type(m)
-    return t.__name__.endswith("RMSNorm") and t.__module__.startswith("transformers.models.")
+    if not t.__module__.startswith("transformers.models."):
+        return False
+    if t.__name__.endswith("RMSNorm"):
+        return True
+    w = m._parameters.get("weight")
+    return (not m._modules and set(m._parameters) == {"weight"} and w is not None and w.dim() == 1
+            and _eps_attr(m) is not None)
 
 
-def _unsupported(t: type) -> str | None:
-    """None if ``t.forward`` is HF's standard RMSNorm, else the reason to leave it."""
+def _variant(t: type) -> tuple[str | None, str | None]:
+    """(variant, None) if ``t.forward`` is one of :data:`VARIANTS`, else (None, reason)."""
     if t not in _checked:
-        try:
-            src = inspect.getsource(t.forward)
-        except (OSError, TypeError):
-            _checked[t] = "forward source unavailable: cannot check it is the standard RMSNorm"
+        body = forward_body(t.forward)
+        found = None
+        if body is not None and len(body[0]) == 1:
+            x = body[0][0]
+            for name, forms in VARIANTS.items():
+                if body[1] in {f.format(x=x) for f in forms}:
+                    found = name
+            if found == "offset":
+                norm = forward_body(getattr(t, "_norm", None))
+                if norm is None or len(norm[0]) != 1 or norm[1] != _OFFSET_NORM.format(x=norm[0][0]):
+                    found = None
+        if found is not None:
+            _checked[t] = (found, None)
+        elif body is None:
+            _checked[t] = (None, "forward source unavailable: cannot check it is a known RMSNorm variant")
         else:
-            missing = [p for p in _STANDARD if not re.search(p, src)]
-            lines = [ln for ln in src.splitlines()[1:] if ln.strip() and not ln.strip().startswith(("#", '"""'))]
-            if missing or len(lines) != len(_STANDARD):
-                _checked[t] = "forward is not the standard fp32 RMSNorm (e.g. a (1 + w) or extra-op variant)"
-            else:
-                _checked[t] = None
+            _checked[t] = (None, "forward is none of the RMSNorm variants leanact knows (LLaMA's w·x̂, OLMo 2's "
+                                 "fp32 w·x̂, Gemma's (1 + w)·x̂, T5's)")
     return _checked[t]
 
 
@@ -72,25 +115,52 @@ def _unsupported(t: type) -> str | None:
 _rms_norm_backward = inspect.unwrap(RMSNormFunction.__dict__["backward"].__func__)
 
 
+def _gamma(w: torch.Tensor, variant: str, ct: torch.dtype) -> torch.Tensor:
+    return (1.0 + w.to(ct)) if variant == "offset" else w.to(ct)
+
+
+def _variant_backward(ctx, dy):
+    """fp32 (float64) formulas of the module doc, for every variant."""
+    t, rstd, w = ctx.saved_tensors
+    ct = compute_dtype(t.dtype if t.dtype == torch.float64 else dy.dtype)
+    gamma = _gamma(w, ctx.variant, ct)
+    dyc, r = dy.to(ct), rstd.to(ct)
+    if ctx.from_output:
+        yc = t.to(ct)
+        xhat, p = yc / gamma, dyc * yc
+    else:
+        xhat = t.to(ct) * r
+        p = dyc * gamma * xhat
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = (r * (dyc * gamma - xhat * p.mean(-1, keepdim=True))).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        dw = (dyc * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(w.dtype)
+    return dx, dw
+
+
 class _HFRMSNormFunction(torch.autograd.Function):
-    """forward: the HF module's own forward (bitwise); backward: RMSNormFunction's formulas."""
+    """forward: the HF module's own forward (bitwise); backward: the RMSNorm formulas."""
 
     @staticmethod
-    def forward(ctx, x, weight, module, eps, from_output):
+    def forward(ctx, x, weight, module, eps, from_output, variant):
         ref = type(module).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         y = ref(module, x)
-        xf = x.to(torch.float32)
+        xf = x.to(compute_dtype(x.dtype))  # HF's fp32 statistics (float64 for float64 inputs)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.n = x.shape[-1]
-        ctx.from_output = from_output
+        ctx.n, ctx.from_output, ctx.variant, ctx.x_dtype = x.shape[-1], from_output, variant, x.dtype
+        ctx.keeps_output = from_output  # read by leanact.ops.amp.keeps_output (recipes under autocast)
         ctx.save_for_backward(y if from_output else x, rstd, weight)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        dx, dw, *_ = _rms_norm_backward(ctx, dy)
-        return dx, dw, None, None, None
+        if ctx.variant == "llama" and dy.dtype == ctx.x_dtype:
+            dx, dw, *_ = _rms_norm_backward(ctx, dy)
+        else:
+            dx, dw = _variant_backward(ctx, dy)
+        return dx, dw, None, None, None, None
 
 
 class _LeanHFRMSNorm:
@@ -105,18 +175,18 @@ class _LeanHFRMSNorm:
         w = self.weight
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)) or functorch_active():
             return type(self).__mro__[2].forward(self, hidden_states)  # (torch.func: leanact.ops.transforms)
-        if w.dtype != torch.float32 and w.dtype != hidden_states.dtype:
+        variant = getattr(self, "_leanact_variant", "llama")
+        if variant == "llama" and w.dtype != torch.float32 and w.dtype != hidden_states.dtype:
             return type(self).__mro__[2].forward(self, hidden_states)  # mixed precision: HF's promotion
-        n = hidden_states.shape[-1]
-        # y = w * x̂ (one rounding in fp32, two in 16-bit): the same conditions as leanact's rms_norm.
         from_output = getattr(self, "from_output", None)
         if from_output is None:
-            from_output = from_output_ok(w, None, n, hidden_states.dtype, math.inf)
-        return _HFRMSNormFunction.apply(hidden_states, w, self, float(self.variance_epsilon), bool(from_output))
-
-
-def _subclass(t: type) -> type:
-    return lean_subclass(_LeanHFRMSNorm, t)
+            # y = γ·x̂ (one rounding in fp32, two in 16-bit): the same conditions as leanact's rms_norm.
+            gamma = w if variant != "offset" else _gamma(w.detach(), variant, torch.float32)
+            out_dtype = hidden_states.dtype if variant in ("offset", "fp32_mul") else \
+                torch.promote_types(w.dtype, hidden_states.dtype)
+            from_output = from_output_ok(gamma, None, hidden_states.shape[-1], out_dtype, math.inf)
+        eps = float(getattr(self, _EPS[variant]))
+        return _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant)
 
 
 def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
@@ -125,19 +195,16 @@ def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]
     if isinstance(m, _LeanHFRMSNorm):
         return None, None
     if set(m._parameters) != {"weight"} or m._buffers or m._modules or m.weight is None or m.weight.dim() != 1:
-        return None, f"{t.__name__}: unexpected parameters/buffers (not the standard RMSNorm)"
-    if not isinstance(getattr(m, "variance_epsilon", None), float):
-        return None, f"{t.__name__}: no float variance_epsilon"
-    reason = _unsupported(t)
+        return None, f"{t.__name__}: unexpected parameters/buffers (not an RMSNorm with one weight vector)"
+    if _eps_attr(m) is None:
+        return None, f"{t.__name__}: no float variance_epsilon or eps"
+    variant, reason = _variant(t)
     if reason is not None:
         return None, reason
+    if not isinstance(getattr(m, _EPS[variant], None), float):
+        return None, f"{t.__name__}: no float {_EPS[variant]}"
     new = copy.copy(m)  # shallow: the same Parameter; fresh containers below
-    new.__class__ = _subclass(t)
-    for k in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-              "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-              "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-              "_forward_hooks_always_called", "_non_persistent_buffers_set"):
-        if k in new.__dict__:
-            v = new.__dict__[k]
-            new.__dict__[k] = type(v)(v) if not isinstance(v, set) else set(v)
+    new.__class__ = lean_subclass(_LeanHFRMSNorm, t)
+    fresh_containers(new)
+    new._leanact_variant = variant
     return new, None

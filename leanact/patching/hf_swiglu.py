@@ -1,147 +1,165 @@
-"""Hugging Face SwiGLU MLPs (``LlamaMLP``, ``Qwen2MLP``, ``Qwen3MLP``, ``MistralMLP``, ...) -> a
+"""Hugging Face gated MLPs (SwiGLU and GeGLU: LLaMA, Qwen, Mistral, Gemma, OLMo 2, Phi-3, ...) -> a
 subclass whose backward keeps only the gate and up projections' outputs.
 
-HF's forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. Besides x (kept by gate_proj and
-up_proj: one storage, usually the RMSNorm output kept by the norm anyway), autograd keeps four
-tensors of size s·b·I: g = gate_proj(x) (SiLU's input), silu(g) and u = up_proj(x) (the product's
-inputs) and the product (down_proj's input). The replacement keeps g and u only: the product is
-:func:`leanact.recompute.producers.swiglu` (keeps g and u, exact torch gradients) and, inside a
-:class:`~leanact.recompute.RecipeTransform`, down_proj's copy of it is a recipe (g, u) rebuilt in
-down_proj's backward with the same kernels (bitwise equal), so it costs nothing.
+HF's forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (separate projections) or, with
+one fused ``gate_up_proj`` (Phi-3), ``gate, up = gate_up_proj(x).chunk(2, -1)`` and
+``down_proj(up * act(gate))``. Besides x (kept by the projections: one storage, usually the
+norm's output kept by the norm anyway), autograd keeps four tensors of size s·b·I: g (the
+activation's input), act(g) and u (the product's inputs) and the product (down_proj's input). The
+replacement keeps g and u only (one storage when fused), through
+:func:`leanact.ops.gated_mlp.gated_down`, which rebuilds act(g)·u in backward with torch's kernels.
+Outputs are bitwise HF's; gradients are torch's formulas (``tests/test_patch_swiglu.py``).
 
-Outputs and gradients are torch's own (the same kernels in the same order). Without autograd
-(``torch.no_grad``, inference), while compiling (``torch.compile`` traces HF's forward), under
-someone else's saved-tensor hooks (a ``torch.utils.checkpoint`` region) or ``torch.func``
-transforms, and whenever ``act_fn`` has hooks (registered after patching) or a forward of its own,
-the module runs HF's own forward, so inference is bit-identical to the unpatched model and the
-hooks fire.
+The kept tensors go through ``ctx.save_for_backward``: saved-tensor hooks active around the MLP
+(``torch.autograd.graph.save_on_cpu``, a checkpoint region, a meter, a user's hooks) see exactly
+what leanact keeps. Without autograd (``torch.no_grad``, inference), while compiling
+(``torch.compile`` traces HF's forward), under ``torch.func`` transforms, and whenever the
+activation or a projection changed or has hooks since patching (registered after patching,
+``leanact.lossy``'s few-bit activation, a LoRA layer put in place), the module runs HF's own
+forward, so inference is bit-identical to the unpatched model and the hooks fire.
 
-Recognised: a module whose class name ends in ``MLP``, defined in ``transformers.models.*``,
-with ``nn.Linear`` children ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn`` that is
-SiLU (``transformers.activations.SiLUActivation`` or ``nn.SiLU``), no hooks on it or on act_fn,
-and whose ``forward`` source is the standard expression above (checked once per class) --
-anything else is left with a reason (e.g. Gemma's GELU-tanh gate).
+Recognised from structure and forward, whatever the class name: a module defined in
+``transformers.models.*`` whose children are ``nn.Linear`` projections (``gate_proj``, ``up_proj``,
+``down_proj``, or ``gate_up_proj`` and ``down_proj``) and one activation (``act_fn``,
+``activation_fn`` or ``act``: SiLU, GELU or GELU-tanh with torch's kernels), with no parameters of
+its own and no hooks, and whose ``forward`` source is one of the expressions above (checked once
+per class); anything else is left with a reason.
 """
 from __future__ import annotations
 
 import copy
-import inspect
+import functools
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..recompute import producers
-from ..recompute.recipes import RecipeTransform, foreign_hooks
+from ..ops.gated_mlp import gated_down
+from ..ops.transforms import functorch_active
+from .source import forward_body
 from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, lean_subclass
 
-__all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp"]
+__all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp", "activation_kind", "fresh_containers"]
 
-_checked: dict[type, str | None] = {}
+_ACT_NAMES = ("act_fn", "activation_fn", "act")
+_SEPARATE = ("gate_proj", "up_proj", "down_proj")
+_FUSED = ("gate_up_proj", "down_proj")
+_checked: dict[tuple[type, str, bool], str | None] = {}
 _HOOK_DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
                "_forward_hooks_always_called", "_non_persistent_buffers_set")
 
 
-def is_hf_swiglu_mlp(m: nn.Module) -> bool:
-    """A transformers ``*MLP`` with gate/up/down projections (the SwiGLU layout, any activation)."""
-    t = type(m)
-    return (t.__name__.endswith("MLP") and t.__module__.startswith("transformers.models.")
-            and all(isinstance(m._modules.get(k), nn.Module) for k in ("gate_proj", "up_proj", "down_proj")))
-
-
-def _body(fn) -> tuple[str, str] | None:
-    """(first argument name after self, code of the body without blanks/comments/docstring/spaces)."""
-    try:
-        src = inspect.getsource(fn)
-        params = list(inspect.signature(fn).parameters)
-    except (OSError, TypeError, ValueError):
+def _layout(m: nn.Module) -> tuple[tuple[str, ...], str] | None:
+    """(projection names, activation attribute) if ``m`` has a gated MLP's children, else None."""
+    mods = m._modules
+    act = [k for k in _ACT_NAMES if isinstance(mods.get(k), nn.Module)]
+    if len(act) != 1:
         return None
-    if len(params) != 2:
-        return None
-    lines = src.splitlines()[1:]
-    code, in_doc = [], False
-    for ln in lines:
-        s = ln.strip()
-        if in_doc:
-            in_doc = not s.endswith(('"""', "'''"))
-            continue
-        if s.startswith(('"""', "'''")):
-            in_doc = not (len(s) > 3 and s.endswith(s[:3]))
-            continue
-        if not s or s.startswith("#"):
-            continue
-        code.append(re.sub(r"\s+", "", s.split("#")[0]))
-    return params[1], ";".join(code)
-
-
-def _unsupported_forward(t: type) -> str | None:
-    """None if ``t.forward`` is HF's standard SwiGLU expression, else the reason to leave it."""
-    if t not in _checked:
-        body = _body(t.forward)
-        if body is None:
-            _checked[t] = "forward source unavailable: cannot check it is the standard SwiGLU MLP"
-        else:
-            x, code = body
-            expr = f"self.down_proj(self.act_fn(self.gate_proj({x}))*self.up_proj({x}))"
-            ok = {f"return{expr}"} | {f"{v}={expr};return{v}" for v in re.findall(r"^(\w+)=", code)}
-            _checked[t] = None if code in ok else "forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
-    return _checked[t]
-
-
-def _lean_act_fn(act: nn.Module | None) -> bool:
-    """Cheap per-call check that the lean path may skip calling act_fn: still a SiLU class (the full
-    check ran at patch time), no forward replaced on the instance and no hooks on it (registered
-    since patching: HF's forward calls act_fn, so they fire)."""
-    t = type(act)
-    if not (t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")):
-        return False
-    return not (act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks
-                or "forward" in act.__dict__)
-
-
-def _silu_reason(act: nn.Module | None) -> str | None:
-    if act is None:
-        return "no act_fn module"
-    t = type(act)
-    if t is nn.SiLU:
-        pass
-    elif t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations":
-        body = _body(t.forward)
-        if body is None or body[1] != f"returnnn.functional.silu({body[0]})":
-            return "SiLUActivation with an unrecognised implementation"
-    else:
-        return f"act_fn is {t.__name__}, not SiLU (only the SiLU gate is covered)"
-    if "forward" in act.__dict__:
-        return "act_fn's forward was replaced on the instance (e.g. a hub kernel)"
-    if hook_kinds(act, RUN_TIME_HOOKS):
-        return f"act_fn has hooks registered on it ({', '.join(hook_kinds(act, RUN_TIME_HOOKS))})"
+    for names in (_SEPARATE, _FUSED):
+        if all(isinstance(mods.get(k), nn.Module) for k in names):
+            return names, act[0]
     return None
 
 
+def is_hf_swiglu_mlp(m: nn.Module) -> bool:
+    """A transformers module with a gated MLP's children (gate/up/down or gate_up/down projections
+    and one activation), whatever its class name."""
+    return type(m).__module__.startswith("transformers.models.") and _layout(m) is not None
+
+
+def _forward_reason(t: type, act: str, fused: bool) -> str | None:
+    """None if ``t.forward`` is one of HF's gated MLP expressions, else the reason to leave it."""
+    key = (t, act, fused)
+    if key not in _checked:
+        body = forward_body(t.forward)
+        if body is None or len(body[0]) != 1:
+            _checked[key] = "forward source unavailable or not one argument: cannot check it is a gated MLP"
+        else:
+            x, code = re.escape(body[0][0]), body[1]
+            a = re.escape(act)
+            if fused:
+                pat = (rf"(\w+)=self\.gate_up_proj\({x}\);(\w+),(\w+)=\1\.chunk\(2,dim=-1\);"
+                       rf"(\w+)=(?:\3\*self\.{a}\(\2\)|self\.{a}\(\2\)\*\3);return(?:self\.down_proj\(\4\)|"
+                       rf"(\w+)=self\.down_proj\(\4\);return\5)")
+                what = "gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * act(gate))"
+            else:
+                prod = (rf"(?:self\.{a}\(self\.gate_proj\({x}\)\)\*self\.up_proj\({x}\)|"
+                        rf"self\.up_proj\({x}\)\*self\.{a}\(self\.gate_proj\({x}\)\))")
+                pat = rf"(?:returnself\.down_proj\({prod}\)|(\w+)=self\.down_proj\({prod}\);return\1)"
+                what = f"down_proj({act}(gate_proj(x)) * up_proj(x))"
+            _checked[key] = None if re.fullmatch(pat, code) else f"forward is not {what}"
+    return _checked[key]
+
+
+def activation_kind(act: nn.Module | None) -> tuple[str | None, str | None]:
+    """("silu" / "gelu" / "gelu_tanh", None) for an activation module computed by torch's kernel,
+    else (None, reason)."""
+    if act is None:
+        return None, "no activation module"
+    t = type(act)
+    kind = None
+    if t is nn.SiLU:
+        kind = "silu"
+    elif t is nn.GELU:
+        kind = "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    elif t.__module__ == "transformers.activations":
+        fn = getattr(act, "act", None)
+        if t.__name__ == "SiLUActivation":
+            body = forward_body(t.forward)
+            kind = "silu" if body is not None and body[1] == f"returnnn.functional.silu({body[0][0]})" else None
+        elif t.__name__ == "GELUActivation" and fn is F.gelu:
+            kind = "gelu"
+        elif (t.__name__ in ("GELUTanh", "PytorchGELUTanh") and isinstance(fn, functools.partial)
+              and fn.func is F.gelu and fn.keywords == {"approximate": "tanh"} and not fn.args):
+            kind = "gelu_tanh"
+    if kind is None:
+        return None, (f"activation is {t.__name__}, not SiLU or GELU with torch's kernel "
+                      "(gated MLPs are covered for SiLU, GELU and GELU-tanh)")
+    if "forward" in act.__dict__:
+        return None, "the activation's forward was replaced on the instance (e.g. a hub kernel)"
+    if hook_kinds(act, RUN_TIME_HOOKS):
+        return None, f"the activation has hooks registered on it ({', '.join(hook_kinds(act, RUN_TIME_HOOKS))})"
+    return kind, None
+
+
+def _plain(m: nn.Module | None, cls: type) -> bool:
+    """Still the module patching saw: that exact class, no forward override, no hooks."""
+    return (type(m) is cls and "forward" not in m.__dict__ and not (m._forward_hooks or m._forward_pre_hooks
+                                                                  or m._backward_hooks or m._backward_pre_hooks))
+
+
 class _LeanHFSwiGLU:
-    """Mixin placed before the HF class: with autograd, keeps g = gate_proj(x) and u = up_proj(x);
-    down_proj's input silu(g)·u is a recipe (g, u). Otherwise HF's own forward."""
+    """Mixin placed before the HF class: with autograd, keeps g and u (gated_down); otherwise HF's
+    own forward. ``_leanact_gated`` = (projection names, activation attribute, activation class, kind)."""
 
     _leanact_lean = True
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         hf_forward = type(self).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
+        names, act, act_cls, kind = self._leanact_gated
+        mods = self._modules
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or foreign_hooks() or not _lean_act_fn(self._modules.get("act_fn"))):
-            # (act_fn swapped since patching, e.g. by leanact.lossy's few-bit SiLU, or hooked: HF's
-            # forward calls it)
+                or functorch_active() or not _plain(mods.get(act), act_cls)
+                or not all(_plain(mods.get(k), nn.Linear) for k in names)):
             return hf_forward(self, *args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))  # the one argument, by position or name
-        with RecipeTransform():
-            g = self.gate_proj(x)
-            u = self.up_proj(x)
-            return self.down_proj(producers.swiglu(g, u))
+        if len(names) == 2:
+            g, u = mods["gate_up_proj"](x).chunk(2, dim=-1)
+        else:
+            g, u = mods["gate_proj"](x), mods["up_proj"](x)
+        down = mods["down_proj"]
+        return gated_down(g, u, down.weight, down.bias, kind)
 
 
-def _subclass(t: type) -> type:
-    return lean_subclass(_LeanHFSwiGLU, t)
+def fresh_containers(new: nn.Module) -> None:
+    """Give a shallow copy of a module its own parameter/child/hook containers (same contents)."""
+    for k in _HOOK_DICTS:
+        if k in new.__dict__:
+            v = new.__dict__[k]
+            new.__dict__[k] = type(v)(v) if not isinstance(v, set) else set(v)
 
 
 def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
@@ -151,21 +169,22 @@ def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         return None, None
     if (reason := hooks_reason(m)) is not None:
         return None, reason
-    names = ("gate_proj", "up_proj", "down_proj")
+    layout = _layout(m)
+    if layout is None:
+        return None, f"{t.__name__}: not a gated MLP's children (gate/up/down projections and one activation)"
+    names, act = layout
     if any(type(m._modules[k]) is not nn.Linear for k in names):
         kinds = ", ".join(f"{k}: {type(m._modules[k]).__name__}" for k in names)
         return None, f"projections are not plain nn.Linear ({kinds})"
-    if m._parameters or set(m._modules) != {*names, "act_fn"}:
-        return None, f"{t.__name__}: unexpected parameters/submodules (not the standard SwiGLU MLP)"
-    reason = _silu_reason(m._modules.get("act_fn"))
+    if m._parameters or set(m._modules) != {*names, act}:
+        return None, f"{t.__name__}: unexpected parameters/submodules (not the standard gated MLP)"
+    kind, reason = activation_kind(m._modules[act])
     if reason is None:
-        reason = _unsupported_forward(t)
+        reason = _forward_reason(t, act, len(names) == 2)
     if reason is not None:
         return None, reason
     new = copy.copy(m)  # shallow: the same children and Parameters; fresh containers below
-    new.__class__ = _subclass(t)
-    for k in _HOOK_DICTS:
-        if k in new.__dict__:
-            v = new.__dict__[k]
-            new.__dict__[k] = type(v)(v) if not isinstance(v, set) else set(v)
+    new.__class__ = lean_subclass(_LeanHFSwiGLU, t)
+    fresh_containers(new)
+    new._leanact_gated = (names, act, type(m._modules[act]), kind)
     return new, None

@@ -15,9 +15,11 @@ import sys
 import types
 from typing import Any, Callable, Iterable
 
+import torch
 from torch import nn
 
 from leanact._format import parse_size
+from leanact.ops.amp import autocast_arg
 from leanact.strategies.layers import find_layers
 from leanact.strategies.offload import DEFAULT_THRESHOLD
 from leanact.strategies.plan import LOSSY, STRATEGIES, Plan
@@ -78,7 +80,7 @@ def _default_strategies(device: str, allow_lossy: bool) -> list[str]:
 def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies: Iterable[str] | None = None,
          loss_fn: Callable | None = None, allow_lossy: bool = False, layers: list[str] | None = None,
          costs: ModelCosts | None = None, reps: int = 3, time_model: str = "measure",
-         offload_threshold: int = DEFAULT_THRESHOLD) -> Plan:
+         offload_threshold: int = DEFAULT_THRESHOLD, autocast: Any = None) -> Plan:
     """Choose a strategy per layer of ``model`` minimising the estimated step time with the
     predicted peak activation memory ≤ ``budget`` (module doc: what it covers).
 
@@ -93,6 +95,10 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     ``allow_lossy``: also consider the strategies of :data:`leanact.strategies.LOSSY` (saved
     tensors stored in fp8/int8: they change gradients); without it they are never chosen, and
     naming one in ``strategies`` raises.
+    ``autocast``: "bf16" / "fp16" (torch.bfloat16 / torch.float16) measures the layers under
+    ``torch.autocast`` of that dtype (fp32 weights, mixed precision: autocast's 16-bit weight copies
+    are counted where the layers keep them); None (default) uses the autocast active at the call, if
+    any; False measures without autocast.
 
     Runs one forward of the model and a few forward/backward passes of each distinct layer, with
     Hugging Face KV caches off (``use_cache=False`` for the measurement only). A plan already
@@ -105,6 +111,7 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan(model=...) must be a torch.nn.Module, got {type(model).__name__}: pass the model")
     budget_bytes = parse_budget(budget)
+    amp = autocast_arg(autocast, "plan")
     _check_int("reps", reps, 1)
     _check_int("offload_threshold", offload_threshold, 0)
     if time_model not in ("measure", "flops"):
@@ -123,8 +130,9 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
         device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) else "cpu"
         chosen = strategies if strategies is not None else _default_strategies(device, allow_lossy)
         measured = list(dict.fromkeys(["lean", *chosen]))
-        costs = measure_costs(model, sample_inputs, found, measured, reps=reps, threshold=offload_threshold,
-                              time_model=time_model)
+        with torch.autocast(torch.device(device).type, dtype=amp, enabled=amp is not None):
+            costs = measure_costs(model, sample_inputs, found, measured, reps=reps, threshold=offload_threshold,
+                                  time_model=time_model)
     else:
         chosen = strategies if strategies is not None else [
             s for s in costs.layers[0].by_strategy if allow_lossy or s not in LOSSY]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from leanact.ops.amp import norm_inputs
 from leanact.ops.dropout import dropout_seeded
 from leanact.ops.random import draw_seed
 from leanact.ops.transforms import functorch_active
@@ -43,14 +44,6 @@ def _needs_grad(*ts) -> bool:
     ops run instead (:mod:`leanact.ops.transforms`)."""
     return (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
             and not functorch_active())
-
-
-def _autocast_fp32(x: torch.Tensor, *ts):
-    """CUDA autocast runs norms in fp32 (its fp32 policy): cast as it would, so outputs match
-    ``F.layer_norm``/``F.rms_norm`` there. CPU autocast leaves norms alone."""
-    if x.device.type != "cuda" or not torch.is_autocast_enabled("cuda"):
-        return (x, *ts)
-    return tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (x, *ts))
 
 
 def _shape(normalized_shape) -> tuple[int, ...]:
@@ -84,7 +77,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     shape = _shape(normalized_shape)
     if not _needs_grad(x, weight, bias):
         return F.layer_norm(x, shape, weight, bias, eps)
-    x, weight, bias = _autocast_fp32(x, weight, bias)
+    x, weight, bias = norm_inputs(x, weight, bias)
     y = _LayerNorm.apply(x, weight, bias, shape, eps)
     register(y, "layer_norm", lambda x, w, b: torch.native_layer_norm(x, shape, w, b, eps)[0], x, weight, bias)
     return y
@@ -130,7 +123,7 @@ def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> torc
     shape = _shape(normalized_shape)
     if not _needs_grad(x, weight):
         return F.rms_norm(x, shape, weight, eps)
-    x, weight = _autocast_fp32(x, weight)
+    x, weight = norm_inputs(x, weight)
     y = _RMSNorm.apply(x, weight, shape, eps)
     register(y, "rms_norm", lambda x, w: _fused_rms(x, shape, w, eps)[0], x, weight)
     return y

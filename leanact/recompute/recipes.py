@@ -63,6 +63,8 @@ from leanact.saved import SavedTensorTransform, active_transforms, disabled
 from leanact.saved import _pack as _pipeline_pack
 from leanact.ops.transforms import functorch_active
 
+from .casts import cast_recipe, tag_kept
+
 __all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "foreign_hooks", "scope", "counters", "reset_counters",
            "cached_bytes", "live_recipes"]
 
@@ -340,6 +342,8 @@ class RecipeTransform(SavedTensorTransform):
         if torch.compiler.is_compiling():
             return None
         r = _find(t)
+        if r is None:
+            r = cast_recipe(t, Recipe)  # autocast's cast of a kept tensor (leanact.recompute.casts)
         if r is not None:
             pins = r.pins()
             if pins is not None:
@@ -353,16 +357,17 @@ class RecipeTransform(SavedTensorTransform):
                 _COUNTS["claimed"] += 1
                 return claim
         k = _key(t)
-        if k is not None and not self._outer_others():
+        if k is not None and not self._outer_others(t):
             _KEPT[k] = t
+            tag_kept(t)
         return None
 
-    def _outer_others(self) -> bool:
-        """Whether another kind of transform is active outside this one: it may still replace
-        ``t`` (offload, compress), so ``t`` is not known to be kept as is."""
+    def _outer_others(self, t: torch.Tensor) -> bool:
+        """Whether another kind of transform active outside this one may still replace ``t``
+        (offload; compress, for the dtypes it compresses), so ``t`` is not known to be kept as is."""
         stack = active_transforms()
         inner = max((i for i, tr in enumerate(stack) if tr is self), default=0)  # the one packing
-        return any(not isinstance(tr, RecipeTransform) for tr in stack[:inner])
+        return any(not isinstance(tr, RecipeTransform) and tr.may_replace(t) for tr in stack[:inner])
 
     def unpack(self, claim: _Claim) -> torch.Tensor:
         full = claim.recipe.materialize(claim)

@@ -102,6 +102,7 @@ class GeluFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, approximate: str = "none"):
         y, bits = _forward(x, approximate, with_bits=True)
         ctx.approximate = approximate
+        ctx.keeps_output = True
         ctx.save_for_backward(y, bits)
         return y
 

@@ -1,0 +1,83 @@
+"""Matmuls of fp32 weights under autocast without keeping autocast's 16-bit weight copy.
+
+Under ``torch.autocast`` a Linear casts its fp32 weight to the low dtype and the matmul keeps that
+cast for backward (``dX = dY W``): 2 bytes per parameter, whatever the batch, a second copy of
+the model. The cast is a pure function of the parameter, so it can be kept as a recipe instead:
+
+* :func:`recast_weight` yields ``weight.to(dtype)``; while it is active, every tensor saved for
+  backward that is that cast (or a view of it, e.g. the ``Wᵀ`` an ``addmm`` keeps) is kept as a
+  reference to the fp32 parameter, which lives anyway and costs nothing, plus the view's geometry.
+  Backward casts the parameter again: the same rounding, so the gradients are bit-identical.
+* :func:`linear` is ``F.linear`` under autocast with that recipe for the weight (the input and the
+  bias are cast by autocast as usual; what the matmul keeps of the input is unchanged).
+
+The parameter's ``_version`` is checked at unpack: modifying the weight in place between forward
+and backward raises torch's "modified by an inplace operation" error (autocast's copy would have
+hidden the change; the recipe must not read the new value silently). Gradients of gradients work:
+under ``create_graph=True`` the recast runs with grad mode on, from the parameter.
+
+The recipe lives in :mod:`leanact.saved`'s pipeline as the innermost transform of the call, so the
+meter sees nothing kept for the copy and outer transforms (recipes, offload, compression) never
+see it. Callers skip it where saved-tensor hooks cannot be pushed (``torch.compile``, ``torch.func``
+transforms, someone else's hooks such as a checkpointed region): autocast's own path then runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..saved import SavedTensorTransform, _check_version
+from .amp import autocast_dtype
+
+__all__ = ["RecastWeight", "recast_weight", "linear", "LOW_DTYPES"]
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class RecastWeight(SavedTensorTransform):
+    """Keeps the views of one cast ``weight.to(dtype)`` saved for backward as a recipe: the
+    parameter itself (version checked at unpack) and the view's size, stride and offset."""
+
+    def __init__(self, weight: torch.Tensor, cast: torch.Tensor):
+        self.weight, self.dtype = weight, cast.dtype
+        self._key = cast.untyped_storage()._cdata
+        self._version = weight._version
+
+    def pack(self, t: torch.Tensor):
+        if t.dtype != self.dtype or t.untyped_storage()._cdata != self._key:
+            return None
+        return tuple(t.shape), t.stride(), t.storage_offset()
+
+    def unpack(self, packed) -> torch.Tensor:
+        _check_version(self.weight, self._version)
+        size, stride, offset = packed
+        return self.weight.to(self.dtype).as_strided(size, stride, offset)
+
+
+@contextlib.contextmanager
+def recast_weight(weight: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """Yield ``weight.to(dtype)`` (a fresh copy); what ops inside the block save of it is kept as a
+    recipe on ``weight`` (module doc). Leaving the block cannot leave the hooks pushed."""
+    cast = weight.to(dtype, copy=True)
+    with RecastWeight(weight, cast):
+        yield cast
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear`` whose weight is cast to ``dtype`` (default: autocast's dtype for the input's
+    device, if active) and kept for backward as a recipe on ``weight`` instead of as a copy. Without
+    ``dtype`` and outside autocast it is ``F.linear``. The input and bias are cast to ``dtype`` as
+    autocast casts them (under autocast, autocast itself does it)."""
+    if dtype is None:
+        dtype = autocast_dtype(input.device.type)
+        if dtype is None:
+            return F.linear(input, weight, bias)
+    elif autocast_dtype(input.device.type) != dtype:
+        input = input.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with recast_weight(weight, dtype) as w:
+        return F.linear(input, w, bias)

@@ -1,0 +1,137 @@
+"""``patch(model, recast_weights=True)``: under autocast, Linear layers keep no 16-bit weight copy.
+
+Under ``torch.autocast`` every ``nn.Linear`` (and transformers' ``Conv1D``, GPT-2's projections)
+of an fp32 weight keeps autocast's 16-bit cast of that weight for backward: 2 bytes per
+parameter, whatever the batch. With this option (on by default in :func:`leanact.patch`), their
+``forward`` becomes a :class:`RecastForward` on the instance (the class, the module object, its
+hooks and the state dict are unchanged): when autocast is active at call time (CPU or CUDA, bf16
+or fp16), the weight is an fp32 tensor and autograd will need it, the weight is cast by
+:func:`leanact.ops.weight_recast.recast_weight`, which keeps the fp32 parameter (free: it lives
+anyway) and casts it again in backward (the same rounding: outputs and gradients are bit-identical
+to the unpatched model's). Otherwise, and wherever saved-tensor hooks cannot be pushed
+(``torch.compile``, ``torch.func``, a checkpointed region), the module's own forward runs.
+
+Only exact ``nn.Linear`` / ``Conv1D`` modules whose forward was not already replaced on the
+instance are wrapped (a subclass may override ``forward``; lossy's ``RandomizedLinear`` already
+keeps the parameter), and not the language-model heads whose loss leanact fuses (the fused op
+keeps the parameter; when it materialises the logits, the head keeps autocast's copy). ``recast_weights=False`` leaves them alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..ops.amp import autocast_dtype
+from ..ops.weight_recast import LOW_DTYPES, recast_weight
+from ..recompute.context_forward import ContextForward, unwrap_forward
+from ..recompute.recipes import foreign_hooks
+
+__all__ = ["RecastForward", "apply", "remove", "recast_dtype", "NOTE"]
+
+_ATTR = "_leanact_recast_weights"
+NOTE = "recast_weights: under autocast, {n} Linear layers keep the fp32 weight and recast it in backward"
+
+
+def _linear(m: nn.Linear, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w, m.bias)
+
+
+def _conv1d(m: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # transformers.pytorch_utils.Conv1D.forward with the weight given
+    out = torch.addmm(m.bias, x.view(-1, x.size(-1)), w)
+    return out.view(x.size()[:-1] + (m.nf,))
+
+
+def _compute_for(m: nn.Module) -> Callable | None:
+    t = type(m)
+    if t is nn.Linear:
+        return _linear
+    if t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils":
+        return _conv1d
+    return None
+
+
+def recast_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
+    """The dtype to recast ``weight`` to for a call on ``x`` (None: run the module's own forward)."""
+    if not isinstance(x, torch.Tensor) or not torch.is_grad_enabled():
+        return None
+    if weight.dtype != torch.float32 or is_traceable_wrapper_subclass(weight) or weight.device.type != x.device.type:
+        return None
+    if not (weight.requires_grad or x.requires_grad):
+        return None
+    dtype = autocast_dtype(x.device.type)
+    if dtype not in LOW_DTYPES or torch.compiler.is_compiling() or foreign_hooks():
+        return None
+    return dtype
+
+
+class RecastForward(ContextForward):
+    """``module.forward`` of a Linear / Conv1D that, under autocast, keeps the fp32 weight instead
+    of its 16-bit cast (module doc). ``context`` holds the module's computation given the cast
+    weight (None: inert, the module's own forward)."""
+
+    def __call__(self, *args, **kwargs):
+        forward = self._forward()
+        compute = self.context
+        if compute is None or len(args) != 1 or kwargs:
+            return forward(*args, **kwargs)
+        m, x = self.module, args[0]
+        dtype = recast_dtype(m.weight, x)
+        if dtype is None:
+            return forward(x)
+        with recast_weight(m.weight, dtype) as w:
+            return compute(m, x, w)
+
+
+@dataclass
+class _State:
+    wrapped: list[tuple[nn.Module, RecastForward]] = field(default_factory=list)
+
+
+def _fused_heads(model: nn.Module) -> set[int]:
+    """ids of the output embeddings whose loss :mod:`leanact.patching.hf_head` fuses (it arms them
+    per call through their instance ``forward``; its fused op keeps the parameter already)."""
+    from . import hf_head
+
+    return {id(m.get_output_embeddings()) for m in model.modules() if hf_head.ATTR in m.__dict__}
+
+
+def apply(model: nn.Module, enabled: bool) -> nn.Module:
+    """Wrap the eligible Linear / Conv1D modules of ``model`` (module doc); ``enabled=False``: none."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"leanact.patch(recast_weights={enabled!r}): use True (default) or False")
+    remove(model)
+    if not enabled:
+        return model
+    state = _State()
+    heads = _fused_heads(model)
+    for m in model.modules():
+        compute = _compute_for(m)
+        if compute is None or "forward" in m.__dict__ or id(m) in heads:
+            continue
+        wrapper = RecastForward(m, compute)
+        m.__dict__["forward"] = wrapper
+        state.wrapped.append((m, wrapper))
+    object.__setattr__(model, _ATTR, state)
+    from . import summary
+
+    s = summary(model)
+    if s is not None and state.wrapped:
+        s.notes.append(NOTE.format(n=len(state.wrapped)))
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` (no-op when it was not applied)."""
+    state: _State | None = model.__dict__.get(_ATTR)
+    if state is None:
+        return model
+    for m, wrapper in state.wrapped:
+        unwrap_forward(m, wrapper)
+    object.__delattr__(model, _ATTR)
+    return model

@@ -1,0 +1,153 @@
+"""What a patched layer keeps under ``torch.autocast`` (fp32 weights), to the byte.
+
+Per layer and per sample: (2-layer model − 1-layer model) at batch 2 minus the same at batch 1, so
+the batch-independent part (autocast's 16-bit weight copies, seeds) cancels. Under bf16 autocast
+the residual stream is fp32: each norm keeps its fp32 output once, and the Linears after it keep
+nothing more (their casts are recipes, :mod:`leanact.recompute.casts`); the rest is 16-bit:
+
+* BERT layer: Q, K, V and the attention output (2·4h), one fp32 log-sum-exp per row and head (4a),
+  two norms' fp32 outputs and rstd (2·(4h + 4)), the GELU's bf16 output and its branch bits
+  (2I + I/8): 16h + 2.125·I + 4a + 8 bytes per token.
+* LLaMA layer: the same with q (2h), k, v (2·2·kv·d), the output (2h), the lse (4a), two RMSNorms'
+  fp32 outputs and rstd, the SwiGLU's gate and up outputs (2·2I): 4 bytes per h more than with
+  bf16 weights (two fp32 residual-stream tensors instead of two bf16 ones).
+"""
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import leanact  # noqa: E402
+from leanact.memory import SavedTensorMeter  # noqa: E402
+from leanact.recompute import counters, reset_counters  # noqa: E402
+
+H, A, KV, I, S = 64, 4, 2, 256, 16
+
+
+def _bert(n):
+    cfg = transformers.BertConfig(hidden_size=H, num_hidden_layers=n, num_attention_heads=A, intermediate_size=I,
+                                  vocab_size=100, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                                  attn_implementation="sdpa")
+    return transformers.BertModel(cfg, add_pooling_layer=False)
+
+
+def _llama(n):
+    cfg = transformers.LlamaConfig(hidden_size=H, num_hidden_layers=n, num_attention_heads=A, num_key_value_heads=KV,
+                                   intermediate_size=I, vocab_size=100, use_cache=False, attn_implementation="sdpa")
+    return transformers.LlamaModel(cfg)
+
+
+BUILD = {"bert": _bert, "llama": _llama}
+
+
+def _kept(family, n, b, precision, lean=True):
+    torch.manual_seed(0)
+    model = BUILD[family](n).train()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if lean:
+        leanact.patch(model)
+    ids = torch.randint(1, 100, (b, S), generator=torch.Generator().manual_seed(0))
+    meter = SavedTensorMeter(model)
+    with warnings.catch_warnings(), meter, torch.autocast("cpu", dtype=torch.bfloat16,
+                                                          enabled=precision == "autocast"):
+        warnings.simplefilter("ignore")
+        out = model(ids).last_hidden_state
+    meter.release()
+    del out
+    return meter.total_bytes
+
+
+def per_sample_layer(family, precision, lean=True):
+    """Bytes one layer keeps per sample (batch slope of the 2-layer minus 1-layer difference)."""
+    layer = {b: _kept(family, 2, b, precision, lean) - _kept(family, 1, b, precision, lean) for b in (1, 2)}
+    return layer[2] - layer[1]
+
+
+def test_bert_layer_under_autocast_to_the_byte():
+    expected = S * (16 * H + 2 * I + I // 8 + 4 * A + 8)
+    assert per_sample_layer("bert", "autocast") == expected
+    # the unpatched layer under the same autocast keeps several times more
+    assert per_sample_layer("bert", "autocast", lean=False) > 2.5 * expected
+
+
+def test_llama_layer_under_autocast_to_the_byte():
+    d = H // A
+    expected = S * (2 * (4 * H + 4) + 2 * H + 2 * 2 * KV * d + 2 * H + 4 * A + 2 * 2 * I)
+    assert per_sample_layer("llama", "autocast") == expected
+    # fp32 residual stream: two norm outputs of 4 bytes instead of 2 per h
+    assert per_sample_layer("llama", "bf16") == expected - S * 2 * 2 * H
+
+
+def _grads(model, batch, *, amp_recipes):
+    model.zero_grad(set_to_none=True)
+    forward = model.forward if amp_recipes else type(model).forward.__get__(model)  # bypass the wrapper
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore")
+        loss = forward(**batch).last_hidden_state.float().pow(2).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_cast_recipes_are_bitwise_the_casts(family):
+    """Rebuilding autocast's casts in backward gives the very same gradients as keeping them."""
+    torch.manual_seed(0)
+    model = leanact.patch(BUILD[family](2).train())
+    if family == "bert":
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    batch = dict(input_ids=torch.randint(1, 100, (2, S), generator=torch.Generator().manual_seed(1)))
+    reset_counters()
+    loss, grads = _grads(model, batch, amp_recipes=True)
+    assert counters().get("recompute:cast", 0) > 0
+    loss_ref, ref = _grads(model, batch, amp_recipes=False)
+    assert torch.equal(loss, loss_ref)
+    assert grads.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(grads[n], ref[n]), n
+
+
+def test_cast_of_modified_source_raises():
+    """The norm output is kept (by the norm and, through the recipe, by the Linear's cast): modifying
+    it in place before backward raises, as torch does for a tensor kept for backward."""
+    norm = leanact.nn.LayerNorm(H)
+    lin = torch.nn.Linear(H, H)
+    x = torch.randn(2, S, H, requires_grad=True)
+    from leanact.recompute import RecipeTransform
+
+    with RecipeTransform(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+        out = lin(y)
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
+def test_no_autocast_no_transform():
+    """Without autocast the patched forward is the model's own (no recipe transform entered)."""
+    model = leanact.patch(_bert(1).train())
+    ids = torch.randint(1, 100, (1, S))
+    reset_counters()
+    model(ids).last_hidden_state.sum().backward()
+    assert counters().get("claimed", 0) == 0
+    leanact.unpatch(model)
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_fused_loss_dtype_follows_autocast(family):
+    """autocast runs cross_entropy in fp32: the fused loss of a patched model is fp32 there too
+    (BERT's MLM loss reads bf16 logits; LLaMA's loss upcasts them itself)."""
+    from _tiny import tiny_batch, tiny_hf
+
+    ref, lean = tiny_hf(family), leanact.patch(tiny_hf(family))
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore")
+        a, b = ref(**tiny_batch()).loss, lean(**tiny_batch()).loss
+    assert leanact.summary(lean).loss_states[""].fused_calls == 1
+    assert a.dtype == b.dtype == torch.float32

@@ -1,0 +1,127 @@
+"""device="cuda": plain dropout and SDPA keep what CUDA's kernels keep (leanact.estimate.cuda_kernels),
+checked to the byte against formulas."""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import leanact
+from leanact.estimate.cuda_kernels import sdpa_kernel
+
+B, S, HEADS, D = 2, 48, 4, 16  # s = 48: the efficient kernel's log-sum-exp rows pad to 64
+
+
+class _Attention(nn.Module):
+    """q, k, v made from the input by per-feature scales (their saves are the input and the
+    parameters, which the meter does not count), then SDPA."""
+
+    def __init__(self, kv_heads=HEADS, dropout=0.0, attn_dropout=0.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, D))
+        self.kv_heads, self.dropout, self.attn_dropout = kv_heads, dropout, attn_dropout
+
+    def forward(self, x, mask=None):
+        q = (x * self.w[0]).transpose(1, 2)
+        k = (x[:, :, :self.kv_heads] * self.w[1]).transpose(1, 2)
+        v = (x[:, :, :self.kv_heads] * self.w[2]).transpose(1, 2)
+        q = F.dropout(q, self.dropout, self.training)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.attn_dropout,
+                                             enable_gqa=self.kv_heads != HEADS)
+        return out.float().sum()
+
+
+def _saved(module, dtype, mask=None, device="cuda"):
+    x = torch.randn(B, S, HEADS, D, dtype=dtype)
+    inputs = (x,) if mask is None else (x, mask)
+    return leanact.estimate(module.to(dtype), inputs, device=device, loss_fn=lambda out, _: out, optimizer=None).saved
+
+
+def test_flash_keeps_qkv_out_lse_and_rng_state():
+    n = B * S * HEADS * D * 2  # one bf16 (b, s, heads, d) tensor
+    assert sdpa_kernel(torch.empty(B, HEADS, S, D, dtype=torch.bfloat16), *[torch.empty(B, HEADS, S, D)] * 2,
+                       None) == "flash"
+    lse, rng = B * HEADS * S * 4, 16 + 8
+    assert _saved(_Attention(), torch.bfloat16) == 4 * n + lse + rng
+    # GQA (enable_gqa): k, v at the key/value heads' count
+    assert _saved(_Attention(kv_heads=2), torch.bfloat16) == 2 * n + 2 * (n // 2) + lse + rng
+
+
+def test_efficient_keeps_the_bias_and_padded_lse():
+    mask = torch.ones(B, 1, S, S, dtype=torch.bool).tril()
+    n, lse = B * S * HEADS * D, B * HEADS * 64 * 4
+    bias = B * S * S  # the bool mask turned into a tensor of q's dtype (the mask itself is an input)
+    assert _saved(_Attention(), torch.bfloat16, mask) == 4 * n * 2 + lse + bias * 2
+    assert _saved(_Attention(), torch.float32) == 4 * n * 4 + lse  # fp32: no flash
+    # attention dropout: the efficient kernel draws from its RNG state (host scalars): nothing more kept
+    assert _saved(_Attention(attn_dropout=0.1), torch.float32) == 4 * n * 4 + lse
+
+
+def test_dropout_keeps_a_bool_mask_on_cuda():
+    n = B * S * HEADS * D
+    base = _saved(_Attention(), torch.float32)
+    assert _saved(_Attention(dropout=0.1), torch.float32) - base == n  # bool mask, 1 byte
+    cpu = _saved(_Attention(), torch.float32, device="cpu")
+    assert _saved(_Attention(dropout=0.1), torch.float32, device="cpu") - cpu == 4 * n  # the CPU's fp32 mask
+
+
+def test_kernel_choice():
+    half, full = torch.empty(B, HEADS, S, D, dtype=torch.bfloat16), torch.empty(B, HEADS, S, D)
+    kv_half, kv_full = torch.empty(B, 2, S, D, dtype=torch.bfloat16), torch.empty(B, 2, S, D)
+    mask = torch.ones(S, S, dtype=torch.bool)
+    assert sdpa_kernel(half, half, half, mask) == "efficient"
+    assert sdpa_kernel(full, full, full, None) == "efficient"
+    assert sdpa_kernel(half, kv_half, kv_half, None, enable_gqa=True) == "flash"
+    assert sdpa_kernel(full, kv_full, kv_full, None, enable_gqa=True) == "math"
+    big = torch.empty(B, HEADS, S, 512, dtype=torch.bfloat16)
+    assert sdpa_kernel(big, big, big, None) == "efficient"
+
+
+def _llama(dtype):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=172, vocab_size=100, max_position_embeddings=128,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def _bert(hidden_dropout):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                                  vocab_size=100, hidden_dropout_prob=hidden_dropout, attn_implementation="sdpa")
+    return transformers.BertForMaskedLM(cfg).to(torch.bfloat16)
+
+
+def _ids(mask=False):
+    ids = torch.randint(3, 100, (B, S))
+    x = dict(input_ids=ids, labels=ids)
+    if mask:
+        x["attention_mask"] = torch.ones_like(ids)
+        x["attention_mask"][1, S // 2:] = 0
+    return x
+
+
+def test_llama_flash_layer():
+    """Tiny LLaMA, bf16, no padding: Hugging Face passes is_causal=True (not a mask, in the trace as
+    for real inputs) and the flash kernel keeps what the CPU flash kernel keeps plus its RNG state."""
+    model, x = _llama(torch.bfloat16), _ids()
+    cuda = leanact.estimate(model, x, device="cuda").per_layer["model.layers.1"]
+    cpu = leanact.estimate(model, x, device="cpu").per_layer["model.layers.1"]
+    assert cuda - cpu == 16 + 8
+    # with padding: the efficient kernel (no GQA: Hugging Face repeats k, v to the query heads), its
+    # bf16 bias (b, 1, s, s) and padded log-sum-exp, no RNG state
+    padded = leanact.estimate(model, _ids(mask=True), device="cuda").per_layer["model.layers.1"]
+    lse = B * HEADS * 64 * 4 - B * HEADS * S * 4
+    repeated = 2 * B * (HEADS - 2) * S * D * 2
+    assert padded - cuda == B * S * S * 2 + lse - 24 + repeated
+
+
+def test_bert_layer():
+    """Tiny BERT, bf16: two hidden dropouts per layer keep bool masks (b, s, h); the padding mask
+    makes the efficient kernel keep a bf16 bias instead of the flash kernel's RNG state."""
+    x = _ids(mask=True)
+    with_dropout = leanact.estimate(_bert(0.1), x, device="cuda").per_layer["bert.encoder.layer.1"]
+    without = leanact.estimate(_bert(0.0), x, device="cuda").per_layer["bert.encoder.layer.1"]
+    assert with_dropout - without == 2 * B * S * 64
+    unpadded = leanact.estimate(_bert(0.1), _ids(), device="cuda").per_layer["bert.encoder.layer.1"]
+    assert with_dropout - unpadded == B * S * S * 2 + (B * HEADS * 64 * 4 - B * HEADS * S * 4) - 24

@@ -1,0 +1,129 @@
+"""Hugging Face RMSNorm variants (LLaMA's, OLMo 2's fp32 multiply, Gemma's (1 + w), T5's) patched to
+keep y and rstd only: recognised from the forward, whatever the class name; outputs bit-identical;
+gradients: float64 gradcheck of the backward, fp32/bf16 against HF's; kept bytes exact."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from leanact.memory import SavedTensorMeter  # noqa: E402
+from leanact.patching import patch, summary  # noqa: E402
+from leanact.patching.hf_rms_norm import _HFRMSNormFunction, _LeanHFRMSNorm, hf_rms_norm_replacement  # noqa: E402
+from leanact.patching.modules import lean_subclass  # noqa: E402
+
+import _families as F  # noqa: E402
+
+from _tol import within_rounding_bound  # noqa: E402
+
+H = 16
+CLASSES = {  # variant -> an HF class computing it
+    "llama": "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+    "fp32_mul": "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
+    "offset": "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
+    "t5": "transformers.models.t5.modeling_t5.T5LayerNorm",
+}
+
+
+def _cls(path):
+    mod, name = path.rsplit(".", 1)
+    return getattr(__import__(mod, fromlist=[name]), name)
+
+
+def _norm(variant, dtype=torch.float32, seed=0):
+    m = _cls(CLASSES[variant])(H, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(torch.empty(H).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed)))
+    return m.to(dtype)
+
+
+def _reference64(variant, x, w, eps=1e-6):
+    """The variant's function in float64."""
+    xh = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return xh * (1 + w) if variant == "offset" else xh * w
+
+
+@pytest.mark.parametrize("from_output", [True, False])
+@pytest.mark.parametrize("variant", list(CLASSES))
+def test_gradcheck_float64(variant, from_output):
+    """The backward formulas, with a float64 forward (HF's own computes in fp32)."""
+    base = type(f"F64{variant}", (nn.Module,), {"forward": lambda self, x: _reference64(variant, x, self.weight)})
+    mod = lean_subclass(_LeanHFRMSNorm, base).__new__(lean_subclass(_LeanHFRMSNorm, base))
+    nn.Module.__init__(mod)
+    mod.weight = nn.Parameter(torch.empty(H, dtype=torch.float64).uniform_(0.5, 1.5))
+    x = torch.randn(3, 4, H, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, w: _HFRMSNormFunction.apply(x, w, mod, 1e-6, from_output, variant)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, mod.weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(CLASSES))
+def test_output_bitwise_gradients_within_rounding(variant, dtype):
+    ref = _norm(variant, dtype)
+    lean, reason = hf_rms_norm_replacement(copy.deepcopy(ref))
+    assert reason is None and lean._leanact_variant == variant
+    g = torch.Generator().manual_seed(1)
+    x0 = (torch.randn(4, 6, H, generator=g, dtype=torch.float64) * 3).to(dtype)
+    x_ref, x_lean = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    y_ref, y_lean = ref(x_ref), lean(x_lean)
+    assert torch.equal(y_ref, y_lean)
+    dy = torch.randn(y_ref.shape, generator=g).to(y_ref.dtype)
+    y_ref.backward(dy)
+    y_lean.backward(dy)
+    # float64 truth from the same rounded inputs
+    x64, w64 = x0.double().requires_grad_(), ref.weight.detach().double().requires_grad_()
+    _reference64(variant, x64, w64).backward(dy.double())
+    n = 4 * H  # reductions over the row, and the rounding of y for the from-output rebuild
+    for got, hf, truth in ((x_lean.grad, x_ref.grad, x64.grad), (lean.weight.grad, ref.weight.grad, w64.grad)):
+        ok, err, bound = within_rounding_bound(got, truth, dtype, n if dtype == torch.float32 else 2 * n)
+        assert ok, (err, bound)
+        if dtype == torch.float32:
+            ok, err, bound = within_rounding_bound(got, hf, dtype, n)
+            assert ok, (err, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(CLASSES))
+def test_kept_bytes_exact(variant, dtype):
+    """Kept: y (rows·H in the output dtype) + one fp32 rstd per row."""
+    lean, _ = hf_rms_norm_replacement(_norm(variant, dtype))
+    x = torch.randn(4, 6, H).to(dtype).requires_grad_()
+    meter = SavedTensorMeter(lean, exclude=[x])
+    with meter:
+        y = lean(x)
+    assert meter.total_bytes == 24 * H * y.element_size() + 24 * 4
+
+
+def test_recognised_from_forward_not_name():
+    """A class of another name computing Gemma's norm is recognised; one named *RMSNorm computing
+    something else is left with the reason."""
+    gemma = _cls(CLASSES["offset"])
+    renamed = type("ScaleNorm", (gemma,), {"__module__": "transformers.models.fake"})
+    m = renamed(H)
+    new, reason = hf_rms_norm_replacement(m)
+    assert reason is None and new._leanact_variant == "offset"
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight * 2
+
+    odd = type("OddRMSNorm", (gemma,), {"forward": forward, "__module__": "transformers.models.fake"})
+    new, reason = hf_rms_norm_replacement(odd(H))
+    assert new is None and "none of the RMSNorm variants" in reason
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "olmo2", "qwen3", "t5"])
+def test_no_norm_left_in_family(family):
+    """Every norm of these families (OLMo 2's post-norms and q/k norms, Qwen 3's and Gemma 3's q/k
+    norms, T5's) is replaced."""
+    try:
+        model = F.build(family)
+    except F.Unsupported:
+        model = F.build(family, "eager")
+    s = summary(patch(model))
+    assert not [r for r in s.left if "Norm" in r[1]], s.left
+    norms = [r for r in s.replaced if "Norm" in r[1]]
+    expected = [n for n, m in F.build(family, model.config._attn_implementation).named_modules()
+                if "Norm" in type(m).__name__]
+    assert sorted(n for n, _, _ in norms) == sorted(expected)

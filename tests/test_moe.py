@@ -1,0 +1,119 @@
+"""leanact.ops.moe.gated_experts (Mixtral / Qwen2-MoE experts keeping only [g | u] per routed token)
+and the patched HF experts modules: float64 gradcheck, fp32/bf16 against HF's eager and grouped
+experts, kept bytes exact, real top-k < E routing."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from leanact.memory import SavedTensorMeter  # noqa: E402
+from leanact.ops.moe import gated_experts  # noqa: E402
+from leanact.patching.hf_moe import hf_experts_replacement  # noqa: E402
+
+from _tol import within_rounding_bound  # noqa: E402
+
+T, H, I, E, K = 7, 8, 6, 4, 2
+
+
+def _routing(seed=0, dtype=torch.float64, k=K):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+    w, idx = logits.softmax(-1).topk(k, dim=-1)
+    return idx, (w / w.sum(-1, keepdim=True)).to(dtype)
+
+
+def _params(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
+    gu = (torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g, dtype=torch.float64) / I ** 0.5).to(dtype)
+    return x, gu, down
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+def test_gradcheck_float64(kind, grouped):
+    idx, w = _routing()
+    x, gu, down = (t.requires_grad_() for t in _params(torch.float64))
+    w.requires_grad_()
+    fn = lambda x, w, gu, down: gated_experts(x, idx, w, gu, down, kind, grouped=grouped)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, gu, down))
+
+
+def _experts(family, dtype, impl):
+    import _families as F
+
+    model = F.build(family)
+    experts = model.model.layers[0].mlp.experts.to(dtype)
+    experts.config._experts_implementation = impl
+    return experts
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_patched_experts_match_hf(family, dtype, impl):
+    """Outputs: bitwise HF's eager loop, within rounding of HF's grouped matmuls; gradients of x,
+    the routing weights and both expert weights within rounding of the float64 truth, as HF's."""
+    ref = _experts(family, dtype, impl)
+    lean, reason = hf_experts_replacement(copy.deepcopy(ref))
+    assert reason is None
+    idx, w0 = _routing(dtype=torch.float32 if family == "mixtral" else dtype, k=2)
+    E_ = ref.gate_up_proj.shape[0]
+    idx = idx % E_
+    idx[:, 1] = (idx[:, 0] + 1) % E_  # two distinct experts per token
+    x0 = torch.randn(T, ref.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(3)).to(dtype)
+    runs = []
+    for mod in (ref, lean):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        mod.zero_grad()
+        y = mod(x, idx, w)
+        y.backward(torch.ones_like(y))
+        runs.append((y, x.grad, w.grad, mod.gate_up_proj.grad, mod.down_proj.grad))
+    if impl == "eager":
+        assert torch.equal(runs[0][0], runs[1][0])
+    truth = copy.deepcopy(ref).double()
+    x, w = x0.double().requires_grad_(), w0.double().requires_grad_()
+    truth.config._experts_implementation = "eager"
+    y = truth(x, idx, w)
+    y.backward(torch.ones_like(y))
+    exact = (y, x.grad, w.grad, truth.gate_up_proj.grad, truth.down_proj.grad)
+    n = 4 * (H + I + T)  # the longest chains of roundings: two matmuls, the reductions over tokens
+    for got, hf, ex in zip(runs[1], runs[0], exact):
+        ok, err, bound = within_rounding_bound(got, ex, dtype, n)
+        assert ok, (err, bound, within_rounding_bound(hf, ex, dtype, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_bytes_exact(dtype):
+    """Kept: [g | u] for every routed token (T·k·2I in the compute dtype), x (an input here: excluded),
+    the routing indices (excluded) and weights (T·k, fp32)."""
+    ref = _experts("mixtral", dtype, "grouped_mm")
+    lean, _ = hf_experts_replacement(copy.deepcopy(ref))
+    E_, two_i, h = ref.gate_up_proj.shape
+    idx, w = _routing(dtype=torch.float32, k=2)
+    idx = idx % E_
+    idx[:, 1] = (idx[:, 0] + 1) % E_
+    x = torch.randn(T, h).to(dtype).requires_grad_()
+    w.requires_grad_()
+    e = torch.finfo(dtype).bits // 8
+    for mod, expected in ((lean, T * 2 * two_i * e + T * 2 * 4), (ref, None)):
+        meter = SavedTensorMeter(mod, exclude=[x, idx])
+        with meter:
+            y = mod(x, idx, w)
+        if expected is not None:
+            assert meter.total_bytes == expected, meter.total_bytes
+        else:
+            assert meter.total_bytes > 2 * T * 2 * two_i * e  # HF: dispatch buffer, act, product, outputs too
+
+
+def test_left_with_reason():
+    ref = _experts("mixtral", torch.float32, "batched_mm")
+    new, reason = hf_experts_replacement(ref)
+    assert new is None and "batched_mm" in reason
+    ref = _experts("mixtral", torch.float32, "eager")
+    ref.act_fn = torch.nn.ReLU()
+    new, reason = hf_experts_replacement(ref)
+    assert new is None and "not SiLU or GELU" in reason

@@ -1,0 +1,276 @@
+"""Autocast's 16-bit weight copies replaced by a recast from the fp32 parameter.
+
+* The op (:func:`leanact.ops.weight_recast.linear`): outputs and gradients bit-identical to
+  ``F.linear`` under autocast (CPU, and CUDA when present; bf16 and fp16); float64 gradcheck and
+  gradgradcheck with autocast off; it keeps exactly the 2-byte copy of the weight fewer; frozen
+  weights get no gradient; an in-place change of the weight between forward and backward raises.
+* ``leanact.patch`` (``recast_weights``, on by default): a BERT, a LLaMA and a GPT-2 (Conv1D)
+  model under autocast keep exactly 2 bytes per wrapped weight element fewer at batch 1 and 2
+  (batch-independent), with bit-identical losses and gradients; off, unpatch, copies, checkpointing
+  and torch.compile (fallback) behave.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leanact.memory import SavedTensorMeter
+from leanact.ops.weight_recast import linear
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LOW = [torch.bfloat16, torch.float16]
+
+
+def _run(fn, x, w, b, dtype, device):
+    x = x.detach().requires_grad_(True)
+    meter = SavedTensorMeter([])
+    with meter, torch.autocast(device, dtype=dtype):
+        y = fn(x, w, b)
+    g = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
+    wanted = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(y, wanted, g.to(y.dtype))
+    return y, grads, meter.total_bytes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("shape", [(5, 16), (2, 3, 16)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_op_bit_identical_to_autocast_and_keeps_no_copy(device, dtype, shape, bias):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, device=device)
+    w = nn.Parameter(torch.randn(8, 16, device=device))
+    b = nn.Parameter(torch.randn(8, device=device)) if bias else None
+    y0, g0, kept0 = _run(F.linear, x, w, b, dtype, device)
+    y1, g1, kept1 = _run(linear, x, w, b, dtype, device)
+    assert y1.dtype == y0.dtype == dtype and torch.equal(y0, y1)
+    assert all(torch.equal(a, c) and a.dtype == c.dtype for a, c in zip(g0, g1))
+    n = x.numel() // 16
+    assert kept0 == n * 16 * 2 + 8 * 16 * 2  # x's cast + the weight's cast
+    assert kept1 == n * 16 * 2  # x's cast only
+
+
+def test_op_frozen_weight_keeps_nothing_and_gets_no_grad():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    w = torch.randn(8, 16)  # requires_grad=False (LoRA's frozen base)
+    y0, (gx0,), kept0 = _run(F.linear, x, w, None, torch.bfloat16, "cpu")
+    y1, (gx1,), kept1 = _run(linear, x, w, None, torch.bfloat16, "cpu")
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert kept0 == 8 * 16 * 2 and kept1 == 0  # the frozen weight's cast (for dX) is all there was
+    assert w.grad is None
+
+
+def test_op_gradcheck_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def f(x, w, b):
+        return linear(x, w, b, dtype=torch.float64)  # the recast path (a copy, kept as a recipe)
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    assert torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+def test_op_recast_keeps_nothing_in_float64():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+    meter = SavedTensorMeter([])
+    with meter:
+        y = linear(x, w, None, dtype=torch.float64)
+    assert meter.total_bytes == 3 * 4 * 8  # x only; the weight's copy is a recipe
+    y.sum().backward()
+    assert torch.equal(w.grad, x.detach().sum(0).expand(5, 4))
+
+
+def test_op_weight_modified_in_place_raises():
+    x = torch.randn(4, 16, requires_grad=True)
+    w = nn.Parameter(torch.randn(8, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x, w)
+    with torch.no_grad():
+        w.add_(1.0)  # e.g. an optimizer step between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_op_outside_autocast_is_f_linear():
+    x, w = torch.randn(3, 4, requires_grad=True), nn.Parameter(torch.randn(5, 4))
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+# -- patched models -------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+import leanact  # noqa: E402
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=50,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def _model(family):
+    if family == "gpt2":
+        return _gpt2()
+    from _tiny import tiny_hf
+
+    return tiny_hf(family)
+
+
+def _batch(b):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 50, (b, 8), generator=g)
+    return dict(input_ids=ids, labels=ids)
+
+
+def _wrapped_weight_elements(model):
+    heads = {id(m.get_output_embeddings()) for m in model.modules() if hasattr(m, "get_output_embeddings")}
+    n = 0
+    for m in model.modules():
+        if (type(m) is nn.Linear or type(m).__name__ == "Conv1D") and id(m) not in heads:
+            n += m.weight.numel()
+    return n
+
+
+def _step(model, batch, dtype=torch.bfloat16):
+    meter = SavedTensorMeter(model, exclude=list(batch.values()))
+    with meter, torch.autocast("cpu", dtype=dtype):
+        out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return meter, out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_patched_model_keeps_exactly_two_bytes_per_weight_fewer(family, dtype):
+    base = _model(family)
+    elements = _wrapped_weight_elements(base)
+    assert elements > 0
+    for b in (1, 2):  # the difference does not depend on the batch
+        kept, result = {}, {}
+        for recast in (False, True):
+            m = leanact.patch(copy.deepcopy(base), recast_weights=recast)
+            meter, loss, grads = _step(m, _batch(b), dtype)
+            kept[recast], result[recast] = meter.total_bytes, (loss, grads)
+        assert kept[False] - kept[True] == 2 * elements, (b, kept)
+        assert torch.equal(result[False][0], result[True][0])
+        assert result[False][1].keys() == result[True][1].keys()
+        for n, g in result[False][1].items():
+            assert torch.equal(g, result[True][1][n]), n
+
+
+def test_frozen_weights_lora_like():
+    """Frozen base weights (LoRA): no weight gradient, and their copies (kept for dX) are gone too."""
+    base = _model("llama")
+    for p in base.parameters():
+        p.requires_grad_(False)
+    base.model.embed_tokens.weight.requires_grad_(True)  # something upstream trains
+    elements = _wrapped_weight_elements(base)
+    kept = {}
+    for recast in (False, True):
+        m = leanact.patch(copy.deepcopy(base), recast_weights=recast)
+        meter, loss, grads = _step(m, _batch(2))
+        kept[recast] = meter.total_bytes
+        assert list(grads) == ["model.embed_tokens.weight"]
+    assert kept[False] - kept[True] == 2 * elements
+
+
+def test_on_by_default_off_unpatch_and_summary():
+    m = leanact.patch(_model("bert"))
+    wrapped = [x for x in m.modules() if "forward" in x.__dict__ and type(x) is nn.Linear]
+    assert len(wrapped) == 7
+    assert any("recast_weights" in n for n in leanact.summary(m).notes)
+    leanact.unpatch(m)
+    assert not any("forward" in x.__dict__ for x in m.modules())
+    m = leanact.patch(_model("bert"), recast_weights=False)
+    assert not any("forward" in x.__dict__ for x in m.modules() if type(x) is nn.Linear)
+    with pytest.raises(TypeError, match="recast_weights"):
+        leanact.patch(m, recast_weights="yes")
+    assert leanact.summary(m) is None  # a bad option leaves the model unpatched
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_recasting(how):
+    m = leanact.patch(_model("llama"))
+    c = copy.deepcopy(m) if how == "deepcopy" else pickle.loads(pickle.dumps(m))
+    meter, _, _ = _step(c, _batch(1))
+    ref, _, _ = _step(leanact.patch(_model("llama"), recast_weights=False), _batch(1))
+    assert ref.total_bytes - meter.total_bytes == 2 * _wrapped_weight_elements(c)
+
+
+def test_checkpointed_region_falls_back_and_matches():
+    """Inside torch.utils.checkpoint (someone else's saved-tensor hooks) the Linear runs as autocast
+    does: gradients equal the unpatched ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    lean = leanact.patch(copy.deepcopy(net))
+    x = torch.randn(4, 16, requires_grad=True)
+    res = []
+    for m in (net, lean):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+        y.float().sum().backward()
+        res.append([p.grad.clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*res))
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_falls_back():
+    """Compiled, the Linears run autocast's own path (saved-tensor hooks are not traced): the same
+    outputs and gradients as the unpatched model's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    lean = leanact.patch(copy.deepcopy(net))
+    x = torch.randn(4, 16)
+    res = []
+    for m, run in ((net, net), (lean, torch.compile(lean, backend="eager"))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = run(x)
+        y.float().sum().backward()
+        res.append((y.detach(), [p.grad.clone() for p in m.parameters()]))
+    assert torch.equal(res[0][0], res[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(res[0][1], res[1][1]))
+
+
+# -- the meter ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_meter_reports_weight_copies_apart(frozen):
+    """Unpatched under autocast: the meter names each weight copy and sums them apart; patched:
+    none. The rest (activations) is the same in both."""
+    base = _model("bert")
+    if frozen:
+        for n, p in base.named_parameters():
+            p.requires_grad_("embeddings" in n)
+    elements = _wrapped_weight_elements(base)
+    hf, _, _ = _step(copy.deepcopy(base), _batch(2))
+    off, _, _ = _step(leanact.patch(copy.deepcopy(base), recast_weights=False), _batch(2))
+    on, _, _ = _step(leanact.patch(copy.deepcopy(base)), _batch(2))
+    head = base.get_output_embeddings().weight.numel()
+    assert hf.weight_copy_bytes == 2 * (elements + head)  # HF's head keeps its copy too
+    assert off.weight_copy_bytes == 2 * elements  # leanact's fused head keeps the parameter
+    assert on.weight_copy_bytes == 0
+    assert off.activation_bytes == on.activation_bytes == on.total_bytes
+    names = {r.weight_copy for r in off.records if r.weight_copy is not None}
+    assert "bert.encoder.layer.0.attention.self.query.weight" in names
+    tab = off.table()
+    assert "(copy of bert.encoder.layer.0.attention.self.query.weight)" in str(tab.columns[1]._cells)
+    assert f"{off.weight_copy_bytes:,}" == tab.columns[4]._cells[-1]
+
+
+def test_meter_no_weight_copies_without_autocast():
+    m = _model("llama")
+    meter = SavedTensorMeter(m)
+    with meter:
+        m(**_batch(1)).loss.backward()
+    assert meter.weight_copy_bytes == 0 and meter.activation_bytes == meter.total_bytes > 0
