@@ -186,7 +186,7 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
                 for k, c in new._modules.items():  # PEFT LoRA layers kept as children: their dropouts
                     if c is not None and peft_lora.is_lora_layer(c):
                         visit(c, _qualname(qual, k))
-                if type(new).__module__.startswith("leanact.patching.hf_"):
+                if type(new).__module__.startswith(("leanact.patching.hf_", "leanact.patching.peft_")):
                     label = f"leanact.patching.{type(new).__name__}"
                 else:
                     label = (f"leanact.nn.{'GELU' if isinstance(new, lnn.GELU) else type(new).__name__}"
