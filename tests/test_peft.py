@@ -32,8 +32,18 @@ def test_patch_before_or_after_get_peft_model_keeps_the_same_bytes(family):
     plain = _lora(tiny_hf(family))
     before = _lora(leanact.patch(tiny_hf(family)))
     after = leanact.patch(_lora(tiny_hf(family)))
-    k_plain, k_before, k_after = (_kept(m, batch).total_bytes for m in (plain, before, after))
+    meters = [_kept(m, batch) for m in (plain, before, after)]
+    k_plain, k_before, k_after = (m.total_bytes for m in meters)
     assert k_before == k_after < k_plain
+    assert torch._C._len_torch_function_stack() == 0  # (the dropout scope left under the fused loss's window)
+    if family == "llama":  # the MLP itself keeps only g and u (fp32, I = 64), its LoRA layers their own
+        from leanact.patching.peft_lora import _LoRASwiGLU
+
+        b, s = batch["input_ids"].shape
+        for model, meter in zip((before, after), meters[1:]):
+            mlp = model.base_model.model.model.layers[0].mlp
+            assert isinstance(mlp, _LoRASwiGLU)
+            assert meter.by_module()["base_model.model.model.layers.0.mlp"] == 2 * b * s * 64 * 4
     s = leanact.summary(after)
     assert not [row for row in s.left if row[1].endswith("MLP")], s.left  # the SwiGLU MLP seen through LoRA
     lora_dropouts = [r for r in s.replaced if ".lora_dropout." in r[0]]

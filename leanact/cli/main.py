@@ -185,6 +185,8 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
         task = bar.add_task(f"building {geo.name}", total=profile_cmd.steps_total(cfg))
         result = profile_cmd.run_profile(cfg, progress=lambda n, what: bar.update(task, advance=n, description=what))
     console.print(profile_cmd.render(result))
+    if (left := profile_cmd.render_summary(result)) is not None:
+        console.print(left)
     if args.ops:
         console.print(profile_cmd.render_ops(result))
     if args.plot:

@@ -111,6 +111,12 @@ class ModeResult:
     step_ratio: float | None = None
     max_batch: int | None = None  # under the budget
     weight_copies: int = 0  # per layer: autocast's 16-bit weight copies (batch-independent; in bytes_per_layer)
+    #: leanact modes: ``PatchSummary.to_dict()`` of the patched 1-layer model (what was left and why)
+    summary: dict | None = None
+    label: str = ""  # the name shown; "(partial: ... left)" when leanact left parts of the layer
+
+    def __post_init__(self):
+        self.label = self.label or self.name
 
     def activation_at(self, batch: int) -> int:
         """Whole-model activation bytes at ``batch``."""
@@ -200,11 +206,14 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
     timed: list[torch.nn.Module] = []
     for label, attn, lean in MODES:
         costs: dict[tuple[int, int], tuple[int, dict[str, int], dict[str, int], int]] = {}
+        summary = None
         for n in (1, 2):
             model = mode_model(bases[n], attn, lean)
             for b in (1, 2):
                 costs[n, b] = _measure(model, samples[b], cfg.amp())
             tick(1, f"memory: {label}, {n} layer{'s' * (n > 1)}")
+            if n == 1 and lean is not None:
+                summary = _summary(model)
             if n == 1 and cfg.repeats:
                 timed.append(model)
         total = {key: c[0] for key, c in costs.items()}
@@ -213,7 +222,8 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
         ops = _difference(costs[2, 1][1], costs[1, 1][1])
         roles = _difference(costs[2, 1][2], costs[1, 1][2])
         m = ModeResult(label, layer[1], layer[1] / (cfg.seq * h), total[1, 1] - layer[1], ops, roles,
-                       per_sample_bytes=whole[2] - whole[1], fixed_bytes=2 * whole[1] - whole[2])
+                       per_sample_bytes=whole[2] - whole[1], fixed_bytes=2 * whole[1] - whole[2],
+                       summary=summary, label=honest_label(label, summary))
         m.activation_bytes = m.activation_at(cfg.batch)
         m.layer_bytes = layer[1] + (cfg.batch - 1) * (layer[2] - layer[1])
         m.weight_copies = costs[2, 1][3] - costs[1, 1][3]
@@ -225,6 +235,46 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
         _time_modes(result, timed, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 2), cfg.repeats, tick,
                     cfg)
     return result
+
+
+def _summary(model: torch.nn.Module) -> dict | None:
+    from leanact.patching import summary
+
+    s = summary(model)
+    return None if s is None else s.to_dict()
+
+
+def honest_label(name: str, summary: dict | None) -> str:
+    """``name``, or ``"<name> (partial: attention, BloomGelu left)"`` when leanact left parts of the layer."""
+    left = (summary or {}).get("left_in_layers") or []
+    return f"{name} (partial: {', '.join(left)} left)" if left else name
+
+
+def render_summary(result: ProfileResult):
+    """What leanact left in the model and why (``leanact.summary`` of the first leanact mode), as a
+    rich Table for under the profile table; None when nothing was left."""
+    s = next((m.summary for m in result.modes if m.summary is not None), None)
+    if s is None:
+        return None
+    rows = [(name, cls, why) for name, cls, why in s["left"]]
+    rows += [(f"attention ({path or 'model'})", was, now) for path, was, now in s["attention"]
+             if now.startswith("left")]
+    rows += [(f"attention ({path or 'model'})", "", f"original attention for calls with {', '.join(f)}")
+             for path, f in s["attention_fallbacks"].items()]
+    rows += [(f"loss ({path or 'model'})", head, now) for path, head, now in s["loss"] if now.startswith("left")]
+    if s["functional_dropout"] is not None:
+        rows.append(tuple(s["functional_dropout"]))
+    if not rows:
+        return None
+    tab = compact_table("Left by leanact (leanact.summary), and why", "")
+    for col in ("module", "class", "why / now"):
+        tab.add_column(col, no_wrap=False)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, cls, why in rows:
+        groups.setdefault((cls, why), []).append(name)
+    for (cls, why), names in groups.items():
+        tab.add_row(names[0] if len(names) == 1 else f"{len(names)}, e.g. {names[0]}", cls, why)
+    return tab
 
 
 def _time_modes(result: ProfileResult, models: list, inputs: dict, repeats: int, tick, cfg: ProfileConfig) -> None:
@@ -309,7 +359,7 @@ def render(result: ProfileResult):
     tab.add_column("vs\neager", justify="right", no_wrap=True)
     eager = modes[0]
     for i, m in enumerate(modes):
-        row = [m.name, f"{m.per_sbh:.2f}", f"{m.bytes_per_layer / eager.bytes_per_layer:.2f}x"]
+        row = [m.label, f"{m.per_sbh:.2f}", f"{m.bytes_per_layer / eager.bytes_per_layer:.2f}x"]
         row += [format_in(values[i], units[name][1]) for name, values in memory.items()]
         if cfg.budget is not None:
             row.append(f"{m.max_batch}")

@@ -112,6 +112,8 @@ def attention(
     generator: torch.Generator | None = None,
     seed: torch.Tensor | int | None = None,
     enable_gqa: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) -> dropout -> @ v`` keeping no s² tensor (mode "recompute").
 
@@ -121,6 +123,10 @@ def attention(
     :func:`default_block_size`). The dropout seed is drawn from ``generator`` (default: the default
     generator of q's device) unless ``seed`` (int or 0-dim int64 tensor) is given: the same seed
     gives the same mask. Double backward is not supported.
+    ``softcap`` c > 0: the scores become c·tanh(scores/c) before the mask (Gemma 2's logit
+    softcapping). ``sinks`` (H,): one more logit per head in every row's softmax denominator, with no
+    value (GPT-OSS's attention sinks; gets a gradient). Either runs the recompute path (in "tempo"
+    mode too); with autograd under ``torch.func`` transforms, the plain composition.
     """
     low = autocast_dtype(q.device.type)
     if low is not None:  # autocast's policy for SDPA: q, k, v in its low dtype. An additive mask stays as
@@ -131,7 +137,7 @@ def attention(
         with autocast_off(q.device.type):
             return attention(cast(q), cast(k), cast(v), attn_mask, dropout_p, is_causal, scale, mode=mode,
                              training=training, block_size=block_size, generator=generator, seed=seed,
-                             enable_gqa=enable_gqa)
+                             enable_gqa=enable_gqa, softcap=softcap, sinks=sinks)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0.0 <= dropout_p <= 1.0:
@@ -148,9 +154,14 @@ def attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     p = float(dropout_p) if training else 0.0
     mask4 = _as4d(attn_mask)
+    _check_variants(softcap, sinks, h)
     grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (mask4 is not None and mask4.requires_grad)
+        or (sinks is not None and sinks.requires_grad)
     )
+    if softcap is not None or sinks is not None:
+        return _variant(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed, enable_gqa,
+                        softcap, sinks)
     eager = not torch.compiler.is_compiling()
     gqa = {"enable_gqa": True} if enable_gqa else {}  # (the keyword needs torch >= 2.5)
     if functorch_active() and p == 0.0:  # torch.func transforms: torch's own op (its memory, its results)
@@ -174,3 +185,51 @@ def attention(
         block = int(block_size) if block_size else default_block_size(b, h, s_q, k.size(2))
         out = RecomputeAttention.apply(q, k, v, mask4, seed, p, is_causal, scale, block)
     return out.transpose(1, 2)
+
+
+def _check_variants(softcap, sinks, h: int) -> None:
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number (scores become c*tanh(s/c)), got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (h,)
+                              or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a floating-point tensor of shape ({h},) (one logit per query head), "
+                         f"got {getattr(sinks, 'shape', type(sinks).__name__)}")
+
+
+def _variant(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed, enable_gqa, softcap, sinks):
+    """Softcapped scores and/or sinks: the recompute core (the plain composition under torch.func)."""
+    if functorch_active():
+        if p > 0.0:
+            raise NotImplementedError("attention with softcap/sinks and dropout under torch.func transforms")
+        return compose(q, k, v, mask4, is_causal, scale, softcap, sinks, enable_gqa)
+    seed = (draw_seed(q.device, generator) if seed is None else _as_seed(seed, q.device)) if p > 0.0 else None
+    b, h, s_q, _ = q.shape
+    block = int(block_size) if block_size else default_block_size(b, h, s_q, k.size(2))
+    softcap = None if softcap is None else float(softcap)
+    out = RecomputeAttention.apply(q, k, v, mask4, seed, p, is_causal, scale, block, softcap, sinks)
+    return out.transpose(1, 2)
+
+
+def compose(q, k, v, mask4=None, is_causal=False, scale=None, softcap=None, sinks=None, enable_gqa=False):
+    """The plain composition (no dropout): keeps the s² probabilities; the reference in tests."""
+    c = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h, hkv = q.size(1), k.size(1)
+    if enable_gqa and hkv != h:
+        k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    s = (q.to(c) * scale) @ k.to(c).transpose(-1, -2)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if mask4 is not None:
+        s = s.masked_fill(~mask4, -math.inf) if mask4.dtype == torch.bool else s + mask4.to(c)
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(c).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    m = s.amax(-1, keepdim=True).detach()
+    e = (s - m.masked_fill(m == -math.inf, 0.0)).exp()
+    l = e.sum(-1, keepdim=True)
+    prob = e / l.masked_fill(l == 0, 1.0)
+    if sinks is not None:
+        prob = prob[..., :-1]
+    return (prob @ v.to(c)).to(q.dtype)

@@ -62,12 +62,19 @@ def _additive(mask, c):
     return torch.zeros(mask.shape, dtype=c, device=mask.device).masked_fill_(mask.logical_not(), -_INF)
 
 
-def _logits(qs, kc, mask, causal, i0, i1, kend, b, h):
+def _logits(qs, kc, mask, causal, i0, i1, kend, b, h, softcap=None, tanh_out=None):
     """Scores of query rows i0:i1 against keys 0:kend: S (b*Hkv, G*bs, kend) and its (b, H, bs, kend) view.
 
-    Masked entries are -inf (bool mask False, the causal triangle j > i); a float mask is added.
+    With ``softcap`` c the scores are c·tanh(S/c) (Gemma 2), before masking; ``tanh_out`` (a list)
+    then receives tanh(S/c) (for the backward's factor 1 - tanh²). Masked entries are -inf (bool mask
+    False, the causal triangle j > i); a float mask is added.
     """
     s = torch.bmm(qs, kc[:, :kend].transpose(1, 2))
+    if softcap is not None:
+        s.div_(softcap).tanh_()
+        if tanh_out is not None:
+            tanh_out.append(s.clone())
+        s.mul_(softcap)
     s4 = s.view(b, h, i1 - i0, kend)
     if mask is not None:
         mb = mask[:, :, i0:i1] if mask.size(2) > 1 else mask
@@ -142,13 +149,25 @@ def _block_starts(s_q: int, block: int) -> range:
     return range(0, s_q, block)
 
 
-def _safe_softmax_(s4):
-    """In place: s4 <- exp(s4 - m) per row; returns (rowmax m, rowsum l, empty rows). Masked rows give 0."""
+def _safe_softmax_(s4, sink=None):
+    """In place: s4 <- exp(s4 - m) per row; returns (rowmax m, rowsum l, empty rows). Masked rows give 0.
+
+    ``sink`` (1, H, 1, 1): one more logit per head in each row's denominator (attention sinks,
+    GPT-OSS), with no value: l includes exp(sink - m), and a row whose keys are all masked gives 0."""
     m = s4.amax(-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     m = m.masked_fill(m == -_INF, 0.0)
     s4.sub_(m).exp_()
     l = s4.sum(-1, keepdim=True)
+    if sink is not None:
+        l = l + (sink - m).exp()
     return m, l, l == 0
+
+
+def _sink4(sinks, h, c):
+    """The (H,) sink logits as a (1, H, 1, 1) tensor of the compute dtype (None: no sinks)."""
+    return None if sinks is None else sinks.detach().to(c).view(1, h, 1, 1)
 
 
 def _setup(q, k, v, p):
@@ -159,23 +178,29 @@ def _setup(q, k, v, p):
 
 class RecomputeAttention(torch.autograd.Function):
     """Flash-style attention. Saves q, k, v (the caller's tensors), the per-row log-sum-exp
-    (b, H, s_q) and the seed (plus the caller's mask, if any): nothing of size s², not the output.
-    Backward recomputes each query block's probabilities as exp(S - lse) and its dropout mask, and
-    D = rowsum(P * dP) from them in fp32 (the kept output is not read: a 16-bit O would round D)."""
+    (b, H, s_q) and the seed (plus the caller's mask and the (H,) sinks, if any): nothing of size
+    s², not the output. Backward recomputes each query block's probabilities as exp(S - lse) and its
+    dropout mask, and D = rowsum(P * dP) from them in fp32 (the kept output is not read: a 16-bit O
+    would round D).
+
+    ``softcap`` c: scores c·tanh(S/c) before the mask (Gemma 2); backward multiplies dS by
+    1 - tanh²(S/c), recomputed with the block. ``sinks`` (H,): a per-head logit added to each row's
+    softmax denominator (GPT-OSS); the lse includes it, and its gradient is -Σ P_sink·D."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, seed, p, causal, scale, block):
+    def forward(ctx, q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None):
         b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
         dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
+        sink = _sink4(sinks, h, c)
         out = q.new_empty((b, s_q, h, dv))  # (b, s, H, dv): out.transpose(1, 2) is what we return
         o4 = out.transpose(1, 2)
         lse = q.new_empty((b, h, s_q), dtype=c)
         for i0 in _block_starts(s_q, block):
             i1 = min(i0 + block, s_q)
             kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
-            s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h)
-            m, l, empty = _safe_softmax_(s4)
+            s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h, softcap)
+            m, l, empty = _safe_softmax_(s4, sink)
             lse[:, :, i0:i1] = (m + l.log()).masked_fill_(empty, _INF).squeeze(-1)
             r = l.reciprocal().masked_fill_(empty, 0.0)
             if dropper is not None:
@@ -183,19 +208,22 @@ class RecomputeAttention(torch.autograd.Function):
                 r.mul_(inv)
             o4[:, :, i0:i1] = torch.bmm(s, vc[:, :kend]).view(b, h, i1 - i0, dv).mul_(r)
         lse._leanact_exact = True  # a softmax statistic: lossy compression must leave it exact
-        ctx.save_for_backward(q, k, v, lse, mask, seed)
-        ctx.args = (p, causal, scale, block)
+        ctx.save_for_backward(q, k, v, lse, mask, seed, sinks)
+        ctx.args = (p, causal, scale, block, softcap)
         return out
 
     @staticmethod
     @once_differentiable
     @no_autocast_backward
     def backward(ctx, dout):
-        q, k, v, lse, mask, seed = ctx.saved_tensors
-        p, causal, scale, block = ctx.args
+        q, k, v, lse, mask, seed, sinks = ctx.saved_tensors
+        p, causal, scale, block, softcap = ctx.args
         b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
         dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
+        sink = _sink4(sinks, h, c)
+        needs = ctx.needs_input_grad
+        dsink = torch.zeros((1, h, 1, 1), dtype=c, device=q.device) if len(needs) > 10 and needs[10] else None
         do4 = dout.transpose(1, 2)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros((bk, s_k, d), dtype=c, device=q.device)
@@ -208,8 +236,10 @@ class RecomputeAttention(torch.autograd.Function):
             i1 = min(i0 + block, s_q)
             kend = min(s_k, i1) if causal else s_k
             qs = _rows(q, i0, i1, c, bk).mul(scale)
-            s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h)
-            s4.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P; rows with lse = +inf (fully masked) give 0
+            tanh = [] if softcap is not None else None
+            s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h, softcap, tanh)
+            lse_b = lse[:, :, i0:i1].unsqueeze(-1)
+            s4.sub_(lse_b).exp_()  # P; rows with lse = +inf (fully masked) give 0
             dob = _rows(do4, i0, i1, c, bk)
             dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropout output
             if dropper is not None:
@@ -221,13 +251,20 @@ class RecomputeAttention(torch.autograd.Function):
             # D / dscale = rowsum(P * dP') in the compute dtype: the same value as rowsum(dO * O) / dscale,
             # without the rounding of a 16-bit O (which cancels badly where dP' is close to D).
             dd = (s * dp).sum(-1, keepdim=True)
+            if dsink is not None:  # d sink_h = -sum over rows of P_sink * D, P_sink = exp(sink - lse)
+                psink = (sink - lse_b).exp_()  # (b, H, bs, 1); 0 where lse = +inf
+                dsink.sub_((psink * dd.view(b, h, i1 - i0, 1)).sum((0, 2), keepdim=True), alpha=dscale)
             ds = dp.sub_(dd).mul_(s)  # dS / dscale
-            if dmask is not None:
+            if dmask is not None:  # (the mask is added after the softcap: its gradient is dS itself)
                 _mask_grad(dmask, ds.view(b, h, i1 - i0, kend).mul(dscale), i0, i1)
+            if tanh is not None:  # through c·tanh(S/c): times 1 - tanh²(S/c)
+                ds.mul_(tanh[0].square_().neg_().add_(1.0))
             dq[:, :, i0:i1] = torch.bmm(ds, kc[:, :kend]).mul_(scale * dscale).view(b, h, i1 - i0, d)
             dk[:, :kend].baddbmm_(ds.transpose(1, 2), qs, alpha=dscale)
         dk, dvv = dk.view(k.shape).to(k.dtype), dvv.view(v.shape).to(v.dtype)
-        return dq, dk, dvv, (dmask.to(mask.dtype) if dmask is not None else None), None, None, None, None, None
+        dsinks = dsink.view(h).to(sinks.dtype) if dsink is not None else None
+        return (dq, dk, dvv, (dmask.to(mask.dtype) if dmask is not None else None), None, None, None, None, None,
+                None, dsinks)[: len(needs)]
 
 
 class TempoAttention(torch.autograd.Function):

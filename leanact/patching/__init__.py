@@ -103,6 +103,32 @@ class PatchSummary:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
         return {p: set(st.fallbacks) for p, st in self.attention_states.items() if st.fallbacks}
 
+    def left_in_layers(self) -> list[str]:
+        """What was left inside the model's repeated layers (paths with a layer index), by name:
+        "attention" if its row says left or calls fell back, then the classes of the modules left
+        (RoPE tables excepted: built without autograd, they keep nothing); [] when nothing was."""
+        import re
+
+        out = []
+        if any(after.startswith("left") for _, _, after in self.attention) or self.attention_fallbacks():
+            out.append("attention")
+        for name, cls, _ in self.left:
+            if re.search(r"\.\d+(\.|$)", name) and not cls.endswith("RotaryEmbedding") and cls not in out:
+                out.append(cls)
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain data (no markup) for JSON: every row of :meth:`table` by kind."""
+        from rich.text import Text
+
+        plain = lambda rows: [[Text.from_markup(x).plain for x in r] for r in rows]  # noqa: E731
+        row = self.functional_dropout_row()
+        return {"replaced": plain(self.replaced), "left": plain(self.left), "attention": plain(self.attention),
+                "attention_fallbacks": {p: sorted(f) for p, f in self.attention_fallbacks().items()},
+                "loss": plain(self.loss), "notes": list(self.notes),
+                "functional_dropout": None if row is None else plain([row])[0],
+                "left_in_layers": self.left_in_layers()}
+
     def table(self):
         """A rich Table of the replacements, what was left and why, and attention (``print()`` shows it)."""
         from leanact._format import text_table
@@ -160,7 +186,7 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
                 for k, c in new._modules.items():  # PEFT LoRA layers kept as children: their dropouts
                     if c is not None and peft_lora.is_lora_layer(c):
                         visit(c, _qualname(qual, k))
-                if type(new).__module__.startswith("leanact.patching.hf_"):
+                if type(new).__module__.startswith(("leanact.patching.hf_", "leanact.patching.peft_")):
                     label = f"leanact.patching.{type(new).__name__}"
                 else:
                     label = (f"leanact.nn.{'GELU' if isinstance(new, lnn.GELU) else type(new).__name__}"
@@ -191,7 +217,16 @@ def _configs(model: nn.Module) -> list:
     return list(found.values())
 
 
-_FEATURES = {"softcap": "logit softcapping", "s_aux": "attention sinks", "sinks": "attention sinks"}
+def _variants(config, modules) -> str:
+    """The attention variants the core runs for this config (shown in the summary)."""
+    found = []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        found.append("logit softcap")
+    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        found.append("sliding windows")
+    if any("sinks" in m._parameters for m in modules):
+        found.append("attention sinks")
+    return "".join(f", {f}" for f in found)
 
 
 def _set_implementation(config, name: str) -> None:
@@ -234,16 +269,13 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         else:
             was = was or "eager"
             users = [m for m in model.modules() if getattr(m, "config", None) is c]
-            state = attention_hf._ConfigState(was, mode, attention_hf.static_fallbacks(c, users))
+            state = attention_hf._ConfigState(was, mode)
             states[id(c)] = state
             attention_hf.set_config_state(c, state)
             records.append((c, was))
             summary.attention_states[path] = state
-            if state.fallbacks:
-                names = ", ".join(sorted(_FEATURES.get(f, f) for f in state.fallbacks))
-                summary.attention.append((path, was, f"left: {was} (leanact's core has no {names})"))
-            elif any(not isinstance(m, PreTrainedModel) for m in users):  # (a composite's top config has no layers)
-                summary.attention.append((path, was, f"leanact ({mode})"))
+            if any(not isinstance(m, PreTrainedModel) for m in users):  # (a composite's top config has no layers)
+                summary.attention.append((path, was, f"leanact ({mode}{_variants(c, users)})"))
     for m in model.modules():  # the state travels with the modules (deepcopy, pickle)
         state = states.get(id(getattr(m, "config", None)))
         if state is not None:

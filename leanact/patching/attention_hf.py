@@ -21,9 +21,12 @@ weights), with three exceptions, decided per call:
   reentrant gradient checkpoint) leanact's core runs, so the recompute draws the same mask.
 * T5's ``position_bias`` (learned, additive) goes to the core as an additive mask, with the
   padding mask and the causal triangle added to it; it gets its gradient from the core.
-* features leanact's core does not cover (logit ``softcap``, attention sinks, a paged cache): the implementation the model had before patching (the model's eager function
-  or transformers' SDPA function), recorded in the state (shown by ``leanact.summary``) and warned
-  about once.
+* Gemma 2's logit ``softcap`` and GPT-OSS's attention sinks (``s_aux``) go to the core
+  (:func:`leanact.ops.attention.attention`'s ``softcap`` and ``sinks``); sliding windows come as
+  the mask transformers builds for them.
+* features leanact's core does not cover (a paged cache): the implementation the model had before
+  patching (the model's eager function or transformers' SDPA function), recorded in the state
+  (shown by ``leanact.summary``) and warned about once.
 
 Semantics follow the original implementation: a query row whose keys are all masked (left
 padding under a causal mask) is 0 under SDPA and, under the model's eager function (additive
@@ -47,11 +50,12 @@ import torch
 from ..ops.amp import no_autocast_backward
 from ..ops.attention import attention as _lean_attention
 
-__all__ = ["NAME", "ATTR", "register", "static_fallbacks", "leanact_attention_forward", "set_config_state", "config_state",
+__all__ = ["NAME", "ATTR", "register", "leanact_attention_forward", "set_config_state", "config_state",
            "module_state"]
 
 NAME = "leanact"
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "sliding_window_pattern")
+_UNSUPPORTED_KWARGS = ("sliding_window_pattern",)
+_SINK_KWARGS = ("s_aux", "sinks")  # GPT-OSS passes its (H,) sink logits as s_aux
 
 
 ATTR = "_leanact_attention"
@@ -89,17 +93,6 @@ def config_state(config) -> _ConfigState | None:
     if entry is None or entry[0]() is not config:
         return None
     return entry[1]
-
-
-def static_fallbacks(config, modules) -> set:
-    """Features of a config's attention that leanact's core does not cover, known before any call:
-    Gemma 2's logit softcapping, GPT-OSS's attention sinks."""
-    found = set()
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        found.add("softcap")
-    if any("sinks" in m._parameters for m in modules):
-        found.add("s_aux")
-    return found
 
 
 def module_state(module) -> _ConfigState | None:
@@ -168,14 +161,14 @@ class EagerMaskedRows(torch.autograd.Function):
     backward forms d x d products (VᵀK, dOᵀQ) instead of any s_q x s_k tensor. No dropout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dead, scale):
+    def forward(ctx, q, k, v, dead, scale, softcap=None):
         c = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, h, s_q, d = q.shape
         g = h // k.size(1)
         vmean = v.to(c).mean(2).repeat_interleave(g, dim=1)  # (b, H, dv)
         w = dead.to(c).expand(b, h, s_q).unsqueeze(-1)
         ctx.save_for_backward(q, k, v, dead)
-        ctx.scale = scale
+        ctx.scale, ctx.softcap = scale, softcap
         return (w * vmean.unsqueeze(2)).to(v.dtype)
 
     @staticmethod
@@ -194,13 +187,33 @@ class EagerMaskedRows(torch.autograd.Function):
         vmean = vc.mean(2, keepdim=True)  # (b, Hkv, 1, dv)
         m = (do * vmean).sum(-1, keepdim=True)  # dO_i · mean(v)
         f = ctx.scale / n
-        dq = f * (do @ (vc.transpose(-1, -2) @ kc) - m * kc.sum(2, keepdim=True))
-        dk = f * (vc @ (do.transpose(-1, -2) @ qg) - (m * qg).sum(2, keepdim=True))
+        if ctx.softcap is None:
+            dq = f * (do @ (vc.transpose(-1, -2) @ kc) - m * kc.sum(2, keepdim=True))
+            dk = f * (vc @ (do.transpose(-1, -2) @ qg) - (m * qg).sum(2, keepdim=True))
+        else:
+            dq, dk = _softcapped_dead_rows_grads(qg, kc, vc, do, m, ctx.scale, ctx.softcap)
         dv = (do.sum(2, keepdim=True) / n).expand(b, hkv, n, -1)
-        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling):
+def _softcapped_dead_rows_grads(qg, kc, vc, do, m, scale, softcap, rows=256):
+    """dq, dk of :class:`EagerMaskedRows` under a logit softcap c: the uniform softmax's score gradient
+    (dO_i·v_j - dO_i·mean(v)) / n times 1 - tanh²(scale q_i·k_j / c), in blocks of query rows (the
+    factor depends on each (i, j): no d x d shortcut). Rows of ``do`` that are not dead are 0."""
+    n = kc.size(2)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros_like(kc)
+    for i0 in range(0, qg.size(2), rows):
+        i1 = min(i0 + rows, qg.size(2))
+        qb, dob = qg[:, :, i0:i1], do[:, :, i0:i1]
+        t = torch.tanh((qb @ kc.transpose(-1, -2)) * (scale / softcap))
+        ds = (dob @ vc.transpose(-1, -2) - m[:, :, i0:i1]).div_(n).mul_(1 - t * t)
+        dq[:, :, i0:i1] = scale * (ds @ kc)
+        dk += scale * (ds.transpose(-1, -2) @ qb)
+    return dq, dk
+
+
+def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap=None):
     """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself)."""
     if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return out
@@ -208,7 +221,7 @@ def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling):
     if not bool(dead.any()):
         return out
     scale = query.size(-1) ** -0.5 if scaling is None else float(scaling)
-    return out + EagerMaskedRows.apply(query, key, value, dead, scale)
+    return out + EagerMaskedRows.apply(query, key, value, dead, scale, softcap)
 
 
 def _weights_requested(kwargs) -> bool:
@@ -262,6 +275,8 @@ def leanact_attention_forward(
         if attention_mask is not None:
             bias = bias + _additive(attention_mask[..., : key.shape[2]], bias.dtype)
         attention_mask, is_causal = bias, False
+    softcap = kwargs.get("softcap")
+    sinks = next((kwargs[k] for k in _SINK_KWARGS if kwargs.get(k) is not None), None)
     unsupported = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
     if kwargs.get("cache") is not None:
         unsupported.append("cache")
@@ -282,8 +297,8 @@ def leanact_attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = _lean_attention(query, key, value, attention_mask, dropout_p=float(dropout), is_causal=causal,
                           scale=scaling, mode=mode, training=True,  # like SDPA: the caller's dropout decides
-                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)
-    if original == "eager":
-        out = _masked_rows_as_eager(out, query, key, value, attention_mask, scaling)
+                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1, softcap=softcap, sinks=sinks)
+    if original == "eager" and sinks is None:  # (with sinks, eager gives such rows 0 too: the sink takes it all)
+        out = _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap)
     # out is a (b, H, s, d) view of a (b, s, H, d) buffer: this transpose is free and contiguous.
     return out.transpose(1, 2).contiguous(), None

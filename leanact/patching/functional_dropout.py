@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.dropout import dropout as lean_dropout
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from ..recompute.recipes import foreign_hooks
+from .hf_head import _remove_mode
 
 __all__ = ["DropoutState", "calls_functional_dropout", "install", "uninstall", "active"]
 
@@ -84,6 +85,11 @@ class _Scope:
     def __enter__(self):
         stack = _local.__dict__.setdefault("stack", [])
         wanted = self.peft_root is None or "peft_config" in self.peft_root.__dict__
+        if self.peft_root is not None and wanted and not self.__dict__.get("adopted"):
+            from .peft_lora import adopt
+
+            adopt(self.peft_root)  # lean MLPs into which PEFT put LoRA layers call them
+            self.adopted = True
         mode = None if active() or not wanted else _Mode(self.state)
         if mode is not None:
             mode.__enter__()
@@ -92,8 +98,10 @@ class _Scope:
 
     def __exit__(self, *exc):
         mode = _local.stack.pop()
-        if mode is not None:
-            mode.__exit__(*exc)
+        # Ours only: a mode entered inside the forward and left after it (the fused loss's window,
+        # :mod:`leanact.patching.hf_head`) may still be above it.
+        if mode is not None and mode in torch.overrides._get_current_function_mode_stack():
+            _remove_mode(mode)
         return False
 
 
