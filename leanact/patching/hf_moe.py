@@ -105,7 +105,8 @@ def hf_experts_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     if (reason := hooks_reason(m)) is not None:
         return None, reason
     if set(m._parameters) != {"gate_up_proj", "down_proj"} or set(m._modules) != {"act_fn"} or m._buffers:
-        return None, f"{t.__name__}: not exactly gate_up_proj, down_proj and act_fn (e.g. biases)"
+        return None, (f"{t.__name__}: parameters {sorted(m._parameters)}, children {sorted(m._modules)}; covered are "
+                      "experts with exactly gate_up_proj, down_proj and an act_fn (no biases, HF's default gating)")
     gu, down = m.gate_up_proj, m.down_proj
     if down.dim() != 3 or gu.shape[0] != down.shape[0] or gu.shape[1] != 2 * down.shape[2] or gu.shape[2] != down.shape[1]:
         return None, f"{t.__name__}: gate_up_proj {tuple(gu.shape)} / down_proj {tuple(down.shape)} not (E, 2I, h) / (E, h, I)"
