@@ -132,14 +132,22 @@ FAMILIES = {
                          decoder_ffn_dim=2048, num_mel_bins=80, max_source_positions=256, max_target_positions=256,
                          decoder_start_token_id=1, pad_token_id=0), 512, 256, "speech",
                 "whisper-base: d=512 a=8 I=2048, dropout 0; one encoder + one decoder layer (s=256 both)"),
-    # the earlier rows of this table (larger geometries)
+    # larger geometries (docs/benchmarks.md, all four modes)
+    "gpt2-medium": (_cfg("GPT2Config", "GPT2Model", "n_layer", n_embd=1024, n_head=16, vocab_size=VOCAB,
+                         n_positions=1024, use_cache=False, bos_token_id=1, eos_token_id=2), 1024, 1024, "ids",
+                    "gpt2-medium: h=1024 a=16 I=4096, dropout 0.1"),
+    "vit-base": (_cfg("ViTConfig", "ViTModel", model_kw=dict(add_pooling_layer=False), hidden_size=768,
+                      num_attention_heads=12, intermediate_size=3072, image_size=224, patch_size=16), 768, 197,
+                 "pixels", "vit-base: h=768 a=12 I=3072, 224 px / 16 (197 tokens), dropout 0"),
+    "llama-h1024": (_llm("LlamaConfig", "LlamaModel", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                         intermediate_size=2816), 1024, 512, "ids", "llama-h1024: h=1024 a=16 kv=4 I=2816"),
     "bert-large": (_cfg("BertConfig", "BertModel", model_kw=dict(add_pooling_layer=False), hidden_size=1024,
                         num_attention_heads=16, intermediate_size=4096, vocab_size=VOCAB), 1024, 512, "ids",
                    "bert-large: h=1024 a=16 I=4096, dropout 0.1"),
     "llama-1b": (_llm("LlamaConfig", "LlamaModel", **_LLAMA_1B), 2048, 2048, "ids",
                  "llama-1b: h=2048 a=32 kv=8 I=8192"),
 }
-MATRIX = [f for f in FAMILIES if f not in ("bert-large", "llama-1b")]
+MATRIX = list(FAMILIES)[:list(FAMILIES).index("gpt2-medium")]
 EAGER_ONLY = ("gemma2",)  # HF has no sdpa path for them: "sdpa" measures eager there
 BERT_LIKE = ("bert", "roberta", "distilbert", "albert", "electra")
 
@@ -215,15 +223,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(True)
     dtype = DTYPES[args.dtype]
-    header = ("family", "s", *args.modes, "leanact / sdpa", "patched", "left")
+    header = ("family", "s", *args.modes, "leanact / sdpa", *(("leanact / eager",) if "eager" in args.modes else ()),
+              "patched", "left")
     rows = []
     for fam in args.families:
         _, _, s_default, kind, _ = FAMILIES[fam]
         s = s_default if (args.seq is None or kind == "pixels") else args.seq
         res = {m: measure(fam, m, s, args.batch, dtype) for m in args.modes}
-        ratio = (f"{res['recompute'] / res['sdpa']:.3f}x" if {"sdpa", "recompute"} <= res.keys() else "")
+        ratio = [f"{res['recompute'] / res[m]:.3f}x" if {m, "recompute"} <= res.keys() else ""
+                 for m in ("sdpa", "eager")[:1 + ("eager" in args.modes)]]
         patched, left = patched_and_left(fam, dtype) if set(args.modes) - {"eager", "sdpa"} else ("", "")
-        rows.append([fam, str(s), *(f"{res[m]:.2f}" for m in args.modes), ratio, patched, left])
+        rows.append([fam, str(s), *(f"{res[m]:.2f}" for m in args.modes), *ratio, patched, left])
         print(" | ".join(rows[-1]), flush=True)
     title = f"bytes kept per layer / (s·b·h), {args.dtype}, b={args.batch}, 2-layer minus 1-layer models"
     legend = [f"{fam}: {FAMILIES[fam][4]}" + (" (HF has no sdpa path: eager)" if fam in EAGER_ONLY else "")

@@ -24,6 +24,7 @@ CLASSES = {  # variant -> an HF class computing it
     "fp32_mul": "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
     "offset": "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
     "t5": "transformers.models.t5.modeling_t5.T5LayerNorm",
+    "cohere_ln": "transformers.models.cohere.modeling_cohere.CohereLayerNorm",
 }
 
 
@@ -41,6 +42,8 @@ def _norm(variant, dtype=torch.float32, seed=0):
 
 def _reference64(variant, x, w, eps=1e-6):
     """The variant's function in float64."""
+    if variant == "cohere_ln":
+        x = x - x.mean(-1, keepdim=True)
     xh = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return xh * (1 + w) if variant == "offset" else xh * w
 
@@ -96,6 +99,33 @@ def test_kept_bytes_exact(variant, dtype):
     assert meter.total_bytes == 24 * H * y.element_size() + 24 * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cohere_qk_norm_per_head_weight(dtype):
+    """Cohere's q/k norms: a (heads, d) weight, normalised over d; kept y + rstd; gradients as HF's."""
+    ref = _cls(CLASSES["cohere_ln"])(hidden_size=(4, H), eps=1e-5)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    ref = ref.to(dtype)
+    lean, reason = hf_rms_norm_replacement(copy.deepcopy(ref))
+    assert reason is None
+    x0 = torch.randn(2, 3, 4, H).to(dtype)
+    x_ref, x_lean = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    meter = SavedTensorMeter(lean, exclude=[x_lean])
+    with meter:
+        y = lean(x_lean)
+    assert meter.total_bytes == 24 * H * y.element_size() + 24 * 4
+    y_ref = ref(x_ref)
+    assert torch.equal(y, y_ref)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y.backward(dy)
+    y_ref.backward(dy)
+    x64, w64 = x0.double().requires_grad_(), ref.weight.detach().double().requires_grad_()
+    _reference64("cohere_ln", x64, w64, 1e-5).backward(dy.double())
+    for got, truth in ((x_lean.grad, x64.grad), (lean.weight.grad, w64.grad)):
+        ok, err, bound = within_rounding_bound(got, truth, dtype, 8 * H)
+        assert ok, (err, bound)
+
+
 def test_recognised_from_forward_not_name():
     """A class of another name computing Gemma's norm is recognised; one named *RMSNorm computing
     something else is left with the reason."""
@@ -113,17 +143,23 @@ def test_recognised_from_forward_not_name():
     assert new is None and "none of the RMSNorm variants" in reason
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma3", "olmo2", "qwen3", "t5"])
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "olmo2", "qwen3", "t5", "cohere"])
 def test_no_norm_left_in_family(family):
     """Every norm of these families (OLMo 2's post-norms and q/k norms, Qwen 3's and Gemma 3's q/k
     norms, T5's) is replaced."""
-    try:
-        model = F.build(family)
-    except F.Unsupported:
-        model = F.build(family, "eager")
+    def build():
+        if family == "cohere":  # with its per-head q/k norms
+            return transformers.CohereForCausalLM(transformers.CohereConfig(
+                vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, use_qk_norm=True, max_position_embeddings=64))
+        try:
+            return F.build(family)
+        except F.Unsupported:
+            return F.build(family, "eager")
+
+    model = build()
     s = summary(patch(model))
     assert not [r for r in s.left if "Norm" in r[1]], s.left
     norms = [r for r in s.replaced if "Norm" in r[1]]
-    expected = [n for n, m in F.build(family, model.config._attn_implementation).named_modules()
-                if "Norm" in type(m).__name__]
+    expected = [n for n, m in build().named_modules() if "Norm" in type(m).__name__]
     assert sorted(n for n, _, _ in norms) == sorted(expected)

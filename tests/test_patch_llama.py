@@ -177,3 +177,37 @@ def test_rms_norm_from_output_knob(from_output):
     ref(x_ref).backward(dy)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lean.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_saved_tensor_hooks_keep_the_lean_layer():
+    """Inside a user's saved-tensor hooks (a counting hook, as torch's save_on_cpu sees them) a
+    patched LLaMA layer keeps what it keeps without them (the bytes of test_saved_bytes_per_layer_exact),
+    not HF's MLP tensors."""
+    s, b, h, heads, kv, ffn = 16, 2, 64, 4, 2, 176
+    d, e = h // heads, 2
+    ids = torch.randint(1, 100, (b, s), generator=torch.Generator().manual_seed(0))
+
+    def kept(n):
+        m = patch(_build("llama", "sdpa", h=h, layers=n, heads=heads, kv=kv, ffn=ffn, dtype=torch.bfloat16).train())
+        params = {p.untyped_storage()._cdata for p in m.parameters()} | {ids.untyped_storage()._cdata}
+        seen = {}
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in params:
+                seen[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(input_ids=ids)
+        return sum(seen.values())
+
+    per_token = 2 * (e * h + 4) + e * (2 * h + 2 * kv * d) + 4 * heads + 2 * e * ffn
+    assert kept(2) - kept(1) == s * b * per_token
+    with torch.autograd.graph.save_on_cpu():
+        model = patch(_build("llama", "sdpa", h=h, layers=2, heads=heads, kv=kv, ffn=ffn))
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref = _build("llama", "sdpa", h=h, layers=2, heads=heads, kv=kv, ffn=ffn)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    _assert_grads_close(ref, model, 1e-5)

@@ -3,9 +3,12 @@
 * Generic replacements on any ``nn.Module``: ``nn.GELU``, ``nn.LayerNorm``, ``nn.RMSNorm``,
   ``nn.Dropout`` and Hugging Face's GELU activation classes become leanact's drop-ins, built
   around the same Parameter objects (state_dict keys and values unchanged). Hugging Face's
-  standard RMSNorm classes (LLaMA family) become a subclass keeping only y and rstd
-  (:mod:`leanact.patching.hf_rms_norm`); their SwiGLU MLPs (``LlamaMLP``, ``Qwen2MLP``, ...) a
-  subclass keeping only the gate and up projections' outputs (:mod:`leanact.patching.hf_swiglu`).
+  RMSNorms (LLaMA's, OLMo 2's, Gemma's ``(1 + w)``, T5's, Cohere's bias-free LayerNorm) become a
+  subclass keeping only y and rstd (:mod:`leanact.patching.hf_rms_norm`); their gated MLPs (SwiGLU,
+  GeGLU; separate or fused gate/up) a subclass keeping only the gate and up projections' outputs
+  (:mod:`leanact.patching.hf_swiglu`); their MoE experts a subclass keeping only each routed
+  token's gate/up outputs (:mod:`leanact.patching.hf_moe`). These are recognised from their
+  structure and forward, not their class names.
 * Hugging Face models (transformers >= 5) whose attention goes through ``AttentionInterface``:
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).

@@ -34,7 +34,7 @@ __all__ = ["is_hf_experts", "hf_experts_replacement"]
 
 _EAGER_LOOP = (
     "final_hidden_states=torch.zeros_like({x});withtorch.no_grad():;"
-    "expert_mask=torch.nn.functional.one_hot({i},num_classes=self.num_experts+1);"
+    "expert_mask=torch.nn.functional.one_hot({i},num_classes=self.num_experts{sentinel});"
     "expert_mask=expert_mask.permute(2,1,0);expert_hit=torch.greater(expert_mask.sum(dim=(-1,-2)),0).nonzero();"
     "forexpert_idxinexpert_hit:;expert_idx=expert_idx[0];ifexpert_idx==self.num_experts:;continue;"
     "top_k_pos,token_idx=torch.where(expert_mask[expert_idx]);current_state={x}[token_idx];"
@@ -60,8 +60,9 @@ def is_hf_experts(m: nn.Module) -> bool:
 def _forward_reason(t: type) -> str | None:
     if t not in _checked:
         body = forward_body(t.forward)
-        ok = body is not None and len(body[0]) == 3 and body[1] == _EAGER_LOOP.format(
-            x=body[0][0], i=body[0][1], w=body[0][2])
+        # transformers 5.17 one-hot encodes num_experts classes, 5.23 one more (expert parallelism's sentinel)
+        ok = body is not None and len(body[0]) == 3 and any(body[1] == _EAGER_LOOP.format(
+            x=body[0][0], i=body[0][1], w=body[0][2], sentinel=extra) for extra in ("", "+1"))
         _checked[t] = None if ok else "experts' forward is not HF's loop over gate_up_proj / down_proj experts"
         apply_gate = getattr(t, "_apply_gate", None)
         if ok and apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
@@ -105,7 +106,8 @@ def hf_experts_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     if (reason := hooks_reason(m)) is not None:
         return None, reason
     if set(m._parameters) != {"gate_up_proj", "down_proj"} or set(m._modules) != {"act_fn"} or m._buffers:
-        return None, f"{t.__name__}: not exactly gate_up_proj, down_proj and act_fn (e.g. biases)"
+        return None, (f"{t.__name__}: parameters {sorted(m._parameters)}, children {sorted(m._modules)}; covered are "
+                      "experts with exactly gate_up_proj, down_proj and an act_fn (no biases, HF's default gating)")
     gu, down = m.gate_up_proj, m.down_proj
     if down.dim() != 3 or gu.shape[0] != down.shape[0] or gu.shape[1] != 2 * down.shape[2] or gu.shape[2] != down.shape[1]:
         return None, f"{t.__name__}: gate_up_proj {tuple(gu.shape)} / down_proj {tuple(down.shape)} not (E, 2I, h) / (E, h, I)"

@@ -10,6 +10,8 @@ llama      ``w * x̂.to(input dtype)``                       LLaMA, Qwen 2/3 (q/
 fp32_mul   ``(w * x̂).to(input dtype)``                     OLMo 2 (also its q/k norms over all heads)
 offset     ``(x̂ * (1 + w.float())).type_as(x)``             Gemma 1/2/3 (Gemma 3's q/k norms too)
 t5         ``w * x̂`` (x̂ cast to w's dtype if 16-bit)       T5
+cohere_ln  ``(w * x̂).to(input dtype)``, x̂ = (x − mean)·rstd Cohere's LayerNorm without bias (w may be
+                                                           (heads, d) for its q/k norms)
 =========  ==============================================  =======================================
 
 HF's autograd keeps the fp32 copy of x, rstd, x̂ and casts of it. The replacement's *forward is
@@ -20,13 +22,15 @@ offset variant)::
 
     x̂ = y/γ,  g = dy·γ,  dx = rstd·(g − x̂·mean(g·x̂)),  dw = Σ_rows dy·x̂,  (g·x̂ = dy·y)
 
+(Cohere's LayerNorm: g − mean(g) in place of g.)
+
 In fp32 this is exact to rounding; in 16-bit dtypes y is x̂·γ rounded once (or x̂ rounded, then
 multiplied), so x̂ = y/γ is recovered within 16-bit rounding (gradients within 16-bit tolerance, not
 bitwise HF's). When γ cannot be divided by safely (zero or subnormal entries) the input x is kept
 instead (x̂ = x·rstd).
 
 Recognised: a module defined in ``transformers.models.*`` with no children, exactly one
-Parameter ``weight`` of shape (h,), a float ``variance_epsilon`` or ``eps``, and a ``forward``
+Parameter ``weight`` (shape (h,); (heads, d) for Cohere's q/k norms), a float ``variance_epsilon`` or ``eps``, and a ``forward``
 whose source is one of the variants above (checked once per class). A module named ``*RMSNorm``
 (or with that state) computing something else is left, with the reason in the summary.
 """
@@ -56,13 +60,18 @@ VARIANTS = {
     "llama": (_HF_BODY + "returnself.weight*{x}.to(input_dtype)",),
     "fp32_mul": (_HF_BODY + "return(self.weight*{x}).to(input_dtype)",),
     "offset": ("output=self._norm({x}.float());output=output*(1.0+self.weight.float());returnoutput.type_as({x})",),
+    "cohere_ln": ("input_dtype={x}.dtype;{x}={x}.to(torch.float32);mean={x}.mean(-1,keepdim=True);"
+                  "variance=({x}-mean).pow(2).mean(-1,keepdim=True);"
+                  "{x}=({x}-mean)*torch.rsqrt(variance+self.variance_epsilon);"
+                  "{x}=self.weight.to(torch.float32)*{x};return{x}.to(input_dtype)",),
     "t5": ("variance={x}.to(torch.float32).pow(2).mean(-1,keepdim=True);"
            "{x}={x}*torch.rsqrt(variance+self.variance_epsilon);"
            "ifself.weight.dtypein[torch.float16,torch.bfloat16]:;{x}={x}.to(self.weight.dtype);"
            "returnself.weight*{x}",),
 }
 _OFFSET_NORM = "return{x}*torch.rsqrt({x}.pow(2).mean(-1,keepdim=True)+self.eps)"
-_EPS = {"llama": "variance_epsilon", "fp32_mul": "variance_epsilon", "t5": "variance_epsilon", "offset": "eps"}
+_EPS = {"llama": "variance_epsilon", "fp32_mul": "variance_epsilon", "t5": "variance_epsilon", "offset": "eps",
+        "cohere_ln": "variance_epsilon"}
 _checked: dict[type, tuple[str | None, str | None]] = {}
 
 
@@ -82,7 +91,7 @@ def is_hf_rms_norm(m: nn.Module) -> bool:
     if t.__name__.endswith("RMSNorm"):
         return True
     w = m._parameters.get("weight")
-    return (not m._modules and set(m._parameters) == {"weight"} and w is not None and w.dim() == 1
+    return (not m._modules and set(m._parameters) == {"weight"} and w is not None and w.dim() >= 1
             and _eps_attr(m) is not None)
 
 
@@ -129,13 +138,19 @@ def _variant_backward(ctx, dy):
         yc = t.to(ct)
         xhat, p = yc / gamma, dyc * yc
     else:
-        xhat = t.to(ct) * r
+        xc = t.to(ct)
+        if ctx.variant == "cohere_ln":
+            xc = xc - xc.mean(-1, keepdim=True)
+        xhat = xc * r
         p = dyc * gamma * xhat
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = (r * (dyc * gamma - xhat * p.mean(-1, keepdim=True))).to(ctx.x_dtype)
+        g = dyc * gamma
+        if ctx.variant == "cohere_ln":  # LayerNorm: the mean is subtracted too
+            g = g - g.mean(-1, keepdim=True)
+        dx = (r * (g - xhat * p.mean(-1, keepdim=True))).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        dw = (dyc * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(w.dtype)
+        dw = (dyc * xhat).reshape(-1, *w.shape).sum(0).to(w.dtype)
     return dx, dw
 
 
@@ -147,16 +162,19 @@ class _HFRMSNormFunction(torch.autograd.Function):
         ref = type(module).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         y = ref(module, x)
         xf = x.to(compute_dtype(x.dtype))  # HF's fp32 statistics (float64 for float64 inputs)
+        if variant == "cohere_ln":
+            xf = xf - xf.mean(-1, keepdim=True)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.n, ctx.from_output, ctx.variant, ctx.x_dtype = x.shape[-1], from_output, variant, x.dtype
         ctx.keeps_output = from_output  # read by leanact.ops.amp.keeps_output (recipes under autocast)
+        ctx.w_dim = weight.dim()
         ctx.save_for_backward(y if from_output else x, rstd, weight)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        if ctx.variant == "llama" and dy.dtype == ctx.x_dtype:
+        if ctx.variant == "llama" and dy.dtype == ctx.x_dtype and ctx.w_dim == 1:
             dx, dw, *_ = _rms_norm_backward(ctx, dy)
         else:
             dx, dw = _variant_backward(ctx, dy)
@@ -176,7 +194,8 @@ class _LeanHFRMSNorm:
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)) or functorch_active():
             return type(self).__mro__[2].forward(self, hidden_states)  # (torch.func: leanact.ops.transforms)
         variant = getattr(self, "_leanact_variant", "llama")
-        if variant == "llama" and w.dtype != torch.float32 and w.dtype != hidden_states.dtype:
+        if ((variant == "llama" and w.dtype != torch.float32 and w.dtype != hidden_states.dtype)
+                or hidden_states.shape[-w.dim():] != w.shape):
             return type(self).__mro__[2].forward(self, hidden_states)  # mixed precision: HF's promotion
         from_output = getattr(self, "from_output", None)
         if from_output is None:
@@ -184,7 +203,7 @@ class _LeanHFRMSNorm:
             gamma = w if variant != "offset" else _gamma(w.detach(), variant, torch.float32)
             out_dtype = hidden_states.dtype if variant in ("offset", "fp32_mul") else \
                 torch.promote_types(w.dtype, hidden_states.dtype)
-            from_output = from_output_ok(gamma, None, hidden_states.shape[-1], out_dtype, math.inf)
+            from_output = from_output_ok(gamma.reshape(-1), None, hidden_states.shape[-1], out_dtype, math.inf)
         eps = float(getattr(self, _EPS[variant]))
         return _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant)
 
@@ -194,8 +213,8 @@ def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]
     t = type(m)
     if isinstance(m, _LeanHFRMSNorm):
         return None, None
-    if set(m._parameters) != {"weight"} or m._buffers or m._modules or m.weight is None or m.weight.dim() != 1:
-        return None, f"{t.__name__}: unexpected parameters/buffers (not an RMSNorm with one weight vector)"
+    if set(m._parameters) != {"weight"} or m._buffers or m._modules or m.weight is None or m.weight.dim() < 1:
+        return None, f"{t.__name__}: unexpected parameters/buffers (not a norm with one weight)"
     if _eps_attr(m) is None:
         return None, f"{t.__name__}: no float variance_epsilon or eps"
     variant, reason = _variant(t)
