@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.amp import keeps_output
 from ..ops.fewbit import fewbit_activation, table
 from ..ops.randomized_linear import DEFAULT_BLOCK, randomized_linear, sketch_rows
+from ..ops.weight_recast import recast_weight
+from ..patching.weight_recast import recast_dtype
 from ..recompute import recipes
 
 __all__ = ["FewBitActivation", "RandomizedLinear"]
@@ -49,10 +52,18 @@ class RandomizedLinear(nn.Linear):
         new.train(m.training)
         return new
 
+    #: a lean gated MLP may use this down projection's weight directly (its input is rebuilt there)
+    _leanact_exact_on_rebuilt_input = True
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if keeps_output(input) or (recipes.is_active() and recipes._find(input) is not None):
-            # kept anyway by its producer, or a recipe (free): R X would be a second, lossy copy
-            return super().forward(input)
+            # kept anyway by its producer, or a recipe (free): R X would be a second, lossy copy;
+            # under autocast the weight is recast in backward as leanact.patch's Linears do
+            dtype = recast_dtype(self.weight, input)
+            if dtype is None:
+                return super().forward(input)
+            with recast_weight(self.weight, dtype) as w:
+                return F.linear(input, w, self.bias)
         return randomized_linear(input, self.weight, self.bias, self.ratio, self.block)
 
     def extra_repr(self) -> str:

@@ -132,6 +132,16 @@ def _own_forward(m: nn.Module) -> bool:
     return "forward" not in m.__dict__ or isinstance(m.__dict__["forward"], RecastForward)
 
 
+def _down_linear(m: nn.Module | None) -> bool:
+    """The down projection, whose weight gated_down uses directly: an ``nn.Linear`` computing
+    ``F.linear(x, weight, bias)`` on this input (the exact class, or a subclass declaring
+    ``_leanact_exact_on_rebuilt_input``: lossy's RandomizedLinear, exact on an input that is rebuilt
+    anyway), no forward override, no hooks. (The gate/up projections are called as modules: any.)"""
+    if isinstance(m, nn.Linear) and getattr(type(m), "_leanact_exact_on_rebuilt_input", False):
+        return _plain(m, type(m))
+    return _plain(m, nn.Linear)
+
+
 def _plain(m: nn.Module | None, cls: type) -> bool:
     """Still the module patching saw: that exact class, no forward override, no hooks."""
     return (type(m) is cls and _own_forward(m) and not (m._forward_hooks or m._forward_pre_hooks
@@ -150,7 +160,8 @@ class _LeanHFSwiGLU:
         mods = self._modules
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or functorch_active() or not _plain(mods.get(act), act_cls)
-                or not all(_plain(mods.get(k), nn.Linear) for k in names)):
+                or not all(isinstance(mods.get(k), nn.Module) for k in names[:-1])
+                or not _down_linear(mods.get(names[-1]))):
             return hf_forward(self, *args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))  # the one argument, by position or name
         if len(names) == 2:
