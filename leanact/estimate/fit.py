@@ -4,10 +4,11 @@
 being non-decreasing (the predicted peak of a step: parameters, gradients, optimizer state,
 activations and temporaries). Each call of ``cost`` is one fake-tensor estimate (seconds), so the
 search uses the shape of the cost: a step's bytes are a polynomial of degree ≤ 2 in the sequence
-length (attention scores are s²; everything else linear) and of degree 1 in the batch. It fits
-that polynomial to three sizes, solves it for the budget, and then checks the answer and its
-successor with two more estimates, stepping or bisecting (never trusting the fit) until
-``cost(n) <= budget < cost(n + 1)``. Typically 5 estimates.
+length (attention scores are s²; everything else linear) and of degree 1 in the batch. Above
+every size seen it solves the quadratic through three of them (spread out: allocator rounding
+makes small steps) for the budget and checks the answer and its successor; inside a bracket it
+interpolates and halves in turn. Nothing is trusted from the fit: the result always satisfies
+``cost(n) <= budget < cost(n + 1)``. Typically 5 to 8 estimates.
 """
 from __future__ import annotations
 
@@ -62,38 +63,33 @@ def largest_fitting(cost: Callable[[int], int], budget: int, *, probes: tuple[in
             break
     good = max(k for k, v in seen.items() if v <= budget)
     bad = min((k for k, v in seen.items() if v > budget), default=None)
-    if bad is None and len(seen) >= 3:
-        guess = _solve(sorted(seen.items()), budget)
-        k = good if guess is None else max(good, int(guess))
-        k = k if top is None else min(k, top)
-        if k > good:  # check the guess and its successor
-            if at(k) <= budget:
-                good = k
-                if top is None or k + 1 <= top:
-                    if at(k + 1) > budget:
-                        bad = k + 1
+
+    def probe(k: int, successor: bool = True) -> None:  # evaluate k; if it fits, maybe k + 1 (the likely answer)
+        nonlocal good, bad
+        if at(k) > budget:
+            bad = k
+            return
+        good = k
+        if successor and (top is None or k + 1 <= top) and (bad is None or k + 1 < bad):
+            if at(k + 1) > budget:
+                bad = k + 1
             else:
-                bad = k
-    while bad is None:  # the fit undershot (or no fit): double until something does not fit
+                good = k + 1
+
+    while bad is None:  # above everything seen: the polynomial through the last three points, else doubling
         if top is not None and good >= top:
             return result(top)
-        k = 2 * good if top is None else min(2 * good, top)
-        if at(k) <= budget:
-            good = k
-        else:
-            bad = k
-    while bad - good > 1:  # bisect the bracket (interpolated, then halved if that does not shrink it)
+        pts = sorted(seen.items())
+        pts = [pts[0], pts[len(pts) // 2], pts[-1]]  # spread out: allocator rounding makes steps
+        guess = _solve(pts, budget) if len({n for n, _ in pts}) == 3 else None
+        fitted = guess is not None and int(guess) > good
+        k = int(guess) if fitted else 2 * good
+        probe(k if top is None else min(k, top), successor=fitted)
+    turn = 0
+    while bad - good > 1:  # inside the bracket: interpolation and halving in turn (at most 2·log2 steps)
         lo_c, hi_c = seen[good], seen[bad]
         k = good + int((budget - lo_c) / max(hi_c - lo_c, 1) * (bad - good))
-        k = min(max(k, good + 1), bad - 1)
-        if at(k) <= budget:
-            good = k
-        else:
-            bad = k
-        if bad - good > 1 and k not in (good + 1, bad - 1):
-            mid = (good + bad) // 2
-            if at(mid) <= budget:
-                good = mid
-            else:
-                bad = mid
+        k = min(max(k, good + 1), bad - 1) if turn % 2 == 0 else (good + bad) // 2
+        probe(k, successor=turn % 2 == 0)
+        turn += 1
     return result(good)
