@@ -21,7 +21,7 @@ from .api import _position_limit, estimate
 from .fit import largest_fitting
 from .result import Estimate
 
-__all__ = ["CANDIDATES", "Maximized", "maximize"]
+__all__ = ["CANDIDATES", "Maximized", "maximize", "step_estimate", "strategy_plan"]
 
 #: Candidate strategies, cheapest in time first (ties go to the earlier).
 CANDIDATES = ("lean", "selective:attention", "tiled_mlp", "full")
@@ -57,6 +57,25 @@ def _sizes(sample_inputs: Any) -> tuple[int, int]:
     return ref.shape[0], ref.shape[1]
 
 
+def strategy_plan(model: nn.Module, strategy: str, tokens: int):
+    """``strategy`` on every layer; ``tiled_mlp`` in at most 16 chunks of at least the default size
+    (``tokens``: batch · sequence), so a long sequence's estimate stays quick."""
+    from leanact.strategies import uniform
+    from leanact.strategies.tiled import DEFAULT_MLP_CHUNK
+
+    chunk = max(DEFAULT_MLP_CHUNK, -(-tokens // 16)) if strategy == "tiled_mlp" else None
+    return uniform(model, strategy, mlp_chunk=chunk)
+
+
+def step_estimate(model: nn.Module, sample_inputs: Any, strategy: str, what: str, n: int, **options) -> Estimate:
+    """The estimate of one step with ``strategy`` on every layer ("lean": the model as is) at
+    sequence (``what="seq"``) or batch ``n``; ``options``: :func:`leanact.estimate`'s keywords."""
+    b0, s0 = _sizes(sample_inputs)
+    sizes = dict(seq=n, batch=b0) if what == "seq" else dict(batch=n, seq=s0)
+    plan = None if strategy == "lean" else strategy_plan(model, strategy, sizes["seq"] * sizes["batch"])
+    return estimate(model, sample_inputs, plan, options.pop("device", "cuda"), **options, **sizes)
+
+
 def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq", *,
              strategies: list[str] | None = None, device: Any = "cuda", dtype: Any = None, optimizer: Any = "adamw",
              loss_fn: Callable | None = None, multiple: int | None = None, limit: int | None = None,
@@ -66,7 +85,7 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     ``multiple``: search in multiples of this (default 128 tokens for "seq", 1 for "batch");
     ``limit``: the largest size considered (default: the model's learned positions for "seq").
     ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``: as :func:`leanact.estimate`."""
-    from leanact.strategies import STRATEGIES, uniform
+    from leanact.strategies import STRATEGIES
 
     if what not in ("seq", "batch"):
         raise ValueError(f"maximize={what!r}: use 'seq' (the longest sequence) or 'batch' (the largest batch)")
@@ -80,11 +99,10 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
         found = _position_limit(model)
         limit = found[0] if found else None
 
+    opts = dict(device=device, dtype=dtype, optimizer=optimizer, loss_fn=loss_fn, keep_output=keep_output)
+
     def peak(strategy: str, n: int) -> Estimate:
-        plan = None if strategy == "lean" else uniform(model, strategy)
-        sizes = dict(seq=n, batch=b0) if what == "seq" else dict(batch=n, seq=s0)
-        return estimate(model, sample_inputs, plan, device, dtype=dtype, optimizer=optimizer, loss_fn=loss_fn,
-                        keep_output=keep_output, **sizes)
+        return step_estimate(model, sample_inputs, strategy, what, n, **opts)
 
     best: tuple[int, str, Estimate | None] = (-1, names[0], None)
     reached: dict[str, int] = {}
@@ -101,6 +119,6 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
         if value > best[0]:
             best = (value, strategy, found_at.get(value))
     value, strategy, est = best
-    plan = uniform(model, strategy)
+    plan = strategy_plan(model, strategy, value * (b0 if what == "seq" else s0))
     plan.budget = budget
     return Maximized(what, value, strategy, plan, est, budget, reached)
