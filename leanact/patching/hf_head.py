@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.amp import autocast_dtype, autocast_off
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.transforms import functorch_active
+from ..recompute.context_forward import ContextForward
 from .modules import RUN_TIME_HOOKS, hook_kinds
 
 __all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES"]
@@ -471,22 +472,16 @@ def _close(module, win: "_Window") -> None:
                 _remove_mode(win)
 
 
-class _HeadForward:
+class _HeadForward(ContextForward):
     """The model's ``forward`` (set on the instance; class and state_dict unchanged): the previous
     forward inside an armed window, closed in ``finally`` -- a forward hook pair would leak the
     window on a ``KeyboardInterrupt`` (torch runs always-called hooks after an ``Exception`` only;
-    see :mod:`leanact.recompute.context_forward`). ``inspect.signature`` sees the model's forward.
+    see :mod:`leanact.recompute.context_forward`, whose signature handling it shares).
     ``active = False`` makes it inert (left in a chain another library wrapped since)."""
 
     def __init__(self, module: nn.Module, previous=None):
-        self.module, self.previous, self.active = module, previous, True
-
-    def _forward(self):
-        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
-
-    @property
-    def __signature__(self):
-        return inspect.signature(self._forward())
+        super().__init__(module, None, previous)
+        self.active = True
 
     def __call__(self, *args, **kwargs):
         forward = self._forward()
