@@ -217,18 +217,14 @@ def step_max_batch(geo: Geometry, cfg: ProfileConfig, attn: str, lean: str | Non
     activations, temporaries (Trainer protocol) -- fits ``cfg.budget`` on a CUDA device, predicted by
     ``leanact.estimate(device="cuda")`` on a meta-device model of the full geometry (no memory)."""
     from leanact.estimate import estimate
+    from leanact.estimate.fit import largest_fitting
 
     dtype = DTYPES[cfg.dtype]
     with torch.device("meta"):
         base = geo.build(geo.layers, "eager", dtype, cfg.dropout, cfg.seq, cfg.seed)
     model = mode_model(base, attn, lean)
     inputs = geo.batch_inputs(1, cfg.seq, dtype, cfg.seed + 1)
-    peaks = {b: estimate(model, inputs, device="cuda", batch=b).peak for b in (1, 2)}
-    # linear in b (batch-sized tensors): the line through b = 1, 2, then checked (and stepped) by estimates
-    b = max_batch(cfg.budget, 2 * peaks[1] - peaks[2], max(peaks[2] - peaks[1], 1))
-    while b > 2 and estimate(model, inputs, device="cuda", batch=b).peak > cfg.budget:
-        b -= 1
-    return 0 if peaks[1] > cfg.budget else 1 if peaks[2] > cfg.budget else max(b, 2)
+    return largest_fitting(lambda b: estimate(model, inputs, device="cuda", batch=b).peak, cfg.budget)[0]
 
 
 def planner_explanation(cfg: ProfileConfig):
