@@ -107,7 +107,6 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
         x = geo.batch_inputs(1, S, torch.bfloat16)
         fits = [leanact.estimate(model, x, device="cuda", batch=n).peak <= budget for n in (step[name], step[name] + 1)]
         assert step[name] >= 1 and fits == [True, False], (name, step[name])
-    assert step["leanact recompute"] > step["HF sdpa"]
     assert best["leanact recompute"] > best["HF eager"] > best["HF sdpa"]
     assert isinstance(out["plan"], str) and out["plan"]  # the plan, or why there is none
 
