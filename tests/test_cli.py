@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import leanact  # noqa: E402
 from leanact.cli.main import main  # noqa: E402
 from leanact.cli.profile import MODES, ProfileConfig, _cost, max_batch, mode_model, run_profile  # noqa: E402
 from leanact.cli.sizes import format_bytes, parse_size  # noqa: E402
@@ -86,6 +87,9 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
     out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1.5MiB"))
     budget = out["config"]["budget"]
     assert budget == 3 * 2**19
+    assert all(m["step_max_batch"] == 0 for m in out["modes"])  # weights, grads and AdamW state alone exceed it
+    out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "24MiB"))
+    budget = out["config"]["budget"]
     for m in out["modes"]:
         b = m["max_batch"]
 
@@ -94,6 +98,15 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
 
         assert b >= 1 and mem(b) <= budget < mem(b + 1), m["name"]
     best = {m["name"]: m["max_batch"] for m in out["modes"]}
+    # the whole step (weights, grads, AdamW state too) on CUDA: leanact.estimate at the batch and the next
+    step = {m["name"]: m["step_max_batch"] for m in out["modes"]}
+    geo = resolve(bert_json)
+    for name, attn, lean in MODES:
+        with torch.device("meta"):
+            model = mode_model(geo.build(geo.layers, "eager", torch.bfloat16, None, S), attn, lean)
+        x = geo.batch_inputs(1, S, torch.bfloat16)
+        fits = [leanact.estimate(model, x, device="cuda", batch=n).peak <= budget for n in (step[name], step[name] + 1)]
+        assert step[name] >= 1 and fits == [True, False], (name, step[name])
     assert best["leanact recompute"] > best["HF eager"] > best["HF sdpa"]
     assert isinstance(out["plan"], str) and out["plan"]  # the plan, or why there is none
 

@@ -155,6 +155,33 @@ def test_fewer_slices_on_fake_tensors_give_the_same_estimate(padded, monkeypatch
         assert fast.to_dict() == full.to_dict(), dtype
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_fewer_loss_tiles_on_fake_tensors_give_the_same_estimate(grad_in_forward, monkeypatch):
+    """The fused linear + cross-entropy runs the first two and the last of its token and vocabulary
+    tiles on fake tensors: the same numbers as all of them (here 7 x 5 tiles, the last ones ragged)."""
+    import contextlib
+    import importlib
+
+    from leanact.ops.linear_cross_entropy import linear_cross_entropy
+
+    api = importlib.import_module("leanact.estimate.api")
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(90, 16))
+
+        def forward(self, x, y):
+            return linear_cross_entropy(x * 2, self.w, y, chunk_tokens=15, tile_elements=15 * 20,
+                                        grad_in_forward=grad_in_forward)
+
+    inputs = (torch.randn(100, 16), torch.randint(0, 90, (100,)))
+    fast = estimate(Head(), inputs, loss_fn=lambda out, _: out)
+    monkeypatch.setattr(api, "fewer_slices", lambda kind: contextlib.nullcontext())
+    full = estimate(Head(), inputs, loss_fn=lambda out, _: out)
+    assert fast.to_dict() == full.to_dict()
+
+
 @pytest.mark.parametrize("patched", [False, True])
 def test_meta_model_equals_real_model(patched):
     """A model built on the meta device (no memory at all) gives the real model's estimate; patched,

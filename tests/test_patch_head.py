@@ -189,7 +189,7 @@ def test_copies_keep_and_unpatch_removes_the_fused_loss():
         _assert_close(a, ga, b, gb)
         assert b.logits is None and leanact.summary(copied).loss_states[""].fused_calls == 1
         leanact.unpatch(copied)
-        assert not copied._forward_hooks and not copied._forward_pre_hooks
+        assert not copied._forward_hooks and "forward" not in copied.__dict__
         assert copied(**batch).logits is not None
     assert leanact.summary(lean).loss_states[""].fused_calls == 0  # the copies counted their own calls
 
@@ -254,3 +254,42 @@ def test_estimate_sees_the_fused_loss():
     assert est.saved - real.saved == off.saved - measure(leanact.patch(copy.deepcopy(lean), fused_loss=False),
                                                          batch, None).saved
     assert est.saved < off.saved
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_error_inside_the_head_leaks_nothing(error):
+    """The head's window is closed in ``finally``: after an exception (or a KeyboardInterrupt, which
+    torch's always-called forward hooks do not see) raised inside the head's forward, no mode is
+    left on the stack, the head's forward is its own and the next call fuses the loss again."""
+    _, lean = _pair("llama")
+    batch = F.batch("llama")
+    head = lean.get_output_embeddings()
+    modes = len(torch.overrides._get_current_function_mode_stack())
+
+    capture = {}
+
+    original_open = leanact.patching.hf_head._open
+
+    def armed(module, args, kwargs):  # the head's capture enters the window's mode, then raises
+        win = original_open(module, args, kwargs)
+        capture["win"] = win
+        real = win.capture
+
+        def failing(x):
+            real(x)  # enters the window's mode, then fails
+            raise error("inside the head")
+        head.__dict__["forward"] = failing
+        win.capture = failing
+        return win
+
+    leanact.patching.hf_head._open = armed
+    try:
+        with pytest.raises(error, match="inside the head"):
+            lean(**batch)
+    finally:
+        leanact.patching.hf_head._open = original_open
+    assert capture["win"].entered
+    assert len(torch.overrides._get_current_function_mode_stack()) == modes
+    assert "forward" not in head.__dict__ and not lean.__dict__[leanact.patching.hf_head.ATTR].windows
+    out, _ = _step(lean, batch)
+    assert out.logits is None and torch.isfinite(out.loss)

@@ -109,7 +109,8 @@ class ModeResult:
     layer_bytes: int = 0  # one layer at the chosen batch
     step_ms: float | None = None
     step_ratio: float | None = None
-    max_batch: int | None = None  # under the budget
+    max_batch: int | None = None  # under the budget (activations only)
+    step_max_batch: int | None = None  # under the budget, the whole training step (leanact.estimate, CUDA)
     weight_copies: int = 0  # per layer: autocast's 16-bit weight copies (batch-independent; in bytes_per_layer)
     #: leanact modes: ``PatchSummary.to_dict()`` of the patched 1-layer model (what was left and why)
     summary: dict | None = None
@@ -229,6 +230,7 @@ def run_profile(cfg: ProfileConfig, progress: Callable[[int, str], None] | None 
         m.weight_copies = costs[2, 1][3] - costs[1, 1][3]
         if cfg.budget is not None:
             m.max_batch = max_batch(cfg.budget, m.fixed_bytes, m.per_sample_bytes)
+            m.step_max_batch = step_max_batch(geo, cfg, attn, lean)
         result.modes.append(m)
     del bases
     if cfg.repeats:
@@ -298,6 +300,21 @@ def max_batch(budget: int, fixed: int, per_sample: int) -> int:
     return max((budget - fixed) // per_sample, 0)
 
 
+def step_max_batch(geo: Geometry, cfg: ProfileConfig, attn: str, lean: str | None) -> int:
+    """The largest batch whose whole training step -- parameters, gradients, AdamW state,
+    activations, temporaries (Trainer protocol) -- fits ``cfg.budget`` on a CUDA device, predicted by
+    ``leanact.estimate(device="cuda")`` on a meta-device model of the full geometry (no memory)."""
+    from leanact.estimate import estimate
+    from leanact.estimate.fit import largest_fitting
+
+    dtype = DTYPES[cfg.dtype]
+    with torch.device("meta"):
+        base = geo.build(geo.layers, "eager", dtype, cfg.dropout, cfg.seq, cfg.seed)
+    model = mode_model(base, attn, lean)
+    inputs = geo.batch_inputs(1, cfg.seq, dtype, cfg.seed + 1)
+    return largest_fitting(lambda b: estimate(model, inputs, device="cuda", batch=b).peak, cfg.budget)[0]
+
+
 def planner_explanation(cfg: ProfileConfig):
     """The planner's ``Plan.explain()`` for the unpatched (sdpa) model under ``cfg.budget``.
 
@@ -334,7 +351,8 @@ def render(result: ProfileResult):
     timing = (f"step: fwd+bwd of the 1-layer model, median of {cfg.repeats}, modes interleaved." if cfg.repeats
               else "step: not timed (--repeats 0).")
     budget = ("" if cfg.budget is None else
-              f" max batch: the largest batch whose total fits {format_bytes(cfg.budget)}.")
+              f" max b act: the largest batch whose total fits {format_bytes(cfg.budget)}; max b step: whose "
+              "whole training step (weights, grads, AdamW, activations, temporaries) does on CUDA (leanact.estimate).")
     copies = (" copies: autocast's 16-bit weight copies one layer keeps (batch-independent; in B/sbh and "
               "layer)." if cfg.autocast else "")
     tab = compact_table(title, (
@@ -354,7 +372,8 @@ def render(result: ProfileResult):
     for name, (unit, _) in units.items():
         tab.add_column(f"{name}\n{unit}", justify="right", no_wrap=True)
     if cfg.budget is not None:
-        tab.add_column("max\nbatch", justify="right", no_wrap=True)
+        tab.add_column("max b\nact", justify="right", no_wrap=True)
+        tab.add_column("max b\nstep", justify="right", no_wrap=True)
     tab.add_column("step\nms", justify="right", no_wrap=True)
     tab.add_column("vs\neager", justify="right", no_wrap=True)
     eager = modes[0]
@@ -362,7 +381,7 @@ def render(result: ProfileResult):
         row = [m.label, f"{m.per_sbh:.2f}", f"{m.bytes_per_layer / eager.bytes_per_layer:.2f}x"]
         row += [format_in(values[i], units[name][1]) for name, values in memory.items()]
         if cfg.budget is not None:
-            row.append(f"{m.max_batch}")
+            row += [f"{m.max_batch}", f"{m.step_max_batch}"]
         row += ["-", "-"] if m.step_ms is None else [f"{m.step_ms:.0f}", f"{m.step_ratio:.2f}x"]
         tab.add_row(*row, style="bold" if m.name == "leanact recompute" else None)
     return tab

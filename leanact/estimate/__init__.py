@@ -1,7 +1,12 @@
 """Predict the memory of one training step on fake tensors (``leanact.estimate``), and measure it
 on real ones with the same protocol (:func:`measure`) to check the prediction."""
+from leanact.plan import register_maximizer
+
 from .api import CUDA_NOTES, estimate, estimate_config
+from .maximize import Maximized, maximize
 from .measure import measure
 from .result import Estimate
 
-__all__ = ["CUDA_NOTES", "Estimate", "estimate", "estimate_config", "measure"]
+register_maximizer(maximize)  # leanact.plan(..., maximize="seq"|"batch")
+
+__all__ = ["CUDA_NOTES", "Estimate", "Maximized", "estimate", "estimate_config", "maximize", "measure"]

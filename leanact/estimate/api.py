@@ -11,7 +11,7 @@ from leanact.ops.amp import autocast_arg
 from leanact.strategies.cache import caches_off
 
 from .compat import causal_skip_on_fake, cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
-from .cuda_kernels import CudaKernels
+from .cuda_kernels import cuda_kernels
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -153,7 +153,7 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         plan.apply(fake_model)
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
-        kernels = CudaKernels() if kind == "cuda" else contextlib.nullcontext()
+        kernels = cuda_kernels() if kind == "cuda" else contextlib.nullcontext()
         with value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
                 caches_off(fake_model, fake_in) as fake_in, mode:
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,

@@ -18,9 +18,10 @@ manager and restored on exit; the owners' files are not modified):
   and its attention core through query blocks writing into outputs allocated up front: every full
   slice or block allocates the same temporaries, and an iteration's are freed during the next (when
   its variables are reassigned), so the peak is that of two consecutive iterations.
-  :func:`fewer_slices` runs the first two GELU slices (sized for the modelled device) and the last
-  three attention blocks (the largest: causal blocks grow; the last one may be ragged) on fake
-  tensors: the same peak, in a fraction of the time.
+  :func:`fewer_slices` runs the first two GELU slices (sized for the modelled device), the last
+  three attention blocks (the largest: causal blocks grow; the last one may be ragged) and the
+  first two and the last tiles of each loop of the fused linear + cross-entropy on fake tensors:
+  the same peak, in a fraction of the time.
 * Hugging Face builds a causal mask for fake inputs where it passes ``is_causal=True`` for real
   ones (no padding mask; it cannot rule out packed sequences): :func:`causal_skip_on_fake`.
 * On CUDA leanact's ops run Triton kernels (:mod:`leanact.ops.triton`) that allocate their outputs
@@ -97,9 +98,10 @@ def fewer_slices(kind: str):
     once per call, so the allocations and the peak are those of the full loops; the values (fake)
     are not computed anyway."""
     from leanact.ops import attention_core
+    from leanact.ops import linear_cross_entropy as lce
     from leanact.ops.gelu import function
 
-    slices, starts = function._slices, attention_core._block_starts
+    slices, starts, tiles = function._slices, attention_core._block_starts, lce._starts
 
     def first_slice(n: int, device: torch.device):
         return slices(n, torch.device(kind))[:2] if _faking() else slices(n, device)
@@ -107,11 +109,15 @@ def fewer_slices(kind: str):
     def last_blocks(s_q: int, block: int):
         return starts(s_q, block)[-3:] if _faking() else starts(s_q, block)
 
-    function._slices, attention_core._block_starts = first_slice, last_blocks
+    def some_tiles(n: int, step: int):
+        every = tiles(n, step)
+        return sorted({*every[:2], every[-1]}) if _faking() and len(every) > 3 else every
+
+    function._slices, attention_core._block_starts, lce._starts = first_slice, last_blocks, some_tiles
     try:
         yield
     finally:
-        function._slices, attention_core._block_starts = slices, starts
+        function._slices, attention_core._block_starts, lce._starts = slices, starts, tiles
 
 
 @contextlib.contextmanager

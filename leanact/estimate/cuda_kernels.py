@@ -1,8 +1,8 @@
 """CUDA's kernels for plain PyTorch ops on the fake CPU trace of ``leanact.estimate(device="cuda")``.
 
 The trace runs on fake CPU tensors (:mod:`leanact.estimate.api`), so without this module an
-unpatched model would keep what the CPU kernels keep. While :class:`CudaKernels` is active (a
-``TorchFunctionMode``, entered with ``with``: nothing leaks if the step raises):
+unpatched model would keep what the CPU kernels keep. While :func:`cuda_kernels` is active (entered
+with ``with``: nothing leaks if the step raises):
 
 * ``F.dropout`` (training, 0 < p < 1) runs ``torch.native_dropout`` -- CUDA's fused kernel, which
   keeps a **bool mask** (1 byte per element); the CPU's ``dropout`` keeps a mask in the input's
@@ -30,11 +30,12 @@ when asked for).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaKernels", "FusedAttention", "sdpa_kernel"]
+__all__ = ["cuda_kernels", "FusedAttention", "sdpa_kernel"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -133,21 +134,25 @@ def _fake(t) -> bool:
     return isinstance(t, torch.Tensor) and torch._subclasses.fake_tensor.is_fake(t)
 
 
-class CudaKernels(TorchFunctionMode):
-    """While active, plain dropout and SDPA on fake tensors allocate and keep what CUDA's kernels
-    do (module doc); real tensors and everything else run unchanged."""
+@contextlib.contextmanager
+def cuda_kernels():
+    """While active, ``F.dropout`` and ``F.scaled_dot_product_attention`` on fake tensors allocate and
+    keep what CUDA's kernels do (module doc); real tensors run unchanged. The two functions are
+    swapped in ``torch.nn.functional`` (a function mode would not reach the recomputation of
+    ``torch.utils.checkpoint``, which runs inside backward) and restored on exit."""
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and _fake(args[0]):
-            return _sdpa(*args, **kwargs)
-        if func in (F.dropout, torch.dropout) and args and _fake(args[0]):
-            names = ("p", "training", "inplace") if func is F.dropout else ("p", "train")
-            opts = dict(zip(names, args[1:]), **kwargs)
-            p = opts.get("p", 0.5)
-            train = opts.get("training", opts.get("train", True))
-            if train and 0 < p < 1 and args[0].is_floating_point():
-                out = torch.native_dropout(args[0], p, True)[0]
-                return args[0].copy_(out) if opts.get("inplace", False) else out
-        return func(*args, **kwargs)
+    def cuda_sdpa(query, *args, **kwargs):
+        return _sdpa(query, *args, **kwargs) if _fake(query) else sdpa(query, *args, **kwargs)
 
+    def cuda_dropout(input, p=0.5, training=True, inplace=False):
+        if not (_fake(input) and training and 0 < p < 1 and input.is_floating_point()):
+            return dropout(input, p, training, inplace)
+        out = torch.native_dropout(input, p, True)[0]
+        return input.copy_(out) if inplace else out
+
+    F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout

@@ -108,6 +108,12 @@ def _tiles(n: int, v: int, chunk_tokens: int, tile_elements: int, full_vocab: bo
     return rows, max(1, min(v, tile_elements // max(rows, upcast_h // 4)))
 
 
+def _starts(n: int, step: int):
+    """Where the tiles along a dimension of ``n`` start (every tile's buffers are freed when the next
+    one is made, so ``leanact.estimate`` runs only the first two and the last on fake tensors)."""
+    return range(0, n, step)
+
+
 def _logits(xc, wt, bt, acc, scale, softcap):
     """(z, t): a tile's logits in ``acc`` (scaled, soft-capped) and tanh(·) when soft-capped; ``wt``,
     ``bt``: the tile's rows of the weight and bias, in the matmul dtype."""
@@ -187,12 +193,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dw_acc = torch.zeros((v, h), dtype=weight.dtype if one else acc, device=x.device) if needs[1] else None
             db = torch.zeros(v, dtype=acc, device=x.device) if bias is not None and needs[2] else None
         wt = bt = None
-        for v0 in range(0, v, t_vocab):
+        for v0 in _starts(v, t_vocab):
             v1 = min(v, v0 + t_vocab)
             wt = bt = None  # the previous tile's copies go before the next is made
             wt = wc if eager else weight[v0:v1].to(cdtype)
             bt = None if bias is None else bias[v0:v1].to(cdtype)
-            for r0 in range(0, na, t_rows):
+            for r0 in _starts(na, t_rows):
                 r1 = min(na, r0 + t_rows)
                 z = t = dz = dzl = None  # (one tile alive at a time)
                 z, t = _logits(xa[r0:r1], wt, bt, acc, scale, softcap)
@@ -272,13 +278,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dw = torch.empty_like(weight) if needs[1] else None
         db = torch.zeros(v, dtype=acc, device=x.device) if ctx.has_bias and needs[2] else None
         one_chunk = t_rows >= na
-        for v0 in range(0, v, t_vocab):
+        for v0 in _starts(v, t_vocab):
             v1 = min(v, v0 + t_vocab)
             wt = bt = dw_tile = None  # the previous tile's buffers go before the next is made
             wt = weight[v0:v1].to(cdtype)
             bt = None if bias is None else bias[v0:v1].to(cdtype)
             dw_tile = None if dw is None or one_chunk else torch.zeros((v1 - v0, h), dtype=acc, device=x.device)
-            for r0 in range(0, na, t_rows):
+            for r0 in _starts(na, t_rows):
                 r1 = min(na, r0 + t_rows)
                 xc = xa[r0:r1]
                 z = t = dz = dzl = None  # (one tile alive at a time)

@@ -8,7 +8,7 @@ logits: ``self.loss_function`` (``ForCausalLMLoss``: shift, ``num_items_in_batch
 functions, so that whatever the model does between its head and ``F.cross_entropy`` is the model's
 own code:
 
-1. a forward pre-hook on the model arms the call when the model is in training mode and gets
+1. the model's forward (wrapped on the instance, :class:`_HeadForward`) arms the call when the model is in training mode and gets
    ``labels`` with autograd on (as Liger-Kernel's ``skip_logits = self.training and labels is not
    None``; not under ``torch.no_grad``, ``generate``, ``model.eval()``, ``torch.compile`` tracing,
    ``torch.func`` or :func:`keep_logits`), and the output embedding (``get_output_embeddings()``)
@@ -25,7 +25,8 @@ own code:
    - anything else materialises the real logits first (the head's own forward, then the recorded
      operations replayed), so the model's code always gets correct values; ``leanact.summary``
      then lists the operation under the head's fallbacks;
-3. a forward hook (``always_call``) closes the window and cleans the output: ``logits`` is None
+3. the wrapper closes the window in ``finally`` (nothing leaks when the forward raises, a
+   ``KeyboardInterrupt`` included) and cleans the output: ``logits`` is None
    when the fused loss consumed them (as Liger-Kernel's fused loss returns them), the real logits
    otherwise; with ``return_dict=False`` the logits drop out of the tuple, as a None field does.
 
@@ -53,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.amp import autocast_dtype, autocast_off
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.transforms import functorch_active
+from ..recompute.context_forward import ContextForward
 from .modules import RUN_TIME_HOOKS, hook_kinds
 
 __all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES"]
@@ -437,7 +439,8 @@ def _labels(module, args, kwargs):
     return args[i] if i is not None and i < len(args) else None
 
 
-def _pre_hook(module, args, kwargs):
+def _open(module, args, kwargs) -> "_Window | None":
+    """Arm the head for this call (module doc, 1.); None when the call is not eligible."""
     state: HeadState | None = module.__dict__.get(ATTR)
     if (state is None or not state.enabled or not module.training or getattr(_local, "keep", 0)
             or _labels(module, args, kwargs) is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
@@ -449,14 +452,15 @@ def _pre_hook(module, args, kwargs):
     win = _Window(state, head)
     head.__dict__["forward"] = win.capture
     state.windows.append(win)
-    return None
+    return win
 
 
-def _post_hook(module, args, kwargs, output):
+def _close(module, win: "_Window") -> None:
+    """Close the window whatever happened in the forward (an exception, a KeyboardInterrupt): the
+    head's own forward back, the mode off the stack, the window off the model's list."""
     state: HeadState | None = module.__dict__.get(ATTR)
-    if state is None or not state.windows:
-        return None
-    win = state.windows.pop()
+    if state is not None and win in state.windows:
+        state.windows.remove(win)
     if win.head.__dict__.get("forward") == win.capture:
         win.head.__dict__.pop("forward", None)
     if win.entered:
@@ -466,9 +470,31 @@ def _post_hook(module, args, kwargs, output):
             stack = torch.overrides._get_current_function_mode_stack()
             if win in stack:
                 _remove_mode(win)
-    if not win.entries or output is None:
-        return None
-    return _clean(win, output)
+
+
+class _HeadForward(ContextForward):
+    """The model's ``forward`` (set on the instance; class and state_dict unchanged): the previous
+    forward inside an armed window, closed in ``finally`` -- a forward hook pair would leak the
+    window on a ``KeyboardInterrupt`` (torch runs always-called hooks after an ``Exception`` only;
+    see :mod:`leanact.recompute.context_forward`, whose signature handling it shares).
+    ``active = False`` makes it inert (left in a chain another library wrapped since)."""
+
+    def __init__(self, module: nn.Module, previous=None):
+        super().__init__(module, None, previous)
+        self.active = True
+
+    def __call__(self, *args, **kwargs):
+        forward = self._forward()
+        win = _open(self.module, args, kwargs) if self.active else None
+        if win is None:
+            return forward(*args, **kwargs)
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            _close(self.module, win)
+        if not win.entries or output is None:
+            return output
+        return _clean(win, output)
 
 
 def _remove_mode(win) -> None:
@@ -511,26 +537,35 @@ def _clean(win: _Window, output):
 
 
 def install(model: nn.Module, path: str, enabled: bool = True) -> HeadState:
-    """Register the hooks on ``model`` (an eligible Hugging Face model) and attach its state."""
+    """Wrap ``model.forward`` (an eligible Hugging Face model) and attach its state."""
     state = HeadState(path, enabled)
     model.__dict__[ATTR] = state
-    model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    model.__dict__["forward"] = _HeadForward(model, model.__dict__.get("forward"))
     return state
 
 
 def uninstall(model: nn.Module) -> None:
-    """Remove the hooks and state from every module of ``model`` (copies included: by identity of
-    the hook functions, not by handles)."""
+    """Remove the wrapper and state from every module of ``model`` (copies included: found by type;
+    a wrapper that another library wrapped since is made inert)."""
     for m in model.modules():
         if m.__dict__.pop(ATTR, None) is None:
             continue
-        for k, hook in list(m._forward_pre_hooks.items()):
-            if hook is _pre_hook:
-                del m._forward_pre_hooks[k]
-                m._forward_pre_hooks_with_kwargs.pop(k, None)
-        for k, hook in list(m._forward_hooks.items()):
-            if hook is _post_hook:
-                del m._forward_hooks[k]
-                m._forward_hooks_with_kwargs.pop(k, None)
-                m._forward_hooks_always_called.pop(k, None)
+        wrapper = m.__dict__.get("forward")
+        if isinstance(wrapper, _HeadForward):
+            if wrapper.previous is None:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = wrapper.previous
+            continue
+        for f in _chain(wrapper):
+            if isinstance(f, _HeadForward):
+                f.active = False
+
+
+def _chain(f, depth: int = 8):
+    """The forwards wrapped inside ``f`` (attributes ``previous``, ``__wrapped__``), outermost first."""
+    for _ in range(depth):
+        if f is None:
+            return
+        yield f
+        f = getattr(f, "previous", None) or getattr(f, "__wrapped__", None)

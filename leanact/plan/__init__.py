@@ -29,7 +29,15 @@ from .dp import Solution, min_peak, predict, solve
 from .explain import fmt_bytes
 
 __all__ = ["plan", "parse_budget", "InfeasibleBudget", "measure_costs", "predict", "ModelCosts", "LayerCosts",
-           "StrategyCost", "Solution", "fmt_bytes"]
+           "StrategyCost", "Solution", "fmt_bytes", "register_maximizer"]
+
+# plan(maximize=...) runs leanact.estimate, a higher layer: it registers itself here when imported.
+_MAXIMIZER: list[Callable] = []
+
+
+def register_maximizer(fn: Callable) -> None:
+    """Set the function behind ``plan(maximize=...)`` (``leanact.estimate.maximize.maximize``)."""
+    _MAXIMIZER[:] = [fn]
 
 
 class InfeasibleBudget(ValueError):
@@ -80,7 +88,8 @@ def _default_strategies(device: str, allow_lossy: bool) -> list[str]:
 def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies: Iterable[str] | None = None,
          loss_fn: Callable | None = None, allow_lossy: bool = False, layers: list[str] | None = None,
          costs: ModelCosts | None = None, reps: int = 3, time_model: str = "measure",
-         offload_threshold: int = DEFAULT_THRESHOLD, autocast: Any = None) -> Plan:
+         offload_threshold: int = DEFAULT_THRESHOLD, autocast: Any = None, maximize: str | None = None,
+         device: Any = "cuda", dtype: Any = None) -> Plan:
     """Choose a strategy per layer of ``model`` minimising the estimated step time with the
     predicted peak activation memory ≤ ``budget`` (module doc: what it covers).
 
@@ -106,7 +115,18 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     arguments raise ValueError / TypeError before any work. Raises :class:`InfeasibleBudget` with
     the smallest feasible budget when none fits. Returns a :class:`~leanact.strategies.Plan` (not
     applied: call ``.apply(model)``, which replaces the plan applied before).
+
+    ``maximize="seq"`` (or ``"batch"``): instead, the longest sequence (largest batch) whose
+    *whole* training step -- parameters, gradients, AdamW state, activations, temporaries -- fits
+    ``budget`` on ``device`` (default "cuda"; ``dtype`` casts the weights), predicted by
+    :func:`leanact.estimate` on fake tensors (nothing runs for real; any model size). Every layer
+    gets the same strategy, the one that reaches the largest size (``strategies``: candidates,
+    default :data:`leanact.estimate.maximize.CANDIDATES`); the plan's ``maximized``
+    (:class:`~leanact.estimate.maximize.Maximized`) holds the size, the estimate there and what
+    each candidate reached.
     """
+    if maximize is not None:
+        return _maximize(model, sample_inputs, budget, maximize, strategies, loss_fn, device, dtype)
     del loss_fn
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan(model=...) must be a torch.nn.Module, got {type(model).__name__}: pass the model")
@@ -155,6 +175,20 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
             "the budget, lower the batch size or sequence length, or patch the model first (leanact.patch).",
             budget_bytes, smallest, best)
     return Plan(names, sol.choices, costs=costs, budget=budget_bytes, offload_threshold=offload_threshold)
+
+
+def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, dtype) -> Plan:
+    if what not in ("seq", "batch"):
+        raise ValueError(f"plan(maximize={what!r}): use 'seq' (the longest sequence) or 'batch' (the largest batch)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan(model=...) must be a torch.nn.Module, got {type(model).__name__}: pass the model")
+    budget_bytes = parse_budget(budget)
+    if not _MAXIMIZER:  # pragma: no cover - leanact/__init__ imports leanact.estimate
+        raise RuntimeError("plan(maximize=...) needs leanact.estimate: `import leanact.estimate` first")
+    found = _MAXIMIZER[0](model, sample_inputs, budget_bytes, what, strategies=None if strategies is None else
+                          list(strategies), device=device, dtype=dtype, loss_fn=loss_fn)
+    found.plan.maximized = found
+    return found.plan
 
 
 class _CallableModule(types.ModuleType):

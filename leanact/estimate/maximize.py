@@ -1,0 +1,124 @@
+"""The longest sequence (or largest batch) whose whole training step fits a memory budget, and the
+plan that reaches it: ``leanact.plan(model, inputs, "80GiB", maximize="seq")``.
+
+For each candidate strategy (applied to every layer: :func:`leanact.strategies.uniform`) the step's
+predicted peak -- parameters, gradients, optimizer state, activations, temporaries: the whole
+:func:`leanact.estimate` -- is searched for the largest size that fits (:func:`.fit.largest_fitting`:
+a quadratic fit in s, then checked by estimates on either side of the answer). The strategy that
+reaches the largest size wins; among equals, the cheapest in time (the order of
+:data:`CANDIDATES`). Offload strategies are not candidates: the estimate counts their host copies
+as device memory. What the head keeps (the fused linear + cross-entropy of a patched model, or
+the logits) is part of the estimate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from .api import _position_limit, estimate
+from .fit import largest_fitting
+from .result import Estimate
+
+__all__ = ["CANDIDATES", "Maximized", "maximize", "step_estimate", "strategy_plan"]
+
+#: Candidate strategies, cheapest in time first (ties go to the earlier).
+CANDIDATES = ("lean", "selective:attention", "tiled_mlp", "full")
+SEQ_MULTIPLE = 128  # sequences are searched in multiples of this many tokens
+
+
+@dataclass
+class Maximized:
+    """What :func:`maximize` found: ``value`` (the longest sequence or largest batch, 0 if nothing
+    fits) reached with ``strategy`` on every layer (``plan``), the estimate there, and the value
+    each candidate reached (``by_strategy``)."""
+
+    what: str
+    value: int
+    strategy: str
+    plan: Any
+    estimate: Estimate | None
+    budget: int
+    by_strategy: dict[str, int] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return (f"Maximized({self.what}={self.value}, strategy={self.strategy!r}, "
+                f"peak={self.estimate.peak if self.estimate else None}, budget={self.budget})")
+
+
+def _sizes(sample_inputs: Any) -> tuple[int, int]:
+    import torch
+
+    ref = next((t for t in torch.utils._pytree.tree_leaves(sample_inputs)
+                if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if ref is None:
+        raise ValueError("maximize needs a sample input with at least 2 dimensions (batch, seq, ...)")
+    return ref.shape[0], ref.shape[1]
+
+
+def strategy_plan(model: nn.Module, strategy: str, tokens: int):
+    """``strategy`` on every layer; ``tiled_mlp`` in at most 16 chunks of at least the default size
+    (``tokens``: batch · sequence), so a long sequence's estimate stays quick."""
+    from leanact.strategies import uniform
+    from leanact.strategies.tiled import DEFAULT_MLP_CHUNK
+
+    chunk = max(DEFAULT_MLP_CHUNK, -(-tokens // 16)) if strategy == "tiled_mlp" else None
+    return uniform(model, strategy, mlp_chunk=chunk)
+
+
+def step_estimate(model: nn.Module, sample_inputs: Any, strategy: str, what: str, n: int, **options) -> Estimate:
+    """The estimate of one step with ``strategy`` on every layer ("lean": the model as is) at
+    sequence (``what="seq"``) or batch ``n``; ``options``: :func:`leanact.estimate`'s keywords."""
+    b0, s0 = _sizes(sample_inputs)
+    sizes = dict(seq=n, batch=b0) if what == "seq" else dict(batch=n, seq=s0)
+    plan = None if strategy == "lean" else strategy_plan(model, strategy, sizes["seq"] * sizes["batch"])
+    return estimate(model, sample_inputs, plan, options.pop("device", "cuda"), **options, **sizes)
+
+
+def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq", *,
+             strategies: list[str] | None = None, device: Any = "cuda", dtype: Any = None, optimizer: Any = "adamw",
+             loss_fn: Callable | None = None, multiple: int | None = None, limit: int | None = None,
+             keep_output: bool = False) -> Maximized:
+    """The largest ``what`` ("seq": sequence length at the sample's batch; "batch": batch at the
+    sample's sequence length) whose whole step fits ``budget`` bytes on ``device`` (module doc).
+    ``multiple``: search in multiples of this (default 128 tokens for "seq", 1 for "batch");
+    ``limit``: the largest size considered (default: the model's learned positions for "seq").
+    ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``: as :func:`leanact.estimate`."""
+    from leanact.strategies import STRATEGIES
+
+    if what not in ("seq", "batch"):
+        raise ValueError(f"maximize={what!r}: use 'seq' (the longest sequence) or 'batch' (the largest batch)")
+    names = list(CANDIDATES if strategies is None else strategies)
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        raise ValueError(f"maximize: strategies {unknown or names} unknown; choose among {list(STRATEGIES)}")
+    b0, s0 = _sizes(sample_inputs)
+    multiple = multiple or (SEQ_MULTIPLE if what == "seq" else 1)
+    if limit is None and what == "seq":
+        found = _position_limit(model)
+        limit = found[0] if found else None
+
+    opts = dict(device=device, dtype=dtype, optimizer=optimizer, loss_fn=loss_fn, keep_output=keep_output)
+
+    def peak(strategy: str, n: int) -> Estimate:
+        return step_estimate(model, sample_inputs, strategy, what, n, **opts)
+
+    best: tuple[int, str, Estimate | None] = (-1, names[0], None)
+    reached: dict[str, int] = {}
+    for strategy in names:
+        found_at: dict[int, Estimate] = {}
+
+        def cost(n: int, strategy=strategy, found_at=found_at) -> int:
+            found_at[n] = peak(strategy, n)
+            return found_at[n].peak
+
+        value, _ = largest_fitting(cost, budget, probes=(1, 8, 32) if what == "seq" else (1, 2, 4),
+                                   multiple=multiple, limit=limit)
+        reached[strategy] = value
+        if value > best[0]:
+            best = (value, strategy, found_at.get(value))
+    value, strategy, est = best
+    plan = strategy_plan(model, strategy, value * (b0 if what == "seq" else s0))
+    plan.budget = budget
+    return Maximized(what, value, strategy, plan, est, budget, reached)

@@ -1,0 +1,48 @@
+"""leanact.estimate.fit.largest_fitting: the exact answer of a monotone cost, in few evaluations."""
+import math
+
+import pytest
+
+from leanact.estimate.fit import largest_fitting
+
+
+def _brute(cost, budget, multiple=1, limit=10**7):
+    n = 0
+    while n + multiple <= limit and cost(n + multiple) <= budget:
+        n += multiple
+    return n
+
+
+@pytest.mark.parametrize("cost", [
+    lambda n: 1000 + 37 * n,                       # linear (batch)
+    lambda n: 5000 + 3 * n + n * n // 7,           # quadratic (sequence, eager attention)
+    lambda n: 512 * math.ceil((700 + 300 * n) / 512),  # allocator rounding
+    lambda n: 100 + 10 * n + (5000 if n > 300 else 0),  # a step the fit cannot see
+])
+@pytest.mark.parametrize("budget", [900, 20_000, 123_456])
+@pytest.mark.parametrize("multiple", [1, 64])
+def test_exact(cost, budget, multiple):
+    calls = []
+
+    def counted(n):
+        calls.append(n)
+        return cost(n)
+
+    n, seen = largest_fitting(counted, budget, multiple=multiple)
+    assert n == _brute(cost, budget, multiple)
+    assert n % multiple == 0 and len(calls) == len(set(calls)) == len(seen)
+    assert len(calls) <= 30
+
+
+def test_few_evaluations_for_polynomials():
+    for cost in (lambda n: 10**6 + 12345 * n, lambda n: 10**6 + 999 * n + 3 * n * n):
+        n, seen = largest_fitting(cost, 10**9)
+        assert cost(n) <= 10**9 < cost(n + 1) and len(seen) <= 6
+
+
+def test_limit_and_nothing_fits():
+    assert largest_fitting(lambda n: n, 10**9, limit=100)[0] == 100
+    assert largest_fitting(lambda n: 10 * n, 10**9, multiple=64, limit=1000)[0] == 960
+    assert largest_fitting(lambda n: 1000 + n, 999)[0] == 0
+    with pytest.raises(ValueError, match="multiple"):
+        largest_fitting(lambda n: n, 10, multiple=0)
