@@ -114,7 +114,7 @@ def main() -> None:
     torch.set_grad_enabled(True)
     rows, trows = [], []
     for fam in args.families:
-        s = args.seq or FAMILIES[fam][3]
+        s = args.seq or FAMILIES[fam][2]
         res = {}
         for m in args.modes:
             res[m] = layer_memory(fam, m, s)
