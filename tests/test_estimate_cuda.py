@@ -125,3 +125,21 @@ def test_bert_layer():
     assert with_dropout - without == 2 * B * S * 64
     unpadded = leanact.estimate(_bert(0.1), _ids(), device="cuda").per_layer["bert.encoder.layer.1"]
     assert with_dropout - unpadded == B * S * S * 2 + (B * HEADS * 64 * 4 - B * HEADS * S * 4) - 24
+
+
+def test_sdpa_under_autocast_runs_in_the_low_dtype():
+    """Under autocast CUDA runs SDPA in 16 bits (its autocast list) even when q arrives in fp32 (LLaMA's
+    rotary embedding promotes it): the flash kernel, no s x s tensor. A tiny LLaMA layer then keeps
+    less under fp32 + bf16 autocast than in fp32 (before the cast was modelled it kept more: the
+    fp32 math path's probabilities)."""
+    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=512, num_hidden_layers=2, vocab_size=1000,
+                                   attn_implementation="sdpa")
+    ids = torch.zeros(1, 256, dtype=torch.long)
+    kept = {}
+    for ac in (False, "bf16"):
+        est = leanact.estimate_config(cfg, dict(input_ids=ids, labels=ids), model_class=transformers.LlamaForCausalLM,
+                                      autocast=ac, device="cuda")
+        kept[ac] = est.per_layer["model.layers.1"]
+    s2_fp32 = 4 * 256 * 256 * 4  # one fp32 (b, H, s, s) tensor
+    assert kept["bf16"] < kept[False] - s2_fp32, kept

@@ -35,6 +35,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from leanact.ops.amp import autocast_dtype
+
 __all__ = ["cuda_kernels", "FusedAttention", "sdpa_kernel"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -118,6 +120,11 @@ class FusedAttention(torch.autograd.Function):
 
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    low = autocast_dtype(q.device.type)  # the trace's autocast: SDPA is on autocast's 16-bit list
+    if low is not None:
+        q, k, v = (t.to(low) if t.is_floating_point() else t for t in (q, k, v))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
     kernel = sdpa_kernel(q, k, v, attn_mask, enable_gqa)
     if kernel == "math":
         mask = None
