@@ -52,3 +52,26 @@ def test_lossy_keeps_at_most_the_exact_patch(family, precision):
     assert all(v <= exact for v in kept.values()), (exact, kept)
     if precision != "fp32":  # 16-bit tensors are there to compress: it does save
         assert kept["fp8"] < exact and kept["all"] < exact, (exact, kept)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+def test_randomized_down_projection_of_a_lean_gated_mlp_is_exact(precision):
+    """With randomized_linear, the lean gated MLP takes its down projection's weight directly (its input
+    is rebuilt there, so R X would be a second copy): that weight's gradient is the exact patch's, and
+    so is every input gradient (a randomized Linear's dX is exact). Under autocast its exact path
+    recasts the weight as the patch's Linears do."""
+    grads = {}
+    for lossy in (None, {"randomized_linear": 0.5}):
+        model = tiny_hf("llama")
+        leanact.patch(model, lossy=lossy)
+        ac = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+        with warnings.catch_warnings(), ac:
+            warnings.simplefilter("ignore")
+            loss = model(**tiny_batch()).loss
+        loss.backward()
+        grads[lossy is None] = {n: p.grad for n, p in model.named_parameters() if "down_proj" in n or "embed" in n}
+        if lossy:
+            assert any(type(m).__name__ == "RandomizedLinear" for m in model.modules())
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for n, g in grads[True].items():  # the same ops in the same order: equal up to fp32 summation order
+        torch.testing.assert_close(grads[False][n], g, rtol=1e-5, atol=1e-7, msg=n)
