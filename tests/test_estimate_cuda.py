@@ -143,3 +143,56 @@ def test_sdpa_under_autocast_runs_in_the_low_dtype():
         kept[ac] = est.per_layer["model.layers.1"]
     s2_fp32 = 4 * 256 * 256 * 4  # one fp32 (b, H, s, s) tensor
     assert kept["bf16"] < kept[False] - s2_fp32, kept
+
+
+def test_patched_attention_takes_the_gpu_path(monkeypatch):
+    """On a GPU leanact's attention (dropout 0, bf16) is SDPA's flash kernel, on a CPU in bf16 the
+    recompute core: estimate(device="cuda") traces the GPU's path on its fake CPU tensors."""
+    import leanact.ops.attention_core as core
+
+    calls = []
+    apply = core.RecomputeAttention.apply
+    monkeypatch.setattr(core.RecomputeAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+    model = _llama(torch.bfloat16)
+    leanact.patch(model)
+    cuda = leanact.estimate(model, _ids(), device="cuda").per_layer["model.layers.1"]
+    assert calls == []
+    cpu = leanact.estimate(model, _ids(), device="cpu").per_layer["model.layers.1"]
+    assert len(calls) >= 2  # one per layer
+    # flash keeps its output (which the output projection keeps anyway: the same storage) and its
+    # RNG state (16 + 8 bytes); the core keeps neither
+    assert cuda - cpu == 16 + 8
+
+
+def test_memory_tracker_does_not_materialise_the_fused_logits():
+    """A memory tracker (torch's MemTracker, which the estimate runs) asks every module output for
+    its storage: the head's placeholder answers with its own one element, not the real logits."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = _llama(torch.float32).train()
+    leanact.patch(model)
+    with MemTracker() as tracker:
+        tracker.track_external(model)
+        out = model(**_ids())
+        out.loss.backward()
+    state = leanact.summary(model).loss_states[""]
+    assert out.logits is None and state.fused_calls == 1 and state.fallbacks == {}
+
+
+def test_estimate_of_the_patched_head_counts_no_logits():
+    """Twice the tokens add far less than their logits to the step's peak: the fused loss never
+    materialises them (the trace used to, when the memory tracker asked the head's output)."""
+    def peak_at(vocab, seq):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=172, vocab_size=vocab,
+                                       max_position_embeddings=512, attn_implementation="sdpa")
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        leanact.patch(model)
+        ids = torch.zeros(1, seq, dtype=torch.long)
+        return leanact.estimate(model.train(), dict(input_ids=ids, labels=ids), device="cuda")
+
+    short, longer = peak_at(8192, 256), peak_at(8192, 512)
+    logits = 256 * 8192 * 2  # the bf16 logits of the 256 tokens more
+    assert longer.peak - short.peak < logits // 2

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from leanact.ops.amp import autocast_dtype
+from leanact.ops.attention import fake_kernels_of
 
 __all__ = ["cuda_kernels", "FusedAttention", "sdpa_kernel"]
 
@@ -160,6 +161,7 @@ def cuda_kernels():
 
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     try:
-        yield
+        with fake_kernels_of("cuda", lean_nodes=("FusedAttentionBackward",)):
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout

@@ -35,9 +35,11 @@ is restricted to q layouts for which SDPA's output has that layout too.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.nn.functional as F
 
 from .amp import autocast_dtype, autocast_off
@@ -45,7 +47,7 @@ from .attention_core import RecomputeAttention, TempoAttention
 from .random import _as_seed, draw_seed
 from .transforms import functorch_active
 
-__all__ = ["attention", "default_block_size", "MODES", "BLOCK_ELEMENTS"]
+__all__ = ["attention", "default_block_size", "fake_kernels_of", "MODES", "BLOCK_ELEMENTS"]
 
 MODES = ("recompute", "tempo")
 #: Default query block: about this many score elements (4 MiB in fp32) per block.
@@ -56,6 +58,35 @@ _LEAN_NODES = frozenset(
     f"ScaledDotProduct{n}Backward0"
     for n in ("FlashAttentionForCpu", "FlashAttention", "EfficientAttention", "CudnnAttention")
 )
+
+
+# (device type, names of lean autograd nodes) while fake tensors stand for another device
+_FAKE_AS: list[tuple[str, frozenset]] = []
+
+
+@contextlib.contextmanager
+def fake_kernels_of(device_type: str, lean_nodes=()):
+    """While active, :func:`attention` takes the path it takes on ``device_type`` for fake tensors,
+    and SDPA outputs whose autograd node is named in ``lean_nodes`` count as lean: how
+    ``leanact.estimate(device="cuda")`` traces on fake CPU tensors what runs on a GPU (with its own
+    model of CUDA's SDPA kernels). Real tensors are unaffected. Left on exit, even on error."""
+    _FAKE_AS.append((device_type, frozenset(lean_nodes)))
+    try:
+        yield
+    finally:
+        _FAKE_AS.pop()
+
+
+def _device_type(t: torch.Tensor) -> str:
+    """The device whose path ``t`` takes: its own, or the one fake tensors stand for."""
+    if _FAKE_AS and is_fake(t):
+        return _FAKE_AS[-1][0]
+    return t.device.type
+
+
+def _lean_node(out: torch.Tensor) -> bool:
+    name = out.grad_fn.name()
+    return name in _LEAN_NODES or bool(_FAKE_AS and is_fake(out) and name in _FAKE_AS[-1][1])
 
 
 def default_block_size(b: int, h: int, s_q: int, s_k: int) -> int:
@@ -90,11 +121,12 @@ def _sdpa_is_lean(q, k, v, mask4) -> bool:
                 return False
         elif mask4.dtype != q.dtype:
             return False
-    if q.device.type == "cpu":
+    device = _device_type(q)
+    if device == "cpu":
         # The CPU flash kernel's 16-bit backward loses accuracy (measured: gradients 10x further from
         # fp32 than the eager composition's on a tiny OPT); leanact's core accumulates in fp32.
         return q.dtype in (torch.float32, torch.float64) and q.stride(1) <= q.stride(2)  # (b, s, H, d) layout
-    return q.device.type == "cuda" and q.dtype != torch.float64  # no fused fp64 kernels; checked after the call
+    return device == "cuda" and q.dtype != torch.float64  # no fused fp64 kernels; checked after the call
 
 
 def attention(
@@ -168,12 +200,12 @@ def attention(
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
     if p == 0.0 and (not grad or _sdpa_is_lean(q, k, v, mask4)):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
-        if not grad or not eager or out.grad_fn.name() in _LEAN_NODES:
+        if not grad or not eager or _lean_node(out):
             return out
-    elif p > 0.0 and eager and q.is_cuda and mode == "recompute" and seed is None and generator is None:
+    elif p > 0.0 and eager and _device_type(q) == "cuda" and mode == "recompute" and seed is None and generator is None:
         if _sdpa_is_lean(q, k, v, mask4):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal, scale=scale, **gqa)
-            if not grad or out.grad_fn.name() in _LEAN_NODES:
+            if not grad or _lean_node(out):
                 return out
     if p > 0.0:
         seed = draw_seed(q.device, generator) if seed is None else _as_seed(seed, q.device)

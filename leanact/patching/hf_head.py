@@ -267,6 +267,8 @@ class _Window(TorchFunctionMode):
                 return out
         elif _name(func) in _META_PROPS or func in _META_FUNCS:
             return func(*args, **kwargs)
+        elif func is torch.Tensor.untyped_storage and len(args) == 1:
+            return func(*args)  # the placeholder's one element: what exists (memory trackers ask this)
         elif len(found) == 1 and args and (args[0] is found[0].t or (func in _MUL_FUNCS and len(args) == 2
                                                                       and args[1] is found[0].t)):
             out = self._deferred(found[0], func, args, kwargs)
@@ -281,7 +283,10 @@ class _Window(TorchFunctionMode):
         v = self.head.out_features
         if func in _SHAPE_FUNCS:
             with _mode_off(self):
-                shape = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs).shape
+                # a zero-stride meta view: no allocation (under FakeTensorMode a full-size meta tensor
+                # would be counted by a memory tracker); contiguous keeps the shape
+                meta = torch.empty((), device="meta").expand(t.shape)
+                shape = t.shape if _name(func) == "contiguous" else func(meta, *args[1:], **kwargs).shape
             if len(shape) >= 1 and shape[-1] == v:
                 return self._derive(e, func, args, kwargs, shape=shape)
             return None
