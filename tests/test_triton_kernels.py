@@ -13,7 +13,6 @@ minimum only, one ulp for the float32 GELU backward (float64 erfc implementation
 amplified there by the cancellation of f' = Phi + x phi).
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -33,6 +32,8 @@ from leanact.ops.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask, keep_mask_like, keep_threshold  # noqa: E402
 from leanact.ops.rms_norm import rms_norm  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
+
+from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy notes on inf/nan
 interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
@@ -324,25 +325,12 @@ def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:
         pytest.skip("the interpreter runs in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", LEANACT_TRITON="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "not compile", __file__],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    run_interpreted(__file__)
 
 
 _COMPILE = r'''
-import sys, time
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from leanact.ops.triton import kernels as K
 
-def build(fn, sig, consts, **opts):
-    full = dict(sig, **{k: "constexpr" for k in consts})
-    triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
-
-t0 = time.time()
 build(K._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "n": "i64", "offset": "i64",
       "thr": "i64", "scale": "fp32"}, {"APPLY": True, "BLOCK": 1024}, **K.FUSED)
 build(K._keep_rows_kernel, {"starts_ptr": "*i64", "out_ptr": "*u8", "seed_ptr": "*i64", "length": "i32", "thr": "i64"},
@@ -357,7 +345,6 @@ build(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8"
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
 build(K._gelu32_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
       "ab_ptr": "*fp32", "h_ptr": "*fp64", "n": "i32", "c32": "fp32"}, {"TANH": False, "BLOCK": 1024}, **K.UNFUSED)
-print("compiled in %.1f s" % (time.time() - t0))
 '''
 
 
@@ -365,10 +352,4 @@ print("compiled in %.1f s" % (time.time() - t0))
 def test_kernels_compile_for_a_gpu_without_one():
     """The compiler (not the interpreter) accepts the kernels: compiled for sm_90 (PTX and cubin,
     Triton's bundled ptxas), in a fresh process without TRITON_INTERPRET. No GPU needed."""
-    pytest.importorskip("triton.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip("no ptxas in this Triton install")
-    assert r.returncode == 0, r.stderr[-3000:]
+    compile_for_sm90(_COMPILE, TRITON_DEFAULT_FP_FUSION="1")

@@ -1,0 +1,49 @@
+"""Plumbing shared by the Triton kernel tests (test_triton_kernels.py, test_triton_gated.py).
+
+- :func:`run_interpreted`: run a test file in a fresh process under Triton's interpreter, for when
+  the calling process cannot (a CUDA machine, or Triton imported earlier without it).
+- :func:`compile_for_sm90`: run a script that builds kernels with ``build(fn, signature, constexprs,
+  **options)`` for sm_90 (PTX and cubin, Triton's bundled ptxas) in a fresh process without
+  ``TRITON_INTERPRET``: compiler-only errors show up on a machine without a GPU.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_BUILD = r'''
+import time
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(fn, sig, consts, **opts):
+    full = dict(sig, **{k: "constexpr" for k in consts})
+    triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
+
+t0 = time.time()
+'''
+
+
+def run_interpreted(test_file: str) -> None:
+    """``pytest test_file`` (its compile test left out) with TRITON_INTERPRET=1 and no CUDA device; must pass."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", LEANACT_TRITON="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "not compile",
+                        test_file], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def compile_for_sm90(script: str, **env_extra: str) -> None:
+    """Run ``script`` (calls to ``build``, see the module doc) in a fresh compiler-mode process; skips
+    when this Triton has no ptxas."""
+    pytest.importorskip("triton.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, **env_extra)
+    r = subprocess.run([sys.executable, "-c", _BUILD + script + '\nprint("compiled in %.1f s" % (time.time() - t0))\n'],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]

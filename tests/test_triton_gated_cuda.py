@@ -1,0 +1,86 @@
+"""The gated MLP's compiled Triton kernels on a CUDA device against torch's CUDA kernels (the
+PyTorch path of leanact.ops.gated_mlp) on the same device: what the interpreter tests cannot see
+(``tl.erf`` lowered to libdevice's ``erff``, nvcc's FMA contractions in torch's kernels, torch's
+``expf`` / ``tanhf``). Within the bound of gated_kernels' module doc, and mostly bitwise. Skipped
+without CUDA or Triton.
+"""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.triton,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from leanact.ops.gated_mlp import GATED_ACTIVATIONS, _act_grad, gated_act, gated_down  # noqa: E402
+from leanact.ops.triton import dispatch, gated  # noqa: E402
+
+U32 = 2.0 ** -24
+_MANT = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_present(monkeypatch):
+    if not dispatch.available():
+        pytest.skip("Triton does not import here")
+    monkeypatch.setenv("LEANACT_TRITON", "strict")  # a failing kernel raises (no silent fallback)
+
+
+def _ulp(x, dtype):
+    fi = torch.finfo(dtype)
+    _, e = torch.frexp(x.double().abs().clamp_min(fi.tiny).nan_to_num(0.0, fi.max, fi.max))
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), (e - _MANT[dtype]).double())
+
+
+def _check(x, ref, bound):
+    """Within ``bound`` plus one ulp of the storage dtype; returns the bitwise-equal fraction."""
+    same = (x == ref) | (x.isnan() & ref.isnan())
+    ulp = torch.maximum(_ulp(x, x.dtype), _ulp(ref, ref.dtype))
+    assert (same | ((x.double() - ref.double()).abs() <= bound + ulp)).all()
+    return same.double().mean().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", GATED_ACTIVATIONS)
+def test_kernels_match_torch_on_cuda(kind, dtype):
+    torch.manual_seed(0)
+    n = 1 << 20
+    g = torch.cat([torch.randn(n, device="cuda") * 3, torch.empty(n, device="cuda").uniform_(-12, 12)])
+    g = g.to(dtype).view(-1, 1000 + 24)  # a column count off the block size
+    u, dh = (torch.randn(g.shape, device="cuda").to(dtype) for _ in range(2))
+    h = gated.glu_forward(g, u, kind)
+    dg, du, hh = gated.glu_backward(g, u, dh, kind, True, True, True)
+    a0 = gated_act(kind, g)
+    h0, du0, dg0 = a0 * u, dh * a0, _act_grad(kind, dh * u, g)
+    ga = g.double().abs()
+    act_err = 16 * U32 * ga + _ulp(a0, dtype)
+    t = (dh * u).double().abs()
+    assert torch.equal(h, hh)
+    fractions = [_check(h, h0, act_err * u.double().abs()), _check(du, du0, act_err * dh.double().abs()),
+                 _check(dg, dg0, 16 * U32 * (1 + ga) * t)]
+    # different only where torch's expf / tanhf miss the correctly rounded value and that shows
+    assert min(fractions) > (0.5 if dtype == torch.float32 else 0.99), fractions
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_op_on_cuda_keeps_the_same_and_runs_the_kernels(monkeypatch, fused):
+    torch.manual_seed(1)
+    src = torch.randn(4, 64, 2 * 1000, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(256, 1000, device="cuda") / 32).to(torch.bfloat16)
+    dy = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        s, ww = src.clone().requires_grad_(), w.clone().requires_grad_()
+        g, u = s.chunk(2, -1) if fused else (s[..., :1000].contiguous(), s[..., 1000:].contiguous())
+        y = gated_down(g, u, ww, None, "silu")
+        kept = [(t.dtype, t.shape, t.stride()) for t in y.grad_fn.saved_tensors]
+        y.backward(dy)
+        return y.detach(), s.grad, ww.grad, kept
+
+    y, gs, gw, kept = run()
+    monkeypatch.setenv("LEANACT_TRITON", "0")
+    y0, gs0, gw0, kept0 = run()
+    assert kept == kept0
+    g, u = src.chunk(2, -1)
+    monkeypatch.setenv("LEANACT_TRITON", "strict")
+    assert torch.equal(y, torch.nn.functional.linear(gated.glu_forward(g, u, "silu"), w))
+    for a, b in ((y, y0), (gs, gs0), (gw, gw0)):  # bf16: the kernels' h, dg, du are torch's to one ulp
+        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item())
