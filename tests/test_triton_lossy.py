@@ -7,7 +7,8 @@ products, fp8 / int8 values, scales and decompressed values. One exception is do
 bounded: the fused few-bit forward of 16-bit x looks y up in a table of torch's activation of every
 16-bit pattern; torch's CPU kernels round some elements one ulp differently at different positions
 (vectorized body vs scalar tail), CUDA's do not, so here y equals the table bitwise and torch's
-elementwise result to one ulp (tests/test_triton_cuda-style check on a GPU: bitwise).
+elementwise result to one ulp; the CUDA tests at the end check it bitwise on a GPU, with the
+compiled kernels against the PyTorch path on the device.
 """
 import os
 import subprocess
@@ -294,6 +295,42 @@ def test_cuda_fewbit_y_is_torchs_bitwise(dtype, monkeypatch):
     for function in FB.FUNCTIONS:
         fused = FB._kernel_forward(x, function, 2)
         assert fused is not None and _same(fused[0], FB._forward(x, function))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_kernels_match_the_pytorch_path_on_the_device(dtype, monkeypatch):
+    """The compiled kernels (division, contraction, casts as lowered by the compiler) against the
+    PyTorch path on the same GPU: packed planes, gradients, 8-bit values, scales, decompression."""
+    if not dispatch.available():
+        pytest.skip("Triton does not import here")
+
+    def both(fn):
+        monkeypatch.setenv("LEANACT_TRITON", "0")
+        ref = fn()
+        monkeypatch.setenv("LEANACT_TRITON", "strict")
+        return ref, fn()
+
+    x = _fewbit_inputs(100_000, dtype).cuda()
+    dy = torch.randn(x.shape, device="cuda").to(dtype)
+    for function in FB.FUNCTIONS:
+        for bits in (1, 2, 3, 4):
+            def run():
+                xx = x.clone().requires_grad_()
+                y = FB.fewbit_activation(xx, function, bits)
+                packed = y.grad_fn.saved_tensors[0].clone()
+                y.backward(dy)
+                return y.detach(), packed, xx.grad
+
+            ref, got = both(run)
+            assert all(_same(a, b) for a, b in zip(ref, got)), (function, bits)
+    xc = _compress_inputs(300_000, dtype, 128).cuda()
+    for fmt in ("fp8", "int8"):
+        for block in (128, 100):
+            (q0, s0), (q1, s1) = both(lambda: compress(xc, fmt, block, torch.Generator("cuda").manual_seed(1)))
+            assert _same(q0, q1) and _same(s0, s1), (fmt, block)
+            d0, d1 = both(lambda: decompress(q0, s0, dtype, block))
+            assert _same(d0, d1)
 
 
 _COMPILE = r'''
