@@ -269,7 +269,7 @@ def test_shapes_only_allocates_the_outputs():
         assert y.shape == x.shape and y.dtype == x.dtype and packed.shape == (2 * 38,)
         g = L.fewbit_backward(packed, torch.empty(4), torch.empty(10, 30, dtype=torch.bfloat16), 2)
         assert g.shape == (10, 30) and g.dtype == torch.bfloat16
-        q, s = L.compress_8bit(x.view(-1), False, 128, 127.0, torch.empty((), dtype=torch.int64))
+        q, s = L.compress_8bit(x.view(-1), False, 128, 127.0, torch.empty(384))
         assert q.shape == (300,) and q.dtype == torch.int8 and s.shape == (3,) and s.dtype == torch.float32
         out = L.decompress_8bit(q, s, torch.float16, 128)
         assert out.shape == (300,) and out.dtype == torch.float16
@@ -353,7 +353,7 @@ for kind, ptr in ((0, "*fp32"), (1, "*i16")):
 build(LK._fewbit_bwd_kernel, {"packed_ptr": "*u8", "levels_ptr": "*fp32", "dy_ptr": "*bf16", "out_ptr": "*bf16",
       "n": "i32", "per": "i32"}, {"BITS": 3, "BLOCK": 1024})
 for int8, q in ((True, "*i8"), (False, "*u8")):
-    build(LK._quantize_kernel, {"x_ptr": "*bf16", "q_ptr": q, "scale_ptr": "*fp32", "seed_ptr": "*i64", "n": "i32",
+    build(LK._quantize_kernel, {"x_ptr": "*bf16", "q_ptr": q, "scale_ptr": "*fp32", "u_ptr": "*fp32", "n": "i32",
           "nblocks": "i32", "block": "i32", "qmax": "fp32"}, {"INT8": int8, "R": 32, "BP": 128})
     build(LK._dequantize_kernel, {"q_ptr": q, "scale_ptr": "*fp32", "out_ptr": "*fp16", "n": "i32", "block": "i32"},
           {"FP8": not int8, "BLOCK": 1024})

@@ -7,15 +7,13 @@ each eligible tensor autograd saves is replaced by
   ``x / scale``, ``scale = absmax(block) / 448``: relative error <= 2**-4 per element in e4m3's
   normal range, absolute <= 2**-10 * scale below it;
 * ``format="int8"``: int8 values of ``x / scale`` with stochastic rounding (``floor(v + u)``,
-  u uniform in [0, 1) on a 2^-24 grid: the counter-based hash of :mod:`leanact.ops.random` under
-  a seed drawn from a private generator, so the global RNG is not touched and the CUDA kernel
-  draws the same u),
+  u uniform in [0, 1), drawn from a private generator: the global RNG is not touched),
   ``scale = absmax(block) / 127``: unbiased, absolute error < scale per element;
 
 plus one float32 scale per ``block`` consecutive elements: ``n + 4 * ceil(n / block)`` bytes
 instead of ``n * element_size``. Backward decompresses to the original dtype and shape. On CUDA
-with ``LEANACT_TRITON=1`` compression and decompression are one Triton kernel each, bitwise the
-same values and scales (:mod:`leanact.ops.triton.lossy`).
+with ``LEANACT_TRITON=1`` compression (after int8's ``torch.rand``) and decompression are one Triton
+kernel each, bitwise the same values and scales (:mod:`leanact.ops.triton.lossy`).
 
 What it approximates: every gradient that reads a compressed tensor (a Linear's weight gradient
 reads its input, attention's backward reads q, k, v and its output, a norm or GELU rebuilt from
@@ -49,7 +47,6 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from leanact.ops.random import draw_seed, random_bits
 from leanact.ops.triton import lossy as _triton
 from leanact.recompute import recipes
 from leanact.saved import SavedTensorTransform
@@ -59,7 +56,6 @@ __all__ = ["CompressTransform", "compress", "decompress", "compressed_nbytes", "
 FORMATS = ("fp8", "int8")
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 EXACT_ATTR = "_leanact_exact"
-_CHUNK = 1 << 20  # elements per pass of int8's random draws (bounded integer temporaries)
 
 
 def keep_exact(*tensors: torch.Tensor) -> None:
@@ -79,26 +75,17 @@ def _check_format(format: str) -> str:
     return format
 
 
-def _uniform_(v: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """``v += u`` in place (v contiguous float32), u_j = (word(seed, j) >> 8) * 2^-24 the 24-bit
-    uniform of element j from :mod:`leanact.ops.random`'s counter-based hash (what the kernel draws)."""
-    flat = v.view(-1)
-    for a in range(0, flat.numel(), _CHUNK):
-        b = min(flat.numel(), a + _CHUNK)
-        words = random_bits(seed, torch.arange(a, b, dtype=torch.int64, device=v.device))
-        flat[a:b].add_(words.bitwise_right_shift_(8).to(torch.float32).mul_(2.0**-24))
-    return v
-
-
 def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Generator | None = None):
     """``(values, scales)`` of a 1-D floating tensor (module doc)."""
     _check_format(format)
-    seed = draw_seed(flat.device, generator) if format == "int8" else None
-    fused = _triton.compress_8bit(flat, format == "fp8", block, _QMAX[format], seed)  # CUDA: one kernel
-    if fused is not None:
-        return fused
     n = flat.numel()
     nb = math.ceil(n / block)
+    u = None
+    if format == "int8":  # drawn first: the kernel and the PyTorch path round with the same u
+        u = torch.rand(nb * block, generator=generator, device=flat.device, dtype=torch.float32)
+    fused = _triton.compress_8bit(flat, format == "fp8", block, _QMAX[format], u)  # CUDA: one kernel
+    if fused is not None:
+        return fused
     x = flat.float()
     if nb * block != n:
         x = torch.cat([x, x.new_zeros(nb * block - n)])
@@ -109,7 +96,7 @@ def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Gener
     if format == "fp8":
         q = v.to(torch.float8_e4m3fn)
     else:
-        q = _uniform_(v, seed).floor_().clamp_(-127, 127).to(torch.int8)
+        q = v.add_(u.view(nb, block)).floor_().clamp_(-127, 127).to(torch.int8)
     q = q.view(-1)
     if nb * block != n:
         q = q[:n].clone()

@@ -108,18 +108,13 @@ def _seed_keys(seed_ptr):
 
 
 @triton.jit
-def _word(idx, k0, k1):
-    """The uint32 random word of int64 element indices (random._words, uint32 lanes)."""
+def _keep(idx, k0, k1, thr):
+    """``word(idx) >= thr`` for int64 element indices (random._words, uint32 lanes)."""
     x = (idx.to(tl.uint32) ^ k0) * _HM1
     x = x ^ (idx >> 32).to(tl.uint32)
     x = _mix(x, 16, _HM2) ^ k1
-    return _mix(_mix(x, 15, _HM3), 16, _HM4)
-
-
-@triton.jit
-def _keep(idx, k0, k1, thr):
-    """``word(idx) >= thr`` for int64 element indices."""
-    return _word(idx, k0, k1) >= thr.to(tl.uint32)
+    x = _mix(_mix(x, 15, _HM3), 16, _HM4)
+    return x >= thr.to(tl.uint32)
 
 
 @triton.jit(do_not_specialize=["n", "offset", "thr"])

@@ -3,7 +3,7 @@
 Same contract as :mod:`.dispatch` (whose helpers these use): each function returns what the
 caller's PyTorch path returns, computed by one kernel of :mod:`.lossy_kernels`, or ``None`` (the
 caller then runs its PyTorch path). What the kernels need from higher layers (tables, the qmax of a
-format, a seed) comes in as arguments: nothing here imports ``leanact.lossy``.
+format, int8's uniforms) comes in as arguments: nothing here imports ``leanact.lossy``.
 """
 from __future__ import annotations
 
@@ -69,17 +69,20 @@ def fewbit_backward(packed: torch.Tensor, levels: torch.Tensor, dy: torch.Tensor
     return out
 
 
-def compress_8bit(flat: torch.Tensor, fp8: bool, block: int, qmax: float, seed):
+def compress_8bit(flat: torch.Tensor, fp8: bool, block: int, qmax: float, u):
     """``(values, scales)`` of ``leanact.lossy.compress.compress`` for a 1-D tensor, or None: fp8
-    e4m3fn (``seed`` None) or int8 values drawn with the counter-based ``seed``."""
-    k = _usable(flat, seed)
+    e4m3fn (``u`` None) or int8 values rounded stochastically with ``u`` (float32 uniforms, one per
+    element of the zero-padded blocks, contiguous)."""
+    k = _usable(flat, u)
     if k is None or flat.dtype not in _d._DTYPES or flat.dim() != 1 or not 0 < block <= MAX_QBLOCK:
         return None
     n = flat.numel()
+    nb = -(-n // block)
+    if u is not None and (u.dtype != torch.float32 or u.numel() != nb * block or not u.is_contiguous()):
+        return None
     q = torch.empty(n, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=flat.device)
-    scales = torch.empty(-(-n // block), dtype=torch.float32, device=flat.device)
-    if _d._launch("compress", flat, k.quantize, flat.contiguous(), q, scales, None if fp8 else seed.reshape(()),
-                  block, qmax) is _d._FAILED:
+    scales = torch.empty(nb, dtype=torch.float32, device=flat.device)
+    if _d._launch("compress", flat, k.quantize, flat.contiguous(), q, scales, u, block, qmax) is _d._FAILED:
         return None
     return q, scales
 

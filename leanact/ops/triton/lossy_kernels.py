@@ -11,9 +11,8 @@ They compute what the PyTorch paths compute, bit for bit:
   float32 absmax, ``scale = absmax / qmax`` and ``inv = 1 / scale`` (correctly rounded divisions,
   as torch's), ``v = x * inv``; fp8 e4m3 by integer operations that follow c10's float -> e4m3fn
   conversion (round to nearest even, subnormals by one float addition; see :func:`_e4m3_bits`), int8
-  by ``floor(v + u)`` clamped to +-127, u the 24-bit uniform of the counter-based hash of
-  :mod:`leanact.ops.random` (the PyTorch path draws the same). Decompression: the value times its
-  block's scale in float32, rounded once.
+  by ``floor(v + u)`` clamped to +-127, u the caller's ``torch.rand`` draw (the PyTorch path adds
+  the same u). Decompression: the value times its block's scale in float32, rounded once.
 
 Launched with ``enable_fp_fusion=False``: ``x * inv + u`` must round twice, as torch does.
 Imported only when a kernel is about to run (see :mod:`.lossy`).
@@ -25,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
-from .kernels import UNFUSED, _grid, _pack8, _seed_keys, _store, _unpack1, _word
+from .kernels import UNFUSED, _grid, _pack8, _store, _unpack1
 
 _TILE = 4096  # elements per program of the quantize kernel (whole blocks)
 
@@ -132,7 +131,7 @@ def _e4m3_value(q):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, seed_ptr, n, nblocks, block, qmax, INT8: tl.constexpr,
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, u_ptr, n, nblocks, block, qmax, INT8: tl.constexpr,
                      R: tl.constexpr, BP: tl.constexpr):
     """R whole blocks per program: scale = absmax / qmax (NaN if the block holds one), q of x * (1 / scale)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
@@ -146,9 +145,7 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, seed_ptr, n, nblocks, block, qmax,
     inv = tl.where(scale > 0, tl.math.div_rn(tl.full((R,), 1.0, tl.float32), scale), 0.0)
     v = x * inv[:, None]
     if INT8:
-        k0, k1 = _seed_keys(seed_ptr)
-        u = (_word(offs, k0, k1) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
-        r = tl.floor(v + u)
+        r = tl.floor(v + tl.load(u_ptr + offs, mask=m, other=0.0))
         q = tl.where(r != r, 0.0, tl.clamp(r, -127.0, 127.0)).to(tl.int8)  # NaN: 0, as torch's cast
     else:
         q = _e4m3_bits(v).to(tl.uint8)
@@ -169,16 +166,16 @@ def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, n, block, FP8: tl.constexpr, B
     _store(out_ptr + offs, v * tl.load(scale_ptr + offs // block, mask=m, other=0.0), m)
 
 
-def quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, seed, block: int, qmax: float):
+def quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, u, block: int, qmax: float):
     """q (int8, or fp8 e4m3fn written through a uint8 view) and float32 scales of contiguous 1-D x;
-    ``seed`` (int64, 0-dim) for int8's stochastic rounding, None for fp8."""
+    ``u``: int8's uniforms (float32, one per element of the zero-padded blocks), None for fp8."""
     n = x.numel()
     if n:
         bp = triton.next_power_of_2(block)
         r = max(1, _TILE // bp)
         fp8 = q.dtype == torch.float8_e4m3fn
         _quantize_kernel[(triton.cdiv(scales.numel(), r),)](
-            x, q.view(torch.uint8) if fp8 else q, scales, seed if seed is not None else scales, n, scales.numel(),
+            x, q.view(torch.uint8) if fp8 else q, scales, u if u is not None else scales, n, scales.numel(),
             block, qmax, INT8=not fp8, R=r, BP=bp, **UNFUSED)
 
 
