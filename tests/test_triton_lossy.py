@@ -347,8 +347,8 @@ def build(fn, sig, consts):
 
 t0 = time.time()
 for kind, ptr in ((0, "*fp32"), (1, "*i16")):
-    build(LK._fewbit_fwd_kernel, {"x_ptr": ptr, "y_ptr": ptr, "tab_ptr": ptr, "packed_ptr": "*u8", "borders_ptr": "*fp32",
-          "labels_ptr": "*u8", "n": "i32", "per": "i32"},
+    build(LK._fewbit_fwd_kernel, {"x_ptr": ptr, "y_ptr": ptr, "tab_ptr": ptr, "packed_ptr": "*u8",
+          "borders_ptr": "*fp32", "labels_ptr": "*u8", "n": "i32", "per": "i32"},
           {"NB": 19, "BITS": 4, "KIND": kind, "WITH_Y": kind == 1, "BLOCK": 1024})
 build(LK._fewbit_bwd_kernel, {"packed_ptr": "*u8", "levels_ptr": "*fp32", "dy_ptr": "*bf16", "out_ptr": "*bf16",
       "n": "i32", "per": "i32"}, {"BITS": 3, "BLOCK": 1024})
