@@ -11,7 +11,9 @@ each eligible tensor autograd saves is replaced by
   ``scale = absmax(block) / 127``: unbiased, absolute error < scale per element;
 
 plus one float32 scale per ``block`` consecutive elements: ``n + 4 * ceil(n / block)`` bytes
-instead of ``n * element_size``. Backward decompresses to the original dtype and shape.
+instead of ``n * element_size``. Backward decompresses to the original dtype and shape. On CUDA
+with ``LEANACT_TRITON=1`` compression (after int8's ``torch.rand``) and decompression are one Triton
+kernel each, bitwise the same values and scales (:mod:`leanact.ops.triton.lossy`).
 
 What it approximates: every gradient that reads a compressed tensor (a Linear's weight gradient
 reads its input, attention's backward reads q, k, v and its output, a norm or GELU rebuilt from
@@ -45,6 +47,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from leanact.ops.triton import lossy as _triton
 from leanact.recompute import recipes
 from leanact.saved import SavedTensorTransform
 
@@ -77,6 +80,12 @@ def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Gener
     _check_format(format)
     n = flat.numel()
     nb = math.ceil(n / block)
+    u = None
+    if format == "int8":  # drawn first: the kernel and the PyTorch path round with the same u
+        u = torch.rand(nb * block, generator=generator, device=flat.device, dtype=torch.float32)
+    fused = _triton.compress_8bit(flat, format == "fp8", block, _QMAX[format], u)  # CUDA: one kernel
+    if fused is not None:
+        return fused
     x = flat.float()
     if nb * block != n:
         x = torch.cat([x, x.new_zeros(nb * block - n)])
@@ -87,8 +96,7 @@ def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Gener
     if format == "fp8":
         q = v.to(torch.float8_e4m3fn)
     else:
-        u = torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype)
-        q = v.add_(u).floor_().clamp_(-127, 127).to(torch.int8)
+        q = v.add_(u.view(nb, block)).floor_().clamp_(-127, 127).to(torch.int8)
     q = q.view(-1)
     if nb * block != n:
         q = q[:n].clone()
@@ -97,6 +105,9 @@ def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Gener
 
 def decompress(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
     """Inverse of :func:`compress` (1-D, ``dtype``)."""
+    fused = _triton.decompress_8bit(values, scales, dtype, block)  # CUDA: one kernel
+    if fused is not None:
+        return fused
     n = values.numel()
     full = n // block
     out = torch.empty(n, dtype=dtype, device=values.device)

@@ -20,6 +20,12 @@ last interval (finite) instead of NaN. Double backward is not supported (``once_
 
 Rounding of borders: the x dtype's values are compared with the borders rounded *down* to that
 dtype, which puts every representable x on the same side as the float64 border would.
+
+On CUDA with ``LEANACT_TRITON=1`` (:mod:`leanact.ops.triton.lossy`) forward is one Triton kernel:
+the index planes, and for contiguous 16-bit x also y, looked up in torch's activation of every
+16-bit pattern (torch's CUDA kernel computes each element alike wherever it sits, so y is torch's
+bit for bit); float32 y stays torch's kernel. Backward is one kernel (unpack, level, product).
+The packed planes and the gradient are bitwise those of the PyTorch path.
 """
 from __future__ import annotations
 
@@ -27,11 +33,13 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .fewbit_tables import TABLES
 from .transforms import functorch_active
+from .triton import lossy as _triton
 
 __all__ = ["FUNCTIONS", "FewBitFunction", "fewbit_activation", "fewbit_index", "fewbit_derivative",
            "fewbit_packed_nbytes", "table"]
@@ -64,18 +72,48 @@ def _borders_below(borders: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     return b.to(device)
 
 
-def _tensors(function: str, bits: int, dtype: torch.dtype, device: torch.device):
-    key = (function, bits, dtype, device)
+def _cached(key, build):
+    """``_CACHE[key]``, built once; tensors made under a fake mode (leanact.estimate) are not kept."""
     hit = _CACHE.get(key)
     if hit is None:
+        hit = build()
+        if not any(is_fake(t) for t in (hit if isinstance(hit, tuple) else (hit,))):
+            _CACHE[key] = hit
+    return hit
+
+
+def _tensors(function: str, bits: int, dtype: torch.dtype, device: torch.device):
+    def build():
         t = table(function, bits)
         level_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        hit = _CACHE[key] = (
-            _borders_below(t["borders"], dtype, device),
-            torch.tensor(t["labels"], dtype=torch.uint8, device=device),
-            torch.tensor(t["levels"], dtype=torch.float64).to(device=device, dtype=level_dtype),
-        )
-    return hit
+        return (_borders_below(t["borders"], dtype, device),
+                torch.tensor(t["labels"], dtype=torch.uint8, device=device),
+                torch.tensor(t["levels"], dtype=torch.float64).to(device=device, dtype=level_dtype))
+
+    return _cached((function, bits, dtype, device), build)
+
+
+def _y_table(function: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch's activation of every 16-bit pattern of ``dtype`` (the fused forward's lookup table)."""
+    def build():
+        with torch.no_grad():
+            x = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+            return _forward(x, function)
+
+    return _cached(("y", function, dtype, device), build)
+
+
+def _kernel_forward(x: torch.Tensor, function: str, bits: int):
+    """``(y, packed)`` by the Triton kernel (CUDA, enabled; y by torch where the kernel leaves it), or None."""
+    def tables():
+        borders, labels, _ = _tensors(function, bits, x.dtype, x.device)
+        return _cached(("b32", function, bits, x.dtype, x.device), lambda: borders.float()), labels
+
+    fused = _triton.fewbit_forward(x, tables, bits, lambda: _y_table(function, x.dtype, x.device))
+    if fused is None:
+        return None
+    y, packed = fused
+    return (_forward(x, function) if y is None else y), packed
 
 
 def fewbit_index(x: torch.Tensor, function: str, bits: int) -> torch.Tensor:
@@ -116,9 +154,13 @@ class FewBitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, function: str, bits: int):
-        y = _forward(x, function)
         ctx.meta = (function, bits, x.shape, x.dtype, x.numel())
-        ctx.save_for_backward(_pack(fewbit_index(x.contiguous(), function, bits), bits))
+        fused = _kernel_forward(x, function, bits)  # CUDA: one kernel (None: the PyTorch path)
+        if fused is not None:
+            y, packed = fused
+        else:
+            y, packed = _forward(x, function), _pack(fewbit_index(x.contiguous(), function, bits), bits)
+        ctx.save_for_backward(packed)
         return y
 
     @staticmethod
@@ -127,6 +169,9 @@ class FewBitFunction(torch.autograd.Function):
         (packed,) = ctx.saved_tensors
         function, bits, shape, dtype, numel = ctx.meta
         _, _, levels = _tensors(function, bits, dtype, grad.device)
+        fused = _triton.fewbit_backward(packed, levels, grad, bits) if grad.numel() == numel else None
+        if fused is not None:  # CUDA: one kernel
+            return fused, None, None
         d = levels[_unpack(packed, bits, numel, shape).long()]
         return (grad.to(levels.dtype) * d).to(grad.dtype), None, None
 

@@ -1,0 +1,100 @@
+"""Kernel or PyTorch path for the lossy options' pack/unpack (few-bit activations, 8-bit compression).
+
+Same contract as :mod:`.dispatch` (whose helpers these use): each function returns what the
+caller's PyTorch path returns, computed by one kernel of :mod:`.lossy_kernels`, or ``None`` (the
+caller then runs its PyTorch path). What the kernels need from higher layers (tables, the qmax of a
+format, int8's uniforms) comes in as arguments: nothing here imports ``leanact.lossy``.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+
+from . import dispatch as _d
+
+__all__ = ["fewbit_forward", "fewbit_backward", "compress_8bit", "decompress_8bit"]
+
+_16BIT = (torch.float16, torch.bfloat16)
+#: Largest compression block (elements per scale) handled by the kernel (larger: the PyTorch path).
+MAX_QBLOCK = 8192
+
+
+def _lossy_kernels(k):
+    """The launchers: :mod:`.lossy_kernels` in place of the dispatched :mod:`.kernels` module, else
+    ``k`` itself (:mod:`.lossy_kernels` given to ``use_kernels``, :data:`.dispatch.SHAPES_ONLY`)."""
+    if isinstance(k, types.ModuleType) and k.__name__.endswith(".kernels"):
+        from . import lossy_kernels
+
+        return lossy_kernels
+    return k
+
+
+def _usable(*tensors):
+    k = _d._usable(*tensors)
+    return None if k is None else _lossy_kernels(k)
+
+
+def fewbit_forward(x: torch.Tensor, tables: Callable[[], tuple], bits: int, y_table: Callable[[], torch.Tensor]):
+    """``(y or None, packed index planes)`` of :class:`leanact.ops.fewbit.FewBitFunction`'s forward,
+    or None. ``tables()``: ``(borders, labels)``, the float32 values of the borders rounded down to
+    x's dtype and the uint8 level index of each interval; ``y_table()``: the activation of every
+    16-bit pattern (contiguous 16-bit x only; otherwise y is None and the caller runs torch's
+    activation). Neither is called on fake tensors (SHAPES_ONLY: the outputs only)."""
+    k = _usable(x)
+    if k is None or x.dtype not in _d._DTYPES:
+        return None
+    fake = _d._STATE["fake"]
+    borders, labels = tables() if not fake else (None, None)
+    n = x.numel()
+    packed = torch.empty(bits * ((n + 7) // 8), dtype=torch.uint8, device=x.device)
+    with_y = x.dtype in _16BIT and x.is_contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if with_y else None
+    table = y_table() if with_y and not fake else None
+    if _d._launch("fewbit", x, k.fewbit_forward, x.contiguous(), y, table, packed, borders, labels,
+                  bits) is _d._FAILED:
+        return None
+    return y, packed
+
+
+def fewbit_backward(packed: torch.Tensor, levels: torch.Tensor, dy: torch.Tensor, bits: int):
+    """``(dy.float() * levels[index]).to(dy.dtype)`` (dy's shape) for float32 levels, or None."""
+    k = _usable(packed, levels, dy)
+    if k is None or dy.dtype not in _d._DTYPES or levels.dtype != torch.float32:
+        return None
+    out = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    if _d._launch("fewbit", dy, k.fewbit_backward, packed, levels, dy.contiguous(), out, bits) is _d._FAILED:
+        return None
+    return out
+
+
+def compress_8bit(flat: torch.Tensor, fp8: bool, block: int, qmax: float, u):
+    """``(values, scales)`` of ``leanact.lossy.compress.compress`` for a 1-D tensor, or None: fp8
+    e4m3fn (``u`` None) or int8 values rounded stochastically with ``u`` (float32 uniforms, one per
+    element of the zero-padded blocks, contiguous)."""
+    k = _usable(flat, u)
+    if k is None or flat.dtype not in _d._DTYPES or flat.dim() != 1 or not 0 < block <= MAX_QBLOCK:
+        return None
+    n = flat.numel()
+    nb = -(-n // block)
+    if u is not None and (u.dtype != torch.float32 or u.numel() != nb * block or not u.is_contiguous()):
+        return None
+    q = torch.empty(n, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=flat.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=flat.device)
+    if _d._launch("compress", flat, k.quantize, flat.contiguous(), q, scales, u, block, qmax) is _d._FAILED:
+        return None
+    return q, scales
+
+
+def decompress_8bit(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int):
+    """``leanact.lossy.compress.decompress``: 1-D ``dtype`` values times their block's scale, or None."""
+    k = _usable(values, scales)
+    if (k is None or dtype not in _d._DTYPES or values.dtype not in (torch.float8_e4m3fn, torch.int8)
+            or values.dim() != 1 or scales.dtype != torch.float32):
+        return None
+    out = torch.empty(values.numel(), dtype=dtype, device=values.device)
+    if _d._launch("compress", values, k.dequantize, values.contiguous(), scales.contiguous(), out,
+                  block) is _d._FAILED:
+        return None
+    return out
