@@ -239,8 +239,14 @@ def _liger():
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except Exception:
         return None
-    return {"rms": lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps),
-            "ln": lambda x, w, b, eps: LigerLayerNormFunction.apply(x, w, b, eps)}
+    fns = {"rms": lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps),
+           "ln": lambda x, w, b, eps: LigerLayerNormFunction.apply(x, w, b, eps)}
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except Exception:
+        return fns
+    fns["swiglu"] = lambda g, u: LigerSiLUMulFunction.apply(g, u)
+    return fns
 
 
 def op_cases(device: str = "cuda", tokens: int = 16384):
@@ -250,12 +256,14 @@ def op_cases(device: str = "cuda", tokens: int = 16384):
     import torch.nn.functional as F
 
     import leanact.functional as LF
+    from leanact.ops.gated_mlp import gated_down
     from leanact.ops.layer_norm import layer_norm
     from leanact.ops.rms_norm import rms_norm
 
     liger = _liger() if device == "cuda" else None
     w1k, b1k = torch.rand(1024, device=device) + 0.5, torch.randn(1024, device=device) * 0.1
     w2k = torch.rand(2048, device=device) + 0.5
+    wd = torch.randn(2048, 8192, device=device) * 0.01  # LLaMA-1B's down projection
     cases = []
     for dt in ("bfloat16", "float32"):
         d = getattr(torch, dt)
@@ -271,6 +279,13 @@ def op_cases(device: str = "cuda", tokens: int = 16384):
         cases.append(("RMSNorm", dt, (tokens, 2048), lambda x, w=w2: rms_norm(x, (2048,), w, 1e-6),
                       lambda x, w=w2: F.rms_norm(x, (2048,), w, 1e-6),
                       (lambda x, w=w2: liger["rms"](x, w, 1e-6)) if liger else None))
+        # SwiGLU + down projection on a fused gate_up output (tokens, 2·8192): leanact keeps g, u only
+        half = 8192
+        cases.append(("SwiGLU + down", dt, (tokens // 4, 2 * half),
+                      lambda x, w=wd.to(d): gated_down(x[:, :half], x[:, half:], w, kind="silu"),
+                      lambda x, w=wd.to(d): F.linear(F.silu(x[:, :half]) * x[:, half:], w),
+                      (lambda x, w=wd.to(d): F.linear(liger["swiglu"](x[:, :half], x[:, half:]), w))
+                      if liger and "swiglu" in liger else None))
     return cases
 
 
@@ -290,7 +305,8 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
         try:
             torch.manual_seed(0)
             x = torch.randn(shape, device="cuda", dtype=getattr(torch, dt), requires_grad=True)
-            dy = torch.randn_like(x)
+            with torch.no_grad():
+                dy = torch.randn_like(ref(x))  # the output's shape (an MLP's differs from its input's)
             t_ref = _time_fwd_bwd(ref, x, dy)
             t_lean = _time_fwd_bwd(lean, x, dy)
             os.environ["LEANACT_TRITON"] = "0"

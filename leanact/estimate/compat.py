@@ -201,9 +201,10 @@ def warm_cpu_dropout() -> None:
 @contextlib.contextmanager
 def triton_allocations():
     """While active, leanact's ops (dropout, attention-core dropout blocks, GELU, LayerNorm and
-    RMSNorm from output) on fake tensors allocate what their Triton kernels allocate on CUDA --
-    outputs, the norms' per-program partial sums -- instead of the temporaries of their PyTorch path
-    (per-element int64 hash words, the GELU rebuild's slices, the norms' float32 copies); the kept
+    RMSNorm from output, the gated MLP's act(g)·u, few-bit activations, 8-bit compression) on fake
+    tensors allocate what their Triton kernels allocate on CUDA -- outputs, the norms' per-program
+    partial sums -- instead of the temporaries of their PyTorch path (per-element int64 hash words,
+    the GELU rebuild's slices, the norms' float32 copies); the kept
     tensors are the same either way. Nothing changes under ``LEANACT_TRITON=0``: the GPU then runs
     the PyTorch path too."""
     from leanact.ops.triton import dispatch
@@ -213,7 +214,6 @@ def triton_allocations():
         return
     with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=True):
         yield
-
 
 
 @contextlib.contextmanager

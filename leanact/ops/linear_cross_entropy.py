@@ -174,7 +174,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         acc = _acc_dtype(cdtype)
         valid, rows, xa, ya, n_valid = _active(x, target, ignore_index, v)
         na = xa.shape[0]
-        xa = xa.to(cdtype)
         needs = ctx.needs_input_grad
         eager = bool(grad_in_forward) and reduction != "none" and any(needs[:3])
         t_rows, t_vocab = _tiles(na, v, chunk_tokens, tile_elements, eager, h if weight.dtype != cdtype else 0)
@@ -200,8 +199,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             bt = None if bias is None else bias[v0:v1].to(cdtype)
             for r0 in _starts(na, t_rows):
                 r1 = min(na, r0 + t_rows)
-                z = t = dz = dzl = None  # (one tile alive at a time)
-                z, t = _logits(xa[r0:r1], wt, bt, acc, scale, softcap)
+                z = t = dz = dzl = xc = None  # (one tile alive at a time)
+                xc = xa[r0:r1].to(cdtype)  # (a chunk's upcast copy, never the whole x's)
+                z, t = _logits(xc, wt, bt, acc, scale, softcap)
                 y = ya[r0:r1] - v0
                 sel = (y >= 0) & (y < v1 - v0)
                 yl = y.clamp(0, v1 - v0 - 1)
@@ -216,11 +216,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     if dx is not None:
                         torch.mm(dzl, wt, out=dx[r0:r1])
                     if dw_acc is not None and one and dw_acc.dtype == cdtype:
-                        torch.mm(dzl.t(), xa[r0:r1], out=dw_acc)
+                        torch.mm(dzl.t(), xc, out=dw_acc)
                     elif dw_acc is not None and (one or acc != cdtype):
-                        dw_acc += dzl.t() @ xa[r0:r1]
+                        dw_acc += dzl.t() @ xc
                     elif dw_acc is not None:
-                        dw_acc.addmm_(dzl.t(), xa[r0:r1])
+                        dw_acc.addmm_(dzl.t(), xc)
                     if db is not None:
                         db.add_(dz.sum(0))
         per = lse - zy * (1.0 - eps)
@@ -264,7 +264,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         v = weight.shape[0]
         valid, rows, xa, ya, n_valid = _active(x, t32.long(), -1, v)
         na = xa.shape[0]
-        xa = xa.to(cdtype)
         lse = lse_full if rows is None else lse_full.index_select(0, rows)
         g = g.to(acc)
         if ctx.reduction == "none":
@@ -286,8 +285,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dw_tile = None if dw is None or one_chunk else torch.zeros((v1 - v0, h), dtype=acc, device=x.device)
             for r0 in _starts(na, t_rows):
                 r1 = min(na, r0 + t_rows)
-                xc = xa[r0:r1]
-                z = t = dz = dzl = None  # (one tile alive at a time)
+                z = t = dz = dzl = xc = None  # (one tile alive at a time)
+                xc = xa[r0:r1].to(cdtype)  # (a chunk's upcast copy, never the whole x's)
                 z, t = _logits(xc, wt, bt, acc, scale, softcap)
                 y = ya[r0:r1] - v0
                 sel = ((y >= 0) & (y < v1 - v0)).to(acc)
