@@ -192,6 +192,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dw_acc = torch.zeros((v, h), dtype=weight.dtype if one else acc, device=x.device) if needs[1] else None
             db = torch.zeros(v, dtype=acc, device=x.device) if bias is not None and needs[2] else None
         wt = bt = None
+        x1 = xa.to(cdtype) if t_rows >= na else None  # one chunk: upcast once, not once per tile
         for v0 in _starts(v, t_vocab):
             v1 = min(v, v0 + t_vocab)
             wt = bt = None  # the previous tile's copies go before the next is made
@@ -200,7 +201,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for r0 in _starts(na, t_rows):
                 r1 = min(na, r0 + t_rows)
                 z = t = dz = dzl = xc = None  # (one tile alive at a time)
-                xc = xa[r0:r1].to(cdtype)  # (a chunk's upcast copy, never the whole x's)
+                xc = x1 if x1 is not None else xa[r0:r1].to(cdtype)  # (an upcast copy of one chunk)
                 z, t = _logits(xc, wt, bt, acc, scale, softcap)
                 y = ya[r0:r1] - v0
                 sel = (y >= 0) & (y < v1 - v0)
@@ -277,6 +278,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dw = torch.empty_like(weight) if needs[1] else None
         db = torch.zeros(v, dtype=acc, device=x.device) if ctx.has_bias and needs[2] else None
         one_chunk = t_rows >= na
+        x1 = xa.to(cdtype) if one_chunk else None  # one chunk: upcast once, not once per tile
         for v0 in _starts(v, t_vocab):
             v1 = min(v, v0 + t_vocab)
             wt = bt = dw_tile = None  # the previous tile's buffers go before the next is made
@@ -286,7 +288,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for r0 in _starts(na, t_rows):
                 r1 = min(na, r0 + t_rows)
                 z = t = dz = dzl = xc = None  # (one tile alive at a time)
-                xc = xa[r0:r1].to(cdtype)  # (a chunk's upcast copy, never the whole x's)
+                xc = x1 if x1 is not None else xa[r0:r1].to(cdtype)  # (an upcast copy of one chunk)
                 z, t = _logits(xc, wt, bt, acc, scale, softcap)
                 y = ya[r0:r1] - v0
                 sel = ((y >= 0) & (y < v1 - v0)).to(acc)
@@ -310,7 +312,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     db[v0:v1] += dz.sum(0)
             if dw_tile is not None:
                 dw[v0:v1] = dw_tile
-        z = t = dz = dzl = wt = bt = dw_tile = xa = xc = None  # the tiles go before dx is cast
+        z = t = dz = dzl = wt = bt = dw_tile = xa = xc = x1 = None  # the tiles go before dx is cast
         if dw is not None and na == 0:
             dw.zero_()
         dx = None
