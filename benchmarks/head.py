@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from leanact.functional import linear_cross_entropy
-from leanact.memory import SavedTensorMeter
+from leanact.memory import NewStoragePeak, SavedTensorMeter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -69,36 +66,9 @@ def kept_bytes(fn, x, w, labels) -> int:
     return total
 
 
-class PeakBytes(TorchDispatchMode):
-    """The most bytes of storages created inside the block alive at once (views of existing storages,
-    e.g. W.t(), are not new memory)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.sizes: dict[int, int] = {}
-
-    def _free(self, key):
-        self.live -= self.sizes.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = st._cdata
-                if key not in self.sizes and key not in inputs:
-                    self.sizes[key] = st.nbytes()
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(st, self._free, key)
-        return out
-
-
 def peaks(fn, x, w, labels) -> tuple[int, int]:
     def peak_of(run):
-        mode = PeakBytes()
+        mode = NewStoragePeak()
         with mode:
             out = run()
         return out, mode.peak

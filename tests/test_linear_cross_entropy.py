@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import leanact.ops.linear_cross_entropy as L
 from leanact.functional import linear_cross_entropy
-from leanact.memory import SavedTensorMeter
+from leanact.memory import NewStoragePeak, SavedTensorMeter
 from leanact.nn import LinearCrossEntropyLoss
 
 REF = L.linear_cross_entropy_reference
@@ -219,34 +219,6 @@ def test_kept_bytes_recompute():
     assert meter2.total_bytes >= 40 * 50 * 4
 
 
-class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most bytes of storages created inside the block alive at once."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.sizes: dict[int, int] = {}
-
-    def _free(self, key):
-        self.live -= self.sizes.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        inputs = {t.untyped_storage()._cdata for t in leaves if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st._cdata not in self.sizes and st._cdata not in inputs:
-                    self.sizes[st._cdata] = st.nbytes()
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(st, self._free, st._cdata)
-        return out
-
-
 def test_upcast_copy_of_x_is_one_chunk():
     """16-bit x with fp32 matmuls (a CPU without 16-bit GEMM): backward upcasts one chunk of x at a
     time, never the whole of it: its transient is the fp32 dx accumulator (n·h·4 bytes), one
@@ -256,7 +228,7 @@ def test_upcast_copy_of_x_is_one_chunk():
     x.requires_grad_()
     w.requires_grad_()
     loss = linear_cross_entropy(x, w, y, chunk_tokens=chunk, tile_elements=chunk * 64, matmul_dtype=torch.float32)
-    with _NewStorages() as mode:
+    with NewStoragePeak() as mode:
         loss.backward()
     grads = x.numel() * 2 + w.numel() * 2
     transient = mode.peak - grads
