@@ -256,6 +256,34 @@ def test_op_runs_the_kernels(GK, kind, fused, dtype):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_producer_runs_the_kernels_and_its_recipe_rebuilds_the_same(GK, dtype):
+    """leanact.recompute.producers.swiglu (the LoRA and nn.fused path): forward and backward are the
+    gated kernel's; under a RecipeTransform the next Linear's copy of the output is rebuilt through
+    the kernel too, so the weight gradient uses exactly the forward's output."""
+    from leanact.recompute import producers
+    from leanact.recompute.recipes import RecipeTransform, counters, reset_counters
+
+    gen = torch.Generator().manual_seed(5)
+    ab = torch.randn(3, 2 * 37, generator=gen).to(dtype)
+    w = (torch.randn(6, 37, generator=gen) * 0.2).to(dtype)
+    dy = torch.randn(3, 6, generator=gen).to(dtype)
+    a_, b_ = ab.chunk(2, -1)
+    with dispatch.use_kernels(GK):
+        h = gated.glu_forward(a_, b_, "silu")
+        da, db, _ = gated.glu_backward(a_, b_, dy.mm(w), "silu", True, True, False)
+        x, ww = ab.clone().requires_grad_(), w.clone().requires_grad_()
+        reset_counters()
+        with RecipeTransform():
+            y = producers.swiglu(x) @ ww.t()
+        assert counters().get("claimed", 0) == 1  # the matmul's copy of the output: a recipe
+        y.backward(dy)
+    assert _same(y.detach(), h @ w.t())
+    assert _same(x.grad, torch.cat([da, db], -1))
+    assert _same(ww.grad, (dy.t() @ h))
+
+
+@interp
 def test_fused_halves_are_read_in_place(GK):
     """The halves of a fused projection (row stride 2n) are not copied; other layouts are."""
     gu = torch.randn(3, 4, 2 * 37).to(torch.bfloat16)

@@ -31,6 +31,7 @@ from leanact.ops.amp import norm_inputs
 from leanact.ops.dropout import dropout_seeded
 from leanact.ops.random import draw_seed
 from leanact.ops.transforms import functorch_active
+from leanact.ops.triton import gated as _gated
 
 from .recipes import register, release
 
@@ -204,11 +205,15 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu(a, b):
-    return F.silu(a) * b
+    """silu(a)·b: the gated-MLP kernel on CUDA (:mod:`leanact.ops.triton.gated`), else torch's two
+    ops. The recipe rebuilds through this function too, so the rebuilt output is the forward's."""
+    y = _gated.glu_forward(a, b, "silu")
+    return F.silu(a) * b if y is None else y
 
 
 class _SwiGLU(Function):
-    """silu(a)·b keeping a and b; gradients as torch's mul + silu composition (bitwise)."""
+    """silu(a)·b keeping a and b; gradients as torch's mul + silu composition (bitwise), or, on CUDA
+    with the kernels on, one gated-MLP kernel per direction (within the bound of docs/triton.md)."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -220,6 +225,10 @@ class _SwiGLU(Function):
         release(ctx)
         a, b = ctx.saved_tensors
         da = db = None
+        if not torch.is_grad_enabled():  # (double backward: torch's differentiable ops below)
+            out = _gated.glu_backward(a, b, dy, "silu", ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
+            if out is not None:
+                return out[0], out[1]
         if ctx.needs_input_grad[1]:
             db = dy * F.silu(a)
         if ctx.needs_input_grad[0]:
