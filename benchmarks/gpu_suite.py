@@ -11,12 +11,13 @@ out, and what it finished before that):
    offload, the dropout mask across devices).
 2. ``ops``: forward+backward time of each lean op (Triton kernels, and the PyTorch path with
    ``LEANACT_TRITON=0``) against torch's own op of the same role, and Liger-Kernel's RMSNorm /
-   LayerNorm when ``liger_kernel`` imports. Target: leanact ≤ 1.2x torch.
+   LayerNorm / SwiGLU when ``liger_kernel`` imports. Target: leanact ≤ 1.2x torch.
 3. ``bert``: BERT-Large (s=512, bf16 autocast, AdamW) largest batch under a 16 GiB cap
    (``torch.cuda.set_per_process_memory_fraction``) and throughput at that batch: HF eager, HF sdpa,
-   HF sdpa + gradient checkpointing, leanact. Targets: batch ≥ 1.6x HF sdpa, throughput ≥ 1.15x.
+   HF sdpa + gradient checkpointing, leanact (its Triton kernels on). Targets: batch ≥ 1.6x HF sdpa,
+   throughput ≥ 1.15x.
 4. ``llama``: LLaMA-1B-like (Llama-3.2-1B geometry) training-step time at equal batch, HF sdpa vs
-   leanact. Target ≤ 1.05x.
+   leanact with its Triton kernels and with its PyTorch path. Target ≤ 1.05x.
 5. ``estimate``: ``leanact.estimate(device="cuda")`` against ``torch.cuda.max_memory_allocated`` of a
    real steady-state step. Target: within 5%.
 6. ``offload``: step time and peak with and without CPU offload of every layer (overlap).
@@ -356,6 +357,7 @@ def _bert_mode(gb, attn: str, how: str | None) -> tuple[int, float, float]:
     import leanact
 
     model = gb.build(attn, None, "bf16", "autocast", 512)
+    os.environ["LEANACT_TRITON"] = "1"  # leanact's rows: its Triton kernels (the PyTorch path: LLaMA's part)
     if how == "patch":
         leanact.patch(model)
     elif how == "checkpointing":
@@ -423,11 +425,12 @@ def _train_step(model, opt, inputs: dict, autocast: bool):
     return step
 
 
-def _llama_time(lean: bool, batch: int, seq: int) -> tuple[float, float]:
+def _llama_time(lean: bool, batch: int, seq: int, kernels: bool = True) -> tuple[float, float]:
     import torch
 
     import leanact
 
+    os.environ["LEANACT_TRITON"] = "1" if kernels else "0"
     model = _llama("sdpa")
     if lean:
         leanact.patch(model)
@@ -441,8 +444,8 @@ def part_llama(rec: Recorder, limit_s: float, batch: int = 4, seq: int = 1024) -
 
     rec.note(f"batch {batch}, seq {seq}; target: leanact ≤ 1.05x HF sdpa's step time")
     ref = None
-    for label in ("HF sdpa", "leanact"):
-        t, peak = _llama_time(label == "leanact", batch, seq)
+    for label in ("HF sdpa", "leanact", "leanact, PyTorch path (LEANACT_TRITON=0)"):
+        t, peak = _llama_time(label != "HF sdpa", batch, seq, kernels="PyTorch" not in label)
         torch.cuda.empty_cache()
         ref = ref or t
         rec.row(label, batch, seq, t * 1000, f"{t / ref:.3f}x", peak)
