@@ -41,29 +41,48 @@ def _gate(gu, alpha, limit):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _groups(top_k_index: torch.Tensor, num_experts: int, grouped: bool):
+    """[(expert, token rows, top-k positions, start, end)]: HF's eager order
+    (:func:`leanact.ops.moe.route`) or its grouped one (``torch.sort`` of the flattened indices, as
+    HF sorts them); rows start:end of the (S, 2I) gate/up buffer are that expert's."""
+    if not grouped:
+        return route(top_k_index, num_experts)
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    perm = torch.sort(flat)[1]
+    counts = torch.bincount(flat.to(torch.int64), minlength=num_experts + 1)[:num_experts].tolist()
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            rows = perm[start:start + c]
+            out.append((e, rows // k, rows % k, start, start + c))
+        start += c
+    return out
+
+
 def _loop(x, top_k_index, top_k_weights, params, alpha, limit, grouped, gu_all=None):
-    """The experts' weighted sum; with ``gu_all`` (S, 2I) each routed token's gu is written there."""
+    """The experts' weighted sum; with ``gu_all`` (S, 2I) each routed token's gu is written there,
+    in :func:`_groups`' row order. Grouped: the gating runs once over all routed tokens, as HF's
+    (a CPU's vectorised σ rounds by position in the tensor)."""
     gate_up, gu_bias, down, down_bias = params
     dt = gate_up.dtype
-    res = torch.promote_types(dt, top_k_weights.dtype)
     T, k = top_k_index.shape
-    if grouped:  # weighted outputs in (token, position) order, summed over the k positions
-        weighted = torch.zeros((T * k, x.shape[1]), dtype=res, device=x.device)
-    else:
+    if gu_all is None:
+        gu_all = x.new_empty((T * k, gate_up.shape[2]), dtype=dt)
+    groups = _groups(top_k_index, gate_up.shape[0], grouped)
+    for e, tok, pos, a, b in groups:
+        torch.mm(x[tok].to(dt), gate_up[e], out=gu_all[a:b]).add_(gu_bias[e])
+    if not grouped:
         final = torch.zeros_like(x)
-    for e, tok, pos, a, b in route(top_k_index, gate_up.shape[0]):
-        xe = x[tok].to(dt)
-        gu = torch.mm(xe, gate_up[e]) if gu_all is None else torch.mm(xe, gate_up[e], out=gu_all[a:b])
-        gu.add_(gu_bias[e])
-        out = _gate(gu, alpha, limit) @ down[e] + down_bias[e]
-        y = out * top_k_weights[tok, pos, None]
-        if grouped:
-            weighted[tok * k + pos] = y.to(res)
-        else:
-            final.index_add_(0, tok, y.to(x.dtype))
-    if grouped:
-        return weighted.view(T, k, -1).sum(dim=1).to(x.dtype)
-    return final
+        for e, tok, pos, a, b in groups:
+            out = _gate(gu_all[a:b], alpha, limit) @ down[e] + down_bias[e]
+            final.index_add_(0, tok, (out * top_k_weights[tok, pos, None]).to(x.dtype))
+        return final
+    hh = _gate(gu_all, alpha, limit)
+    weighted = torch.zeros((T * k, x.shape[1]), dtype=torch.promote_types(dt, top_k_weights.dtype), device=x.device)
+    for e, tok, pos, a, b in groups:  # weighted outputs in (token, position) order, summed over positions
+        weighted[tok * k + pos] = (hh[a:b] @ down[e] + down_bias[e]) * top_k_weights[tok, pos, None]
+    return weighted.view(T, k, -1).sum(dim=1).to(x.dtype)
 
 
 class ClampedExpertsFunction(torch.autograd.Function):
@@ -76,7 +95,7 @@ class ClampedExpertsFunction(torch.autograd.Function):
         with autocast_off(x.device.type):
             final = _loop(x, top_k_index, top_k_weights, (gate_up, gu_bias, down, down_bias), alpha, limit,
                           grouped, gu_all)
-        ctx.alpha, ctx.limit = alpha, limit
+        ctx.alpha, ctx.limit, ctx.grouped = alpha, limit, grouped
         ctx.save_for_backward(x, top_k_index, top_k_weights, gu_all, gate_up, down, down_bias)
         return final
 
@@ -95,7 +114,7 @@ class ClampedExpertsFunction(torch.autograd.Function):
         dgu_bias = gate_up.new_zeros(gate_up.shape[0], gate_up.shape[2]) if need_gub else None
         ddown = torch.zeros_like(down) if need_down else None
         ddown_bias = torch.zeros_like(down_bias) if need_db else None
-        for e, tok, pos, a, b in route(top_k_index, gate_up.shape[0]):
+        for e, tok, pos, a, b in _groups(top_k_index, gate_up.shape[0], ctx.grouped):
             gu = gu_all[a:b]
             w = top_k_weights[tok, pos, None]
             dy = dfinal[tok].to(res)
