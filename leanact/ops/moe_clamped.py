@@ -44,7 +44,8 @@ def _gate(gu, alpha, limit):
 def _groups(top_k_index: torch.Tensor, num_experts: int, grouped: bool):
     """[(expert, token rows, top-k positions, start, end)]: HF's eager order
     (:func:`leanact.ops.moe.route`) or its grouped one (``torch.sort`` of the flattened indices, as
-    HF sorts them); rows start:end of the (S, 2I) gate/up buffer are that expert's."""
+    HF sorts them); rows start:end of the (S, 2I) gate/up buffer are that expert's. Backward sorts
+    the same indices again (a sort's result is a function of its input: no permutation kept)."""
     if not grouped:
         return route(top_k_index, num_experts)
     k = top_k_index.shape[1]
