@@ -114,6 +114,10 @@ FAMILIES = {
                        shared_expert_intermediate_size=5632, num_experts=4, num_experts_per_tok=4), 2048, 256, "ids",
                   "Qwen1.5-MoE-A2.7B: h=2048 a=16 I_moe=1408 shared I=5632, top-4 of 4 experts (60 in the "
                   "checkpoint)"),
+    "gpt_oss": (_llm("GptOssConfig", "GptOssModel", hidden_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                     head_dim=64, intermediate_size=2880, num_local_experts=4, num_experts_per_tok=4,
+                     sliding_window=128), 2880, 256, "ids",
+                "gpt-oss-20b: h=2880 a=64 kv=8 d=64 I=2880, top-4 of 4 experts (32 in the checkpoint)"),
     "vit": (_cfg("ViTConfig", "ViTModel", model_kw=dict(add_pooling_layer=False), hidden_size=768,
                  num_attention_heads=12, intermediate_size=3072, image_size=224, patch_size=16), 768, 197, "pixels",
             "vit-base: h=768 a=12 I=3072, 224 px / 16 (197 tokens), dropout 0"),
@@ -148,7 +152,7 @@ FAMILIES = {
                  "llama-1b: h=2048 a=32 kv=8 I=8192"),
 }
 MATRIX = list(FAMILIES)[:list(FAMILIES).index("gpt2-medium")]
-EAGER_ONLY = ("gemma2",)  # HF has no sdpa path for them: "sdpa" measures eager there
+EAGER_ONLY = ("gemma2", "gpt_oss")  # HF has no sdpa path for them: "sdpa" measures eager there
 BERT_LIKE = ("bert", "roberta", "distilbert", "albert", "electra")
 
 

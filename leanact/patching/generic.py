@@ -15,6 +15,7 @@ from torch import nn
 from .. import nn as lnn
 from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
 from .hf_moe import hf_experts_replacement, is_hf_experts
+from .hf_moe_clamped import hf_clamped_experts_replacement, is_hf_clamped_experts
 from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
 from .modules import PatchedGELU, hooks_reason
 
@@ -109,7 +110,7 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         if new is None:
             return None, reason
     elif is_hf_experts(m):
-        new, reason = hf_experts_replacement(m)
+        new, reason = (hf_clamped_experts_replacement if is_hf_clamped_experts(m) else hf_experts_replacement)(m)
         if new is None:
             return None, reason
     elif t.__name__.endswith("Router") and t.__module__.startswith("transformers.models."):

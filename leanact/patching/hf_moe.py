@@ -70,8 +70,8 @@ def _forward_reason(t: type) -> str | None:
     return _checked[t]
 
 
-def _flags_reason(m: nn.Module) -> str | None:
-    for k, v in _FLAGS.items():
+def _flags_reason(m: nn.Module, flags: dict = _FLAGS) -> str | None:
+    for k, v in flags.items():
         if getattr(m, k, v) != v:
             return f"experts with {k}={getattr(m, k)!r} (covered: {k}={v!r})"
     impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
