@@ -39,6 +39,7 @@ from .. import nn as lnn
 from . import amp, functional_dropout, hf_head, peft_lora, training_cache, weight_recast
 from .generic import replacement_for
 from .hf_head import keep_logits
+from .modules import PatchedQuickGELU
 
 __all__ = ["patch", "unpatch", "summary", "PatchSummary", "register_option", "keep_logits"]
 
@@ -189,7 +190,8 @@ def _patch_modules(model: nn.Module, summary: PatchSummary, originals: list) -> 
                 for k, c in new._modules.items():  # PEFT LoRA layers kept as children: their dropouts
                     if c is not None and peft_lora.is_lora_layer(c):
                         visit(c, _qualname(qual, k))
-                if type(new).__module__.startswith(("leanact.patching.hf_", "leanact.patching.peft_")):
+                if (type(new).__module__.startswith(("leanact.patching.hf_", "leanact.patching.peft_"))
+                        or isinstance(new, PatchedQuickGELU)):
                     label = f"leanact.patching.{type(new).__name__}"
                 else:
                     label = (f"leanact.nn.{'GELU' if isinstance(new, lnn.GELU) else type(new).__name__}"

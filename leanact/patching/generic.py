@@ -17,7 +17,7 @@ from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
 from .hf_moe import hf_experts_replacement, is_hf_experts
 from .hf_moe_clamped import hf_clamped_experts_replacement, is_hf_clamped_experts
 from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
-from .modules import PatchedGELU, hooks_reason
+from .modules import PatchedGELU, PatchedQuickGELU, hooks_reason, quick_gelu_reason
 
 __all__ = ["replacement_for"]
 
@@ -62,8 +62,8 @@ def _hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
         return lnn.GELU("tanh"), ""  # 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), the tanh GELU
     if name == "FastGELUActivation":
         return None, "sqrt(2/pi) truncated to 0.7978845608: not exactly the tanh GELU"
-    if name == "QuickGELUActivation":
-        return None, "x*sigmoid(1.702x) is not GELU; no lean op for it yet"
+    if name == "QuickGELUActivation":  # (leanact.patch replaces it with PatchedQuickGELU; this is GELU's rule)
+        return None, "x*sigmoid(1.702x) is not GELU"
     if name == "ClippedGELUActivation":
         return None, "clipped GELU: no lean op for it yet"
     if name in ("SiLUActivation",):
@@ -91,6 +91,10 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         new = _layer_norm(m)
     elif t is nn.Dropout:
         new = lnn.Dropout(m.p, m.inplace)
+    elif t.__module__ == "transformers.activations" and t.__name__ == "QuickGELUActivation":
+        if (reason := quick_gelu_reason(m)) is not None:
+            return None, reason
+        new = PatchedQuickGELU(reference=m)
     elif t.__module__ == "transformers.activations":
         new, reason = _hf_activation(m)
         if new is None:

@@ -7,8 +7,10 @@ from torch import nn
 from ..nn.activation import GELU
 from ..ops.gelu import gelu
 from ..ops.transforms import functorch_active
+from ..recompute.producers import quick_gelu
+from .source import forward_body
 
-__all__ = ["PatchedGELU", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS", "lean_subclass"]
+__all__ = ["PatchedGELU", "PatchedQuickGELU", "quick_gelu_reason", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS", "lean_subclass"]
 
 _LEAN_SUBCLASSES: dict[tuple[type, type], type] = {}
 
@@ -82,3 +84,37 @@ class PatchedGELU(GELU):
         if ref is not None:
             return ref(input)
         return torch.nn.functional.gelu(input, approximate=self.approximate)
+
+
+def quick_gelu_reason(m: nn.Module) -> str | None:
+    """None if ``m`` computes Hugging Face's ``QuickGELUActivation`` expression
+    ``input * torch.sigmoid(1.702 * input)`` (its class forward, not replaced on the instance, e.g.
+    by a hub kernel), else why it is left."""
+    if "forward" in m.__dict__:
+        return "QuickGELUActivation whose forward was replaced on the instance (e.g. a hub kernel)"
+    body = forward_body(type(m).forward)
+    if body is None or len(body[0]) != 1 or body[1] != f"return{body[0][0]}*torch.sigmoid(1.702*{body[0][0]})":
+        return "QuickGELUActivation whose forward is not input * torch.sigmoid(1.702 * input)"
+    return None
+
+
+class PatchedQuickGELU(nn.Module):
+    """Hugging Face's ``QuickGELUActivation`` (``x * sigmoid(1.702 x)``, CLIP) keeping only x.
+
+    With autograd it runs :func:`leanact.recompute.producers.quick_gelu`: HF's very ops, so the
+    output and gradients are bitwise HF's; it keeps x, where autograd keeps x and
+    sigmoid(1.702 x). The next Linear keeps the output as usual, except inside a recipe transform
+    (a patched model under autocast), where its copy is rebuilt from x. Without autograd and under
+    ``torch.func`` transforms the replaced module runs (kept as a plain attribute, as in
+    :class:`PatchedGELU`), so inference is bit-identical and keeps nothing.
+    """
+
+    def __init__(self, reference: nn.Module | None = None) -> None:
+        super().__init__()
+        self.__dict__["_reference"] = reference
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and input.requires_grad and not functorch_active():
+            return quick_gelu(input)
+        ref = self.__dict__.get("_reference")
+        return ref(input) if ref is not None else input * torch.sigmoid(1.702 * input)

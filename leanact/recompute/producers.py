@@ -12,6 +12,7 @@ producer              kept for its own backward              output rebuilt (rec
 layer_norm            x, mean, rstd (+ γ, β)                  x, γ, β (``native_layer_norm``)
 rms_norm              x, rstd (+ γ)                          x, γ (``_fused_rms_norm``)
 gelu / silu / relu    x                                      x
+quick_gelu            x                                      x: ``x * sigmoid(1.702 * x)``
 swiglu                a, b (views of one tensor if fused)    a, b: ``silu(a) * b``
 dropout               the seed (8 bytes)                     (x or x's recipe, seed)
 ====================  =====================================  =================================
@@ -35,9 +36,10 @@ from leanact.ops.triton import gated as _gated
 
 from .recipes import register, release
 
-__all__ = ["layer_norm", "rms_norm", "activation", "gelu", "silu", "relu", "swiglu", "dropout", "cast", "ACTIVATIONS"]
+__all__ = ["layer_norm", "rms_norm", "activation", "gelu", "silu", "relu", "quick_gelu", "swiglu", "dropout", "cast",
+           "ACTIVATIONS"]
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "quick_gelu")
 
 
 def _needs_grad(*ts) -> bool:
@@ -139,6 +141,8 @@ def _act(kind: str, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if kind == "silu":
         return F.silu(x)
+    if kind == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)  # Hugging Face's QuickGELUActivation, op for op
     return F.relu(x)
 
 
@@ -157,6 +161,9 @@ def _act_grad(kind: str, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return aten.gelu_backward(dy, x, approximate="tanh")
     if kind == "silu":
         return _silu_grad(dy, x)
+    if kind == "quick_gelu":  # autograd's steps for x * sigmoid(1.702 x), in its order: bitwise its gradient
+        s = torch.sigmoid(1.702 * x)
+        return dy * s + aten.sigmoid_backward(dy * x, s) * 1.702
     return aten.threshold_backward(dy, x, 0)  # x > 0 exactly where relu(x) > 0
 
 
@@ -202,6 +209,12 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``F.relu(x)`` keeping x; output by recipe."""
     return activation(x, "relu")
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * torch.sigmoid(1.702 * x)`` (Hugging Face's ``QuickGELUActivation``, CLIP) keeping x
+    (autograd keeps x, the sigmoid and, in the next Linear, the output); output by recipe."""
+    return activation(x, "quick_gelu")
 
 
 def _swiglu(a, b):
