@@ -78,28 +78,37 @@ def test_saved_bytes(dtype):
     assert saved_bytes(in_transform) == n  # the Linear's copy rebuilt from x
 
 
-def _clip_mlp(dtype=torch.float32):
+def _clip_mlp(dtype=torch.float32, wrap=True):
+    """CLIP's MLP; wrapped in a Sequential, patch replaces the MLP (LeanCLIPMLP), else (the root,
+    which patch does not replace) only its activation (PatchedQuickGELU)."""
     cfg = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, image_size=16, patch_size=8)
     torch.manual_seed(0)
-    return transformers.models.clip.modeling_clip.CLIPMLP(cfg).to(dtype)
+    m = transformers.models.clip.modeling_clip.CLIPMLP(cfg).to(dtype)
+    return torch.nn.Sequential(m) if wrap else m
+
+
+def _run(m, x, dy):
+    xi = x.clone().requires_grad_()
+    y = m(xi)
+    y.backward(dy)
+    return [y, xi.grad] + [p.grad for p in m.parameters()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_patched_mlp_bitwise_and_bytes(dtype):
-    ref = _clip_mlp(dtype)
+@pytest.mark.parametrize("wrap", [True, False], ids=["mlp", "activation"])
+def test_patched_bitwise_and_bytes(dtype, wrap):
+    ref = _clip_mlp(dtype, wrap)
     lean = patch(copy.deepcopy(ref))
-    assert type(lean.activation_fn) is PatchedQuickGELU
-    assert summary(lean).replaced == [("activation_fn", "QuickGELUActivation", "leanact.patching.PatchedQuickGELU")]
+    if wrap:
+        assert type(lean[0]).__name__ == "LeanCLIPMLP" and type(lean[0].activation_fn) is QuickGELU
+        assert summary(lean).replaced == [("0", "CLIPMLP", "leanact.patching.LeanCLIPMLP")]
+    else:
+        assert type(lean.activation_fn) is PatchedQuickGELU
+        assert summary(lean).replaced == [("activation_fn", "QuickGELUActivation", "leanact.patching.PatchedQuickGELU")]
     x = torch.randn(3, 5, 16, dtype=dtype)
     dy = torch.randn(3, 5, 16, dtype=dtype)
-    outs = []
-    for m in (ref, lean):
-        xi = x.clone().requires_grad_()
-        y = m(xi)
-        y.backward(dy)
-        outs.append([y, xi.grad] + [p.grad for p in m.parameters()])
-    for a, b in zip(*outs):
+    for a, b in zip(_run(ref, x, dy), _run(lean, x, dy)):
         assert torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(lean(x), ref(x))
@@ -107,21 +116,44 @@ def test_patched_mlp_bitwise_and_bytes(dtype):
     i = 3 * 5 * 64 * x.element_size()  # one tensor of the intermediate size
     plain, kept = saved_bytes(lambda: ref(xg), ref), saved_bytes(lambda: lean(xg), lean)
     assert plain == xg.numel() * x.element_size() + 3 * i  # x; fc1 output, sigmoid, fc2's input
-    assert kept == plain - i  # the sigmoid is not kept
-    # under autocast the patched model's forward runs in a recipe transform: fc2's copy is rebuilt too
+    assert kept == plain - (2 * i if wrap else i)  # not the sigmoid; with the MLP replaced, nor fc2's input
+    # under autocast the patched model's forward runs in a recipe transform: fc2's copy is rebuilt either way
     xf = torch.randn(3, 5, 16, requires_grad=True)
-    ref32, lean32 = _clip_mlp(), patch(_clip_mlp())
+    ref32, lean32 = _clip_mlp(wrap=wrap), patch(_clip_mlp(wrap=wrap))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain, kept = saved_bytes(lambda: ref32(xf), ref32), saved_bytes(lambda: lean32(xf), lean32)
     i16, w16 = 3 * 5 * 64 * 2, 2 * 16 * 64 * 2
     assert kept == 3 * 5 * 16 * 2 + i16  # the bf16 casts of x (fc1) and fc1's output only
     assert plain == kept + 2 * i16 + w16  # + the sigmoid, fc2's copy, the bf16 weights (recast by the patch)
     unpatch(lean)
-    assert type(lean.activation_fn) is QuickGELU
+    assert type(lean[0] if wrap else lean.activation_fn) is (transformers.models.clip.modeling_clip.CLIPMLP
+                                                            if wrap else QuickGELU)
 
 
-def test_autocast_bitwise():
-    ref = _clip_mlp()
+def test_mlp_falls_back_when_activation_changed():
+    """Hooks added to the activation after patching fire (HF's forward runs), with HF's numbers."""
+    ref, lean = _clip_mlp(), patch(_clip_mlp())
+    calls = []
+    lean[0].activation_fn.register_forward_hook(lambda *a: calls.append(1))
+    x, dy = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    for a, b in zip(_run(ref, x, dy), _run(lean, x, dy)):
+        assert torch.equal(a, b)
+    assert calls == [1]
+
+
+def test_checkpointed_mlp_bitwise():
+    ref, lean = _clip_mlp(), patch(_clip_mlp())
+    x, dy = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    ck = [torch.nn.Sequential(m) for m in (ref, lean)]
+    for m in ck:
+        m.forward = lambda t, m=m: torch.utils.checkpoint.checkpoint(m[0], t, use_reentrant=False)
+    for a, b in zip(_run(*ck[:1], x, dy), _run(ck[1], x, dy)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("wrap", [True, False], ids=["mlp", "activation"])
+def test_autocast_bitwise(wrap):
+    ref = _clip_mlp(wrap=wrap)
     lean = patch(copy.deepcopy(ref))
     x = torch.randn(3, 5, 16)
     outs = []
@@ -135,8 +167,9 @@ def test_autocast_bitwise():
         assert torch.equal(a, b)
 
 
-def test_torch_func_runs_hf():
-    ref = _clip_mlp()
+@pytest.mark.parametrize("wrap", [True, False], ids=["mlp", "activation"])
+def test_torch_func_runs_hf(wrap):
+    ref = _clip_mlp(wrap=wrap)
     lean = patch(copy.deepcopy(ref))
     x = torch.randn(2, 3, 16)
     params = {k: v.detach() for k, v in ref.named_parameters()}
@@ -151,9 +184,10 @@ def test_torch_func_runs_hf():
 
 def test_left_with_reason():
     m = _clip_mlp()
-    m.activation_fn.forward = lambda input: input * torch.sigmoid(1.702 * input)  # e.g. a hub kernel
+    m[0].activation_fn.forward = lambda input: input * torch.sigmoid(1.702 * input)  # e.g. a hub kernel
     s = summary(patch(m))
-    assert s.replaced == [] and "replaced on the instance" in s.left[0][2]
+    assert s.replaced == [] and [r for _, _, r in s.left] == ["QuickGELUActivation whose forward was replaced on "
+                                                             "the instance (e.g. a hub kernel)"] * 2  # MLP, activation
 
     class Other(QuickGELU):
         def forward(self, input):
@@ -162,9 +196,25 @@ def test_left_with_reason():
     Other.__module__ = QuickGELU.__module__
     Other.__name__ = "QuickGELUActivation"
     m = _clip_mlp()
-    m.activation_fn = Other()
+    m[0].activation_fn = Other()
     s = summary(patch(m))
-    assert s.replaced == [] and "is not input * torch.sigmoid(1.702 * input)" in s.left[0][2]
+    assert s.replaced == [] and len(s.left) == 2
+    assert all("is not input * torch.sigmoid(1.702 * input)" in r for _, _, r in s.left)
+
+    class OtherMLP(transformers.models.clip.modeling_clip.CLIPMLP):  # a forward that is not fc2(act(fc1(x)))
+        def forward(self, hidden_states):
+            return self.fc2(self.activation_fn(self.fc1(hidden_states))) * 2
+
+    OtherMLP.__module__ = "transformers.models.clip.modeling_clip"
+    m = _clip_mlp()
+    m[0].__class__ = OtherMLP
+    ref = copy.deepcopy(m)
+    s = summary(patch(m))
+    assert s.left == [("0", "OtherMLP", "forward is not fc2(activation_fn(fc1(x)))")]
+    assert s.replaced == [("0.activation_fn", "QuickGELUActivation", "leanact.patching.PatchedQuickGELU")]
+    x, dy = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    for a, b in zip(_run(ref, x, dy), _run(m, x, dy)):
+        assert torch.equal(a, b)
 
 
 def test_clip_model_patched_matches():
@@ -176,9 +226,9 @@ def test_clip_model_patched_matches():
     torch.manual_seed(0)
     ref = transformers.CLIPModel(cfg).train()
     lean = leanact.patch(copy.deepcopy(ref))
-    acts = [m for m in lean.modules() if isinstance(m, PatchedQuickGELU)]
-    assert len(acts) == 4 and not any(isinstance(m, QuickGELU) for m in lean.modules())
-    assert not any("QuickGELU" in r for _, _, r in summary(lean).left)
+    mlps = [m for m in lean.modules() if type(m).__name__ == "LeanCLIPMLP"]
+    assert len(mlps) == 4 and not any(type(m).__name__ == "CLIPMLP" for m in lean.modules())
+    assert summary(lean).left == []
     g = torch.Generator().manual_seed(1)
     batch = dict(input_ids=torch.randint(3, 50, (4, 12), generator=g),
                  pixel_values=torch.randn(4, 3, 16, 16, generator=g), return_loss=True)

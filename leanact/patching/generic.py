@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import nn as lnn
+from .hf_fc_mlp import hf_fc_mlp_replacement, is_hf_fc_mlp
 from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
 from .hf_moe import hf_experts_replacement, is_hf_experts
 from .hf_moe_clamped import hf_clamped_experts_replacement, is_hf_clamped_experts
@@ -111,6 +112,10 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
             return None, reason
     elif is_hf_swiglu_mlp(m):
         new, reason = hf_swiglu_replacement(m)
+        if new is None:
+            return None, reason
+    elif is_hf_fc_mlp(m):
+        new, reason = hf_fc_mlp_replacement(m)
         if new is None:
             return None, reason
     elif is_hf_experts(m):
