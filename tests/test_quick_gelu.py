@@ -141,6 +141,23 @@ def test_mlp_falls_back_when_activation_changed():
     assert calls == [1]
 
 
+def test_foreign_hooks_not_shadowed():
+    """Under save_on_cpu (someone else's hooks) no recipe transform is entered: every tensor the
+    MLP keeps goes through those hooks (fc1's output and fc2's input; not the sigmoid)."""
+    ref, lean = _clip_mlp(), patch(_clip_mlp())
+    x, dy = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    seen, got = [], []
+    for m in (ref, lean):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append(t.numel()), t)[1], lambda t: t):
+            got.append(_run(m, x, dy))
+        seen.append(None)
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    n = 2 * 3 * 64
+    hf, ours = seen[:seen.index(None)], seen[seen.index(None) + 1:-1]
+    assert sorted(hf) == sorted(ours + [n, n])  # the same tensors minus the sigmoid (saved by sigmoid and by mul)
+
+
 def test_checkpointed_mlp_bitwise():
     ref, lean = _clip_mlp(), patch(_clip_mlp())
     x, dy = torch.randn(2, 3, 16), torch.randn(2, 3, 16)

@@ -7,8 +7,10 @@
   subclass keeping only y and rstd (:mod:`leanact.patching.hf_rms_norm`); their gated MLPs (SwiGLU,
   GeGLU; separate or fused gate/up) a subclass keeping only the gate and up projections' outputs
   (:mod:`leanact.patching.hf_swiglu`); their MoE experts a subclass keeping only each routed
-  token's gate/up outputs (:mod:`leanact.patching.hf_moe`). These are recognised from their
-  structure and forward, not their class names.
+  token's gate/up outputs (:mod:`leanact.patching.hf_moe`); CLIP's ``fc1 → QuickGELU → fc2`` MLP
+  a subclass keeping only fc1's output (:mod:`leanact.patching.hf_fc_mlp`; a ``QuickGELUActivation``
+  elsewhere becomes :class:`~leanact.patching.modules.PatchedQuickGELU`, keeping its input). These
+  are recognised from their structure and forward, not their class names.
 * Hugging Face models (transformers >= 5) whose attention goes through ``AttentionInterface``:
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).

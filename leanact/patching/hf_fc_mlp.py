@@ -8,10 +8,11 @@ runs inside a :class:`~leanact.recompute.RecipeTransform`, so fc2's copy of the 
 is rebuilt from h in backward, with the same ops (bitwise the same tensor). Outputs and gradients
 are bitwise HF's (``tests/test_quick_gelu.py``).
 
-fc1 and fc2 are called as modules (their hooks fire; leanact's weight recast applies). Without
-autograd, while compiling, under ``torch.func`` transforms or foreign saved-tensor hooks (a
-checkpointed region), and whenever the activation changed or got hooks since patching, the module
-runs HF's own forward. Recognised from structure and forward, whatever the class name: a module
+fc1 and fc2 are called as modules (their hooks fire; leanact's weight recast applies). Under
+someone else's innermost saved-tensor hooks (a checkpointed region, ``save_on_cpu``) no transform
+is entered, so as not to shadow them: fc2 then keeps its input, as HF's does (the sigmoid is still
+not kept). Without autograd, while compiling, under ``torch.func`` transforms, and whenever the
+activation changed or got hooks since patching, the module runs HF's own forward. Recognised from structure and forward, whatever the class name: a module
 defined in ``transformers.models.*`` whose children are ``fc1`` and ``fc2`` (``nn.Linear``) and
 one activation (``activation_fn``, ``act_fn`` or ``act``) that is HF's ``QuickGELUActivation``,
 with no parameters of its own and no hooks, and whose ``forward`` is the expression above. A module
@@ -26,6 +27,7 @@ import re
 import torch
 from torch import nn
 
+from ..ops.transforms import functorch_active
 from ..recompute.producers import quick_gelu
 from ..recompute.recipes import RecipeTransform, foreign_hooks
 from .hf_swiglu import fresh_containers
@@ -85,12 +87,14 @@ class _LeanHFFcMLP:
         mods = self._modules
         act = mods.get(self._leanact_fc_mlp)
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or foreign_hooks() or not _is_quick_gelu(act) or quick_gelu_reason(act) is not None
+                or functorch_active() or not _is_quick_gelu(act) or "forward" in act.__dict__
                 or hook_kinds(act, RUN_TIME_HOOKS)
                 or not isinstance(mods.get("fc1"), nn.Module) or not isinstance(mods.get("fc2"), nn.Module)):
             return hf_forward(self, *args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))  # the one argument, by position or name
         h = mods["fc1"](x)
+        if foreign_hooks():  # someone else's saved-tensor hooks innermost: no transform, fc2 keeps its input
+            return mods["fc2"](quick_gelu(h))
         with RecipeTransform():  # fc2's copy of quick_gelu(h) becomes a recipe rebuilt from h
             return mods["fc2"](quick_gelu(h))
 

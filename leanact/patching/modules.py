@@ -13,6 +13,7 @@ from .source import forward_body
 __all__ = ["PatchedGELU", "PatchedQuickGELU", "quick_gelu_reason", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS", "lean_subclass"]
 
 _LEAN_SUBCLASSES: dict[tuple[type, type], type] = {}
+_QUICK_GELU_CHECKED: dict[type, str | None] = {}
 
 
 def lean_subclass(mixin: type, base: type) -> type:
@@ -92,10 +93,12 @@ def quick_gelu_reason(m: nn.Module) -> str | None:
     by a hub kernel), else why it is left."""
     if "forward" in m.__dict__:
         return "QuickGELUActivation whose forward was replaced on the instance (e.g. a hub kernel)"
-    body = forward_body(type(m).forward)
-    if body is None or len(body[0]) != 1 or body[1] != f"return{body[0][0]}*torch.sigmoid(1.702*{body[0][0]})":
-        return "QuickGELUActivation whose forward is not input * torch.sigmoid(1.702 * input)"
-    return None
+    t = type(m)
+    if t not in _QUICK_GELU_CHECKED:  # once per class
+        body = forward_body(t.forward)
+        ok = body is not None and len(body[0]) == 1 and body[1] == f"return{body[0][0]}*torch.sigmoid(1.702*{body[0][0]})"
+        _QUICK_GELU_CHECKED[t] = None if ok else "QuickGELUActivation whose forward is not input * torch.sigmoid(1.702 * input)"
+    return _QUICK_GELU_CHECKED[t]
 
 
 class PatchedQuickGELU(nn.Module):
