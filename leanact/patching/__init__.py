@@ -287,7 +287,8 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         return
     attention_hf.register()
     for m in model.modules():  # the outermost models; set_attn_implementation reaches their sub-configs
-        if isinstance(m, PreTrainedModel) and m.config._attn_implementation != attention_hf.NAME:
+        if (isinstance(m, PreTrainedModel) and m.config._attn_implementation != attention_hf.NAME
+                and not (alibi is not None and hf_alibi.has_lean(m))):  # (Bloom/Falcon: no AttentionInterface)
             m.set_attn_implementation(attention_hf.NAME)
     states = {}
     for c in configs:

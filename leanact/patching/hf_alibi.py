@@ -53,7 +53,7 @@ from .hf_swiglu import fresh_containers
 from .modules import hooks_reason, lean_subclass
 from .source import forward_body
 
-__all__ = ["is_hf_alibi_attention", "hf_alibi_replacement", "AlibiState", "ROWS"]
+__all__ = ["is_hf_alibi_attention", "hf_alibi_replacement", "has_lean", "AlibiState", "ROWS"]
 
 #: sha256 (first 16 hex digits) of the normalised forward bodies the rewrite below reproduces.
 _KNOWN = {
@@ -75,6 +75,11 @@ def is_hf_alibi_attention(m: nn.Module) -> bool:
     t = type(m)
     return t.__name__ in _KNOWN and t.__module__.startswith(("transformers.models.bloom.",
                                                               "transformers.models.falcon."))
+
+
+def has_lean(model: nn.Module) -> bool:
+    """Whether ``model`` holds an attention module replaced by this patcher."""
+    return any(isinstance(m, _LeanAlibiAttention) for m in model.modules())
 
 
 def _forward_reason(t: type) -> str | None:
@@ -158,7 +163,7 @@ class _LeanAlibiAttention:
             p = 0.0  # Falcon applies no attention dropout with rotary embeddings
         grad = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             q.requires_grad for q in self.query_key_value.parameters()))
-        why = self._leanact_why(call, bloom, hidden_states)
+        why = self._leanact_why(call, bloom)
         if why is not None or (not grad and not p) or torch.compiler.is_compiling() or functorch_active():
             if why is not None and why != "-" and grad and state is not None:
                 state.fallbacks.add(why)
@@ -171,7 +176,7 @@ class _LeanAlibiAttention:
         mode = state.mode if state is not None else "recompute"
         return (self._leanact_bloom if bloom else self._leanact_falcon)(hidden_states, call, key, p, mode)
 
-    def _leanact_why(self, call, bloom, x) -> str | None:
+    def _leanact_why(self, call, bloom) -> str | None:
         """Why this call runs HF's forward ("-": not worth recording), or None."""
         known = {"residual", "alibi", "attention_mask", "layer_past", "use_cache", "output_attentions",
                  "position_ids", "position_embeddings"}
