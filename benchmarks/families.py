@@ -118,6 +118,13 @@ FAMILIES = {
                      head_dim=64, intermediate_size=2880, num_local_experts=4, num_experts_per_tok=4,
                      sliding_window=128), 2880, 256, "ids",
                 "gpt-oss-20b: h=2880 a=64 kv=8 d=64 I=2880, top-4 of 4 experts (32 in the checkpoint)"),
+    "bloom": (_cfg("BloomConfig", "BloomModel", "n_layer", hidden_size=1024, n_head=16, vocab_size=VOCAB,
+                   use_cache=False), 1024, 256, "ids", "bloom-560m: h=1024 a=16 I=4096 ALiBi, dropout 0"),
+    "falcon": (_llm("FalconConfig", "FalconModel", hidden_size=4544, num_attention_heads=71), 4544, 256, "ids",
+               "falcon-7b: h=4544 a=71 multi-query I=18176 rotary, parallel attention/MLP"),
+    "falcon_rw": (_llm("FalconConfig", "FalconModel", hidden_size=2048, num_attention_heads=32, alibi=True,
+                       multi_query=False, parallel_attn=False, bias=True), 2048, 256, "ids",
+                  "falcon-rw-1b: h=2048 a=32 I=8192 ALiBi"),
     "vit": (_cfg("ViTConfig", "ViTModel", model_kw=dict(add_pooling_layer=False), hidden_size=768,
                  num_attention_heads=12, intermediate_size=3072, image_size=224, patch_size=16), 768, 197, "pixels",
             "vit-base: h=768 a=12 I=3072, 224 px / 16 (197 tokens), dropout 0"),
@@ -152,7 +159,7 @@ FAMILIES = {
                  "llama-1b: h=2048 a=32 kv=8 I=8192"),
 }
 MATRIX = list(FAMILIES)[:list(FAMILIES).index("gpt2-medium")]
-EAGER_ONLY = ("gemma2", "gpt_oss")  # HF has no sdpa path for them: "sdpa" measures eager there
+EAGER_ONLY = ("gemma2", "gpt_oss", "bloom")  # HF has no sdpa path for them: "sdpa" measures eager there
 BERT_LIKE = ("bert", "roberta", "distilbert", "albert", "electra")
 
 

@@ -66,6 +66,15 @@ def _configs():
         "gpt_oss": (lambda: _dec(T.GptOssConfig, head_dim=8, num_local_experts=2, num_experts_per_tok=2,
                                  sliding_window=6), "GptOssForCausalLM", "clm"),
         "olmo2": (lambda: _dec(T.Olmo2Config), "Olmo2ForCausalLM", "clm"),
+        # attention written in the modeling code (leanact.patching.hf_alibi): ALiBi (Bloom, Falcon-RW) and
+        # Falcon's rotary default (multi-query)
+        "bloom": (lambda: T.BloomConfig(vocab_size=V, hidden_size=H, n_layer=L, n_head=HEADS), "BloomForCausalLM",
+                  "clm"),
+        "falcon": (lambda: T.FalconConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS),
+                   "FalconForCausalLM", "clm"),
+        "falcon_alibi": (lambda: T.FalconConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L,
+                                                num_attention_heads=HEADS, alibi=True, multi_query=False),
+                         "FalconForCausalLM", "clm"),
         # MoE: every token goes to every expert (top-k = all), so that the comparison does not depend on
         # which of two nearly tied experts rounding picks; the routing weights still get gradients.
         "mixtral": (lambda: _dec(T.MixtralConfig, num_local_experts=2, num_experts_per_tok=2), "MixtralForCausalLM",

@@ -379,8 +379,10 @@ def test_errors():
     _, q, k, v = make_qkv(1, 2, 6, 4)
     with pytest.raises(ValueError, match="mode"):
         attention(q, k, v, mode="flash")
-    with pytest.raises(ValueError, match="is_causal"):
-        attention(q, k, v, torch.ones(6, 6, dtype=torch.bool), is_causal=True)
+    # (unlike SDPA, is_causal may come with a mask: the triangle on top of it, tests/test_patch_alibi.py)
+    keys = torch.tensor([False, True, True, True, True, True])
+    torch.testing.assert_close(attention(q, k, v, keys, is_causal=True),
+                               attention(q, k, v, keys & torch.ones(6, 6, dtype=torch.bool).tril()))
     with pytest.raises(ValueError, match="between 0 and 1"):
         attention(q, k, v, dropout_p=1.5)
     assert default_block_size(1, 16, 512, 512) == 128

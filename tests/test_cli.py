@@ -387,7 +387,7 @@ def test_console_script_entry_point():
 
 @pytest.fixture(scope="module")
 def bloom_result(tmp_path_factory):
-    """run_profile of a tiny Bloom (ALiBi attention and BloomGelu: left by leanact), memory only."""
+    """run_profile of a tiny Bloom (BloomGelu: left by leanact), memory only."""
     path = tmp_path_factory.mktemp("bloom") / "config.json"
     path.write_text(json.dumps(dict(model_type="bloom", hidden_size=32, n_layer=2, n_head=4, vocab_size=100)))
     return run_profile(ProfileConfig(str(path), seq=16, batch=1, repeats=0))
@@ -398,16 +398,16 @@ def test_partial_modes_are_labelled_and_the_summary_is_shown(bloom_result, tmp_p
     modes = {m.name: m for m in bloom_result.modes}
     assert modes["HF eager"].summary is None and modes["HF eager"].label == "HF eager"
     lean = modes["leanact recompute"]
-    assert lean.label == "leanact recompute (partial: attention, BloomGelu left)"
-    assert lean.summary["left_in_layers"] == ["attention", "BloomGelu"]
+    assert lean.label == "leanact recompute (partial: BloomGelu left)"
+    assert lean.summary["left_in_layers"] == ["BloomGelu"]
     assert ["transformer.h.0.mlp.gelu_impl", "BloomGelu", "no lean equivalent (not covered)"] in lean.summary["left"]
     monkeypatch.setattr("leanact.cli.profile.run_profile", lambda cfg, progress=None: bloom_result)
     argv = ["profile", "--model", bloom_result.config.model, "--seq", "16", "--repeats", "0"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "leanact recompute (partial:" in text and "attention, BloomGelu left)" in text  # (wrapped in its cell)
+    assert "leanact recompute (partial:" in text and "BloomGelu left)" in text  # (wrapped in its cell)
     assert "Left by leanact" in text and "transformer.h.0.mlp.gelu_impl" in text
-    assert "does not use AttentionInterface" in re.sub(r"\s+", " ", text)
+    assert "no lean equivalent" in re.sub(r"\s+", " ", text)
     assert max(map(len, text.splitlines())) <= 80 and "…" not in text, text
     out = _json(capsys, argv)
     recompute = next(m for m in out["modes"] if m["name"] == "leanact recompute")

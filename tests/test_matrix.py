@@ -196,7 +196,7 @@ def test_patched_matches_unpatched(family, attn, padding, mode, precision, copie
 def test_summary_is_truthful(family, monkeypatch):
     """Every attention row that says "leanact" ran leanact's core in a training step; every row
     that says "left" did not."""
-    from leanact.patching import attention_hf
+    from leanact.patching import attention_hf, hf_alibi
 
     try:
         model = leanact.patch(F.build(family, "sdpa"))
@@ -213,8 +213,14 @@ def test_summary_is_truthful(family, monkeypatch):
         seen.add(id(last[0]))
         return core(*args, **kwargs)
 
+    def spy_alibi_core(*args, **kwargs):  # Bloom / Falcon: one state per model, on the modules
+        seen.add("alibi")
+        return alibi_core(*args, **kwargs)
+
+    alibi_core = hf_alibi._lean_attention
     monkeypatch.setattr(attention_hf, "module_state", spy_state)
     monkeypatch.setattr(attention_hf, "_lean_attention", spy_core)
+    monkeypatch.setattr(hf_alibi, "_lean_attention", spy_alibi_core)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model(**F.batch(family, "right")).loss.backward()
@@ -222,5 +228,6 @@ def test_summary_is_truthful(family, monkeypatch):
     rows = [(path, after) for path, _, after in s.attention if path in s.attention_states]
     assert rows, s.attention
     for path, after in rows:
-        ran = id(s.attention_states[path]) in seen
+        state = s.attention_states[path]
+        ran = ("alibi" if isinstance(state, hf_alibi.AlibiState) else id(state)) in seen
         assert ran == after.startswith("leanact"), (path, after, ran)

@@ -247,7 +247,7 @@ def _summary(model: torch.nn.Module) -> dict | None:
 
 
 def honest_label(name: str, summary: dict | None) -> str:
-    """``name``, or ``"<name> (partial: attention, BloomGelu left)"`` when leanact left parts of the layer."""
+    """``name``, or ``"<name> (partial: BloomGelu left)"`` when leanact left parts of the layer."""
     left = (summary or {}).get("left_in_layers") or []
     return f"{name} (partial: {', '.join(left)} left)" if left else name
 

@@ -1,7 +1,9 @@
 """Scaled dot-product attention that keeps nothing of size s² for backward (exact gradients).
 
 ``attention(q, k, v, ...)`` has the semantics of ``torch.nn.functional.scaled_dot_product_attention``
-(bool mask True = attend, or an additive float mask; ``is_causal`` is the top-left triangle;
+(bool mask True = attend, or an additive float mask; ``is_causal`` is the top-left triangle and,
+unlike SDPA, may come with ``attn_mask``: the triangle is applied on top of the mask, so a per-key
+bias such as ALiBi's stays (b, H, 1, s_k);
 ``enable_gqa``; default scale 1/sqrt(d); rows with every key masked give output 0 and gradient 0,
 as torch's math and CPU flash paths do). Dropout masks come from :mod:`leanact.ops.random`:
 element (n, h, i, j) of the (b, H, s_q, s_k) probability matrix is kept iff
@@ -181,8 +183,6 @@ def attention(
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.size(1) != h and not (enable_gqa and h % k.size(1) == 0):
         raise ValueError(f"{h} query heads and {k.size(1)} key/value heads need enable_gqa=True and divisibility")
-    if is_causal and attn_mask is not None:
-        raise ValueError("Explicit attn_mask should not be set when is_causal=True")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     p = float(dropout_p) if training else 0.0
     mask4 = _as4d(attn_mask)
@@ -196,6 +196,12 @@ def attention(
                         softcap, sinks)
     eager = not torch.compiler.is_compiling()
     gqa = {"enable_gqa": True} if enable_gqa else {}  # (the keyword needs torch >= 2.5)
+    if is_causal and mask4 is not None:  # SDPA refuses both: leanact's core (or the plain composition)
+        if functorch_active():
+            if p > 0.0:
+                raise NotImplementedError("attention with is_causal, attn_mask and dropout under torch.func transforms")
+            return compose(q, k, v, mask4, is_causal, scale, enable_gqa=enable_gqa)
+        return _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed)
     if functorch_active() and p == 0.0:  # torch.func transforms: torch's own op (its memory, its results)
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
     if p == 0.0 and (not grad or _sdpa_is_lean(q, k, v, mask4)):
@@ -207,6 +213,12 @@ def attention(
             out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal, scale=scale, **gqa)
             if not grad or _lean_node(out):
                 return out
+    return _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed)
+
+
+def _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed):
+    """leanact's own paths: :class:`TempoAttention` (mode "tempo" with dropout) or :class:`RecomputeAttention`."""
+    b, h, s_q, _ = q.shape
     if p > 0.0:
         seed = draw_seed(q.device, generator) if seed is None else _as_seed(seed, q.device)
     else:

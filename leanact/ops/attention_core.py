@@ -77,7 +77,7 @@ def _logits(qs, kc, mask, causal, i0, i1, kend, b, h, softcap=None, tanh_out=Non
         s.mul_(softcap)
     s4 = s.view(b, h, i1 - i0, kend)
     if mask is not None:
-        mb = mask[:, :, i0:i1] if mask.size(2) > 1 else mask
+        mb = (mask[:, :, i0:i1] if mask.size(2) > 1 else mask)[..., :kend]
         if mask.dtype == torch.bool:
             s4.masked_fill_(mb.logical_not(), -_INF)
         else:
@@ -136,12 +136,14 @@ class _Dropper:
 
 
 def _mask_grad(dmask, ds4, i0, i1):
-    """Add the score gradient of rows i0:i1 into the mask gradient (summed over broadcast dims)."""
+    """Add the score gradient of rows i0:i1 (keys 0:kend, kend < s_k under the causal triangle) into
+    the mask gradient (summed over broadcast dims)."""
     mb, mh, mq, mk = dmask.shape
+    kend = ds4.size(-1)
     if mq > 1:
-        dmask[:, :, i0:i1] = ds4.sum_to_size(mb, mh, i1 - i0, mk)
+        dmask[:, :, i0:i1, :kend] = ds4.sum_to_size(mb, mh, i1 - i0, kend)
     else:
-        dmask.add_(ds4.sum_to_size(mb, mh, 1, mk))
+        dmask[..., :kend].add_(ds4.sum_to_size(mb, mh, 1, kend))
 
 
 def _block_starts(s_q: int, block: int) -> range:

@@ -14,6 +14,9 @@
 * Hugging Face models (transformers >= 5) whose attention goes through ``AttentionInterface``:
   the config's attention implementation is set to ``"leanact"`` (see
   :mod:`leanact.patching.attention_hf`).
+* Bloom's and Falcon's attention (ALiBi or rotary, written in the modeling code): a subclass whose
+  scores -> softmax -> dropout -> @ v go through leanact's attention core
+  (:mod:`leanact.patching.hf_alibi`).
 * Hugging Face language-model heads (``*ForCausalLM``, ``*LMHeadModel``, ``*ForMaskedLM`` with an
   ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
   leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
@@ -38,7 +41,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import amp, functional_dropout, hf_head, peft_lora, training_cache, weight_recast
+from . import amp, functional_dropout, hf_alibi, hf_head, peft_lora, training_cache, weight_recast
 from .generic import replacement_for
 from .hf_head import keep_logits
 from .modules import PatchedQuickGELU
@@ -244,7 +247,34 @@ def _set_implementation(config, name: str) -> None:
         config._attn_implementation = name
 
 
-def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records: list) -> None:
+def _patch_alibi(model: nn.Module, mode: str, summary: PatchSummary, originals: list):
+    """Swap Bloom's / Falcon's attention modules for their lean subclass; the shared
+    :class:`~leanact.patching.hf_alibi.AlibiState`, or None when none was swapped."""
+    state = hf_alibi.AlibiState(mode)
+    found = False
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None or not hf_alibi.is_hf_alibi_attention(child):
+                continue
+            qual = _qualname(prefix, name)
+            new, reason = hf_alibi.hf_alibi_replacement(child, state)
+            if new is None:
+                if reason is not None:
+                    summary.left.append((qual, type(child).__name__, reason))
+                continue
+            parent._modules[name] = new
+            originals.append((parent, name, child))
+            summary.replaced.append((qual, type(child).__name__, f"leanact.patching.{type(new).__name__}"))
+            found = True
+    return state if found else None
+
+
+def _alibi_row(config, mode: str) -> str:
+    kind = "ALiBi" if getattr(config, "alibi", config.model_type == "bloom") else "rotary"
+    return f"leanact ({mode}, {kind}; Hugging Face's attention code around leanact's core)"
+
+
+def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records: list, alibi=None) -> None:
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -261,7 +291,8 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         return
     attention_hf.register()
     for m in model.modules():  # the outermost models; set_attn_implementation reaches their sub-configs
-        if isinstance(m, PreTrainedModel) and m.config._attn_implementation != attention_hf.NAME:
+        if (isinstance(m, PreTrainedModel) and m.config._attn_implementation != attention_hf.NAME
+                and not (alibi is not None and hf_alibi.has_lean(m))):  # (Bloom/Falcon: no AttentionInterface)
             m.set_attn_implementation(attention_hf.NAME)
     states = {}
     for c in configs:
@@ -271,6 +302,9 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
             if now != was:
                 _set_implementation(c, was)
             summary.attention.append((path, str(was), f"left: leanact replaces only eager/sdpa, not {was}"))
+        elif now != attention_hf.NAME and alibi is not None:
+            summary.attention.append((path, str(was or "eager"), _alibi_row(c, mode)))
+            summary.attention_states[path] = alibi
         elif now != attention_hf.NAME:
             summary.attention.append((path, str(was or "eager"), "left: the model does not use AttentionInterface"))
         else:
@@ -367,7 +401,8 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     records: list = []
     _patch_modules(model, summary, originals)
     if attention:
-        _patch_attention(model, attention, summary, records)
+        alibi = _patch_alibi(model, attention, summary, originals)
+        _patch_attention(model, attention, summary, records, alibi)
     _patch_head(model, summary, bool(fused_loss))
     summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
