@@ -26,3 +26,15 @@ def within_rounding_bound(x, truth, dtype, n):
     bound = n * unit_roundoff(dtype) * max(truth.double().abs().max().item(), torch.finfo(dtype).tiny)
     err = max_error(x, truth)
     return err <= bound, err, bound
+
+
+def assert_same_loss_and_grads(ref, lean, rel, **inputs):
+    """One forward and backward of each model on ``inputs`` (with labels): the losses, and every
+    nonzero parameter gradient (norm-wise), agree within ``rel`` relative."""
+    l_ref, l_lean = ref(**inputs).loss, lean(**inputs).loss
+    l_ref.backward()
+    l_lean.backward()
+    assert abs(l_ref - l_lean) <= rel * abs(l_ref)
+    for (name, p), q in zip(ref.named_parameters(), lean.parameters()):
+        if p.grad is not None and p.grad.norm() > 0:
+            assert (p.grad - q.grad).norm() <= rel * p.grad.norm(), name

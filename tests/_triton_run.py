@@ -1,4 +1,5 @@
-"""Plumbing shared by the Triton kernel tests (test_triton_kernels.py, test_triton_gated.py).
+"""Plumbing shared by the Triton kernel tests (test_triton_kernels.py, test_triton_gated.py,
+test_triton_lossy.py).
 
 - :func:`run_interpreted`: run a test file in a fresh process under Triton's interpreter, for when
   the calling process cannot (a CUDA machine, or Triton imported earlier without it).

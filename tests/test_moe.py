@@ -12,7 +12,7 @@ from leanact.memory import SavedTensorMeter  # noqa: E402
 from leanact.ops.moe import gated_experts  # noqa: E402
 from leanact.patching.hf_moe import hf_experts_replacement  # noqa: E402
 
-from _tol import within_rounding_bound  # noqa: E402
+from _tol import assert_same_loss_and_grads, within_rounding_bound  # noqa: E402
 
 T, H, I, E, K = 7, 8, 6, 4, 2
 
@@ -137,10 +137,4 @@ def test_qwen3_moe_top2_of_4_fp32():
     lean = leanact.patch(copy.deepcopy(ref))
     assert all(type(layer.mlp.experts).__name__ == "LeanQwen3MoeExperts" for layer in lean.model.layers)
     ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
-    l_ref, l_lean = ref(input_ids=ids, labels=ids).loss, lean(input_ids=ids, labels=ids).loss
-    l_ref.backward()
-    l_lean.backward()
-    assert abs(l_ref - l_lean) <= 1e-5 * abs(l_ref)
-    for (name, p), q in zip(ref.named_parameters(), lean.parameters()):
-        if p.grad is not None and p.grad.norm() > 0:
-            assert (p.grad - q.grad).norm() <= 1e-5 * p.grad.norm(), name
+    assert_same_loss_and_grads(ref, lean, 1e-5, input_ids=ids, labels=ids)

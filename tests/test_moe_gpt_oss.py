@@ -15,6 +15,7 @@ import leanact  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
 from leanact.ops.moe_clamped import clamped_experts  # noqa: E402
 from leanact.patching.hf_moe_clamped import hf_clamped_experts_replacement  # noqa: E402
+from _tol import assert_same_loss_and_grads  # noqa: E402
 
 T, H, I, E, K = 9, 8, 6, 4, 2
 LIMIT = 0.7  # small enough that a good share of gate and up values is clamped
@@ -193,11 +194,5 @@ def test_whole_model_fp32(impl):
     lean = leanact.patch(copy.deepcopy(ref))
     assert all(type(layer.mlp.experts).__name__ == "LeanGptOssExperts" for layer in lean.model.layers)
     ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
-    l_ref, l_lean = ref(input_ids=ids, labels=ids).loss, lean(input_ids=ids, labels=ids).loss
-    l_ref.backward()
-    l_lean.backward()
-    assert abs(l_ref - l_lean) <= 1e-5 * abs(l_ref)
-    for (name, p), q in zip(ref.named_parameters(), lean.parameters()):
-        if p.grad is not None and p.grad.norm() > 0:
-            assert (p.grad - q.grad).norm() <= 1e-5 * p.grad.norm(), name
+    assert_same_loss_and_grads(ref, lean, 1e-5, input_ids=ids, labels=ids)
     assert not any(old == "GptOssExperts" for _, old, _ in leanact.summary(lean).left)

@@ -11,7 +11,6 @@ elementwise result to one ulp; the CUDA tests at the end check it bitwise on a G
 compiled kernels against the PyTorch path on the device.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -30,6 +29,8 @@ from leanact.ops import fewbit as FB  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 from leanact.ops.triton import lossy as L  # noqa: E402
 from leanact.ops.triton import lossy_kernels as LK  # noqa: E402
+
+from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy notes on inf/nan
 interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
@@ -279,11 +280,7 @@ def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:
         pytest.skip("the interpreter runs in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", LEANACT_TRITON="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "not compile", __file__],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    run_interpreted(__file__)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -334,30 +331,18 @@ def test_cuda_kernels_match_the_pytorch_path_on_the_device(dtype, monkeypatch):
 
 
 _COMPILE = r'''
-import time
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from leanact.ops.triton import kernels as K, lossy_kernels as LK
-
-def build(fn, sig, consts):
-    full = dict(sig, **{k: "constexpr" for k in consts})
-    triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options=K.UNFUSED)
-
-t0 = time.time()
 for kind, ptr in ((0, "*fp32"), (1, "*i16")):
     build(LK._fewbit_fwd_kernel, {"x_ptr": ptr, "y_ptr": ptr, "tab_ptr": ptr, "packed_ptr": "*u8",
           "borders_ptr": "*fp32", "labels_ptr": "*u8", "n": "i32", "per": "i32"},
-          {"NB": 19, "BITS": 4, "KIND": kind, "WITH_Y": kind == 1, "BLOCK": 1024})
+          {"NB": 19, "BITS": 4, "KIND": kind, "WITH_Y": kind == 1, "BLOCK": 1024}, **K.UNFUSED)
 build(LK._fewbit_bwd_kernel, {"packed_ptr": "*u8", "levels_ptr": "*fp32", "dy_ptr": "*bf16", "out_ptr": "*bf16",
-      "n": "i32", "per": "i32"}, {"BITS": 3, "BLOCK": 1024})
+      "n": "i32", "per": "i32"}, {"BITS": 3, "BLOCK": 1024}, **K.UNFUSED)
 for int8, q in ((True, "*i8"), (False, "*u8")):
     build(LK._quantize_kernel, {"x_ptr": "*bf16", "q_ptr": q, "scale_ptr": "*fp32", "u_ptr": "*fp32", "n": "i32",
-          "nblocks": "i32", "block": "i32", "qmax": "fp32"}, {"INT8": int8, "R": 32, "BP": 128})
+          "nblocks": "i32", "block": "i32", "qmax": "fp32"}, {"INT8": int8, "R": 32, "BP": 128}, **K.UNFUSED)
     build(LK._dequantize_kernel, {"q_ptr": q, "scale_ptr": "*fp32", "out_ptr": "*fp16", "n": "i32", "block": "i32"},
-          {"FP8": not int8, "BLOCK": 1024})
-print("compiled in %.1f s" % (time.time() - t0))
+          {"FP8": not int8, "BLOCK": 1024}, **K.UNFUSED)
 '''
 
 
@@ -365,10 +350,4 @@ print("compiled in %.1f s" % (time.time() - t0))
 def test_kernels_compile_for_a_gpu_without_one():
     """The compiler (not the interpreter) accepts the kernels: compiled for sm_90 (PTX and cubin,
     Triton's bundled ptxas), in a fresh process without TRITON_INTERPRET. No GPU needed."""
-    pytest.importorskip("triton.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip("no ptxas in this Triton install")
-    assert r.returncode == 0, r.stderr[-3000:]
+    compile_for_sm90(_COMPILE)
