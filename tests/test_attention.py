@@ -461,3 +461,31 @@ def test_fast_int32_masks_equal_keep_mask_at_large_indices(seed, p):
         idx = ((bh + torch.arange(i0, i1).view(1, -1, 1)) * s_k + torch.arange(kend).view(1, 1, -1))
         assert idx.max().item() < 2**31
         assert torch.equal(got, keep_mask(seed_t, idx, p).to(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "tempo"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("additive", [False, True])
+def test_causal_on_top_of_a_mask_equals_the_combined_mask(mode, p, additive):
+    """is_causal together with a (per-key) mask, as the Bloom/Falcon patch calls it: output and
+    gradients equal those of the one mask combining both (same seed: same dropout mask), float64."""
+    g = torch.Generator().manual_seed(0)
+    _, q, k, v = make_qkv(2, 3, 7, 4, dtype=torch.float64, generator=g)
+    keys = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    keys[0, ..., :2] = False  # left padding: query row 0 of batch 0 sees no key
+    keys[1, ..., 5:] = False
+    tril = torch.ones(7, 7, dtype=torch.bool).tril()
+    if additive:
+        bias = torch.randn(2, 3, 1, 7, generator=g, dtype=torch.float64).masked_fill(~keys, -math.inf)
+        both, combined = bias, bias.masked_fill(~tril, -math.inf)
+    else:
+        both, combined = keys, keys & tril
+    dy = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64)
+    results = []
+    for mask, causal in ((both, True), (combined, False)):
+        qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = attention(qi, ki, vi, mask, p, causal, mode=mode, seed=123)
+        out.backward(dy)
+        results.append((out.detach(), qi.grad, ki.grad, vi.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
