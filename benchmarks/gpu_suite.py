@@ -323,6 +323,8 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
             rec.note(f"{name} {dt}: {type(e).__name__}: {str(e)[:200]}")
         finally:
             torch.cuda.empty_cache()
+    passed = sorted(f"{op} {key}" for op, device, key in dispatch.verified() if device.startswith("cuda"))
+    rec.note("kernel self-checks passed on this GPU: " + (", ".join(passed) if passed else "none"))
 
 
 BERT_MODES = [("HF sdpa", "sdpa", None), ("leanact", "sdpa", "patch"), ("HF eager", "eager", None),

@@ -1,6 +1,8 @@
 """Plumbing shared by the Triton kernel tests (test_triton_kernels.py, test_triton_gated.py,
 test_triton_lossy.py).
 
+- :func:`interpreter_setup`: called at a test module's top, before Triton is imported: sets
+  ``TRITON_INTERPRET=1`` where this process can run the interpreter.
 - :func:`run_interpreted`: run a test file in a fresh process under Triton's interpreter, for when
   the calling process cannot (a CUDA machine, or Triton imported earlier without it).
 - :func:`compile_for_sm90`: run a script that builds kernels with ``build(fn, signature, constexprs,
@@ -14,6 +16,20 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def interpreter_setup():
+    """Skip the calling module without numpy or triton; set ``TRITON_INTERPRET=1`` when Triton was not
+    imported yet and there is no CUDA device (it must be set before the first import). Returns
+    ``(triton, whether this process runs kernels under the interpreter)``."""
+    import torch
+
+    pytest.importorskip("numpy")
+    fresh = "triton" not in sys.modules
+    if fresh and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    triton = pytest.importorskip("triton")
+    return triton, fresh and os.environ.get("TRITON_INTERPRET") == "1"
+
 
 _BUILD = r'''
 import time

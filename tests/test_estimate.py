@@ -213,10 +213,10 @@ def test_cuda_model_rounds_to_blocks():
 
 def test_cuda_models_the_triton_kernels(monkeypatch):
     """device="cuda": leanact's ops allocate what their Triton kernels allocate (outputs only), so
-    the peak is at most the PyTorch path's (the default, LEANACT_TRITON=0) and what is kept is the same."""
+    the peak is at most the PyTorch path's (LEANACT_TRITON=0) and what is kept is the same."""
     model = _build("bert", layers=2, h=64)  # dropout 0.1, GELU, LayerNorm
     leanact.patch(model)
-    monkeypatch.setenv("LEANACT_TRITON", "1")  # opt-in
+    monkeypatch.delenv("LEANACT_TRITON", raising=False)  # the default: kernels on
     kernels = estimate(model, _inputs(2, 32), device="cuda")
     monkeypatch.setenv("LEANACT_TRITON", "0")
     torch_path = estimate(model, _inputs(2, 32), device="cuda")

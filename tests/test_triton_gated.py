@@ -51,7 +51,7 @@ U32 = 2.0 ** -24
 
 @pytest.fixture(autouse=True)
 def GK(monkeypatch):
-    """The gated kernels' module, the kernels switched on (opt-in until verified on a GPU)."""
+    """The gated kernels' module, the kernels switched on (whatever the caller's LEANACT_TRITON)."""
     monkeypatch.setenv("LEANACT_TRITON", "1")
     from leanact.ops.triton import gated_kernels
 

@@ -12,18 +12,13 @@ GELU forward); within float32 rounding for the norms (another reduction order) a
 minimum only, one ulp for the float32 GELU backward (float64 erfc implementations differ by ~1e-16,
 amplified there by the cancellation of f' = Phi + x phi).
 """
-import os
-import sys
 
 import pytest
 import torch
 
-pytest.importorskip("numpy")
-_FRESH = "triton" not in sys.modules
-if _FRESH and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
-INTERPRETED = _FRESH and os.environ.get("TRITON_INTERPRET") == "1"
+from _triton_run import interpreter_setup  # noqa: E402
+
+triton, INTERPRETED = interpreter_setup()
 
 import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONSTS)
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
@@ -41,7 +36,7 @@ interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the
 
 @pytest.fixture(autouse=True)
 def _kernels_on(monkeypatch):
-    """The kernels are opt-in (LEANACT_TRITON=1) until verified on a GPU."""
+    """The kernels on, whatever the caller's LEANACT_TRITON."""
     monkeypatch.setenv("LEANACT_TRITON", "1")
 
 

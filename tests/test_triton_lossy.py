@@ -10,19 +10,14 @@ bounded: the fused few-bit forward of 16-bit x looks y up in a table of torch's 
 elementwise result to one ulp; the CUDA tests at the end check it bitwise on a GPU, with the
 compiled kernels against the PyTorch path on the device.
 """
-import os
-import sys
 
 import pytest
 import torch
 
-pytest.importorskip("numpy")
-_FRESH = "triton" not in sys.modules
-if _FRESH and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from _triton_run import interpreter_setup  # noqa: E402
+
+triton, INTERPRETED = interpreter_setup()
 tl = pytest.importorskip("triton.language")
-INTERPRETED = _FRESH and os.environ.get("TRITON_INTERPRET") == "1"
 
 from leanact.lossy.compress import CompressTransform, compress, decompress  # noqa: E402
 from leanact.ops import fewbit as FB  # noqa: E402

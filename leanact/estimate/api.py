@@ -29,7 +29,7 @@ CUDA_NOTES = [
     "state), else memory-efficient (masks, fp32: + the bias in q's dtype, logsumexp padded to 32 rows), else math; "
     "an Ampere or newer GPU assumed",
     "leanact's dropout, GELU and norms allocate what their Triton kernels allocate on CUDA (outputs only; "
-    "LEANACT_TRITON=0: their PyTorch path's temporaries)",
+    "with LEANACT_TRITON=0 set where the estimate runs: their PyTorch path's temporaries)",
     "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
     "not modelled: cuBLAS/cuDNN workspaces, allocator fragmentation (reserved > allocated), CUDA context; "
     "with offload strategies the host copies are counted as device memory (over-predicts)",

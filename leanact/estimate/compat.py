@@ -205,8 +205,8 @@ def triton_allocations():
     tensors allocate what their Triton kernels allocate on CUDA -- outputs, the norms' per-program
     partial sums -- instead of the temporaries of their PyTorch path (per-element int64 hash words,
     the GELU rebuild's slices, the norms' float32 copies); the kept
-    tensors are the same either way. Nothing changes under ``LEANACT_TRITON=0``: the GPU then runs
-    the PyTorch path too."""
+    tensors are the same either way. Nothing changes under ``LEANACT_TRITON=0`` (set it where the
+    estimate runs when the GPU will run with it): the GPU then runs the PyTorch path too."""
     from leanact.ops.triton import dispatch
 
     if not dispatch.enabled():

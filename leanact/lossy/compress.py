@@ -12,8 +12,9 @@ each eligible tensor autograd saves is replaced by
 
 plus one float32 scale per ``block`` consecutive elements: ``n + 4 * ceil(n / block)`` bytes
 instead of ``n * element_size``. Backward decompresses to the original dtype and shape. On CUDA
-with ``LEANACT_TRITON=1`` compression (after int8's ``torch.rand``) and decompression are one Triton
-kernel each, bitwise the same values and scales (:mod:`leanact.ops.triton.lossy`).
+(unless ``LEANACT_TRITON=0``) compression (after int8's ``torch.rand``) and decompression are one
+Triton kernel each, bitwise the same values and scales (:mod:`leanact.ops.triton.lossy`; checked
+against the PyTorch path below on first use, :func:`_self_check`).
 
 What it approximates: every gradient that reads a compressed tensor (a Linear's weight gradient
 reads its input, attention's backward reads q, k, v and its output, a norm or GELU rebuilt from
@@ -47,6 +48,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from leanact.ops.triton import dispatch as _dispatch
 from leanact.ops.triton import lossy as _triton
 from leanact.recompute import recipes
 from leanact.saved import SavedTensorTransform
@@ -101,6 +103,25 @@ def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Gener
     if nb * block != n:
         q = q[:n].clone()
     return q, scales
+
+
+def _self_check(device: torch.device, key) -> None:
+    """The Triton kernels' self-check (:mod:`leanact.ops.triton.selfcheck`): ``compress`` and
+    ``decompress`` of one dtype and format through the kernels and this module's PyTorch path,
+    bitwise (int8: the same uniforms, from two generators seeded alike)."""
+    from leanact.ops.triton.selfcheck import both, generator, same
+
+    dtype, format = key
+    x = (torch.randn(2 * 1000 + 37, generator=generator(device), device=device) * 3).to(dtype)
+    x[256:512] = 0  # one block of zeros (scale 0); the last block is partial
+    (q, s), (q0, s0) = both(lambda: compress(x, format, 256, generator=generator(device)))
+    same(f"{format} compression values", q, q0)
+    same(f"{format} compression scales", s, s0)
+    out, out0 = both(lambda: decompress(q0, s0, dtype, 256))
+    same(f"{format} decompression", out, out0)
+
+
+_dispatch.register_check("compress", _self_check)
 
 
 def decompress(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:

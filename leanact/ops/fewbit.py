@@ -21,7 +21,7 @@ last interval (finite) instead of NaN. Double backward is not supported (``once_
 Rounding of borders: the x dtype's values are compared with the borders rounded *down* to that
 dtype, which puts every representable x on the same side as the float64 border would.
 
-On CUDA with ``LEANACT_TRITON=1`` (:mod:`leanact.ops.triton.lossy`) forward is one Triton kernel:
+On CUDA (unless ``LEANACT_TRITON=0``; :mod:`leanact.ops.triton.lossy`) forward is one Triton kernel:
 the index planes, and for contiguous 16-bit x also y, looked up in torch's activation of every
 16-bit pattern (torch's CUDA kernel computes each element alike wherever it sits, so y is torch's
 bit for bit); float32 y stays torch's kernel. Backward is one kernel (unpack, level, product).

@@ -4,29 +4,37 @@ Each function returns what the op's PyTorch path would return (same dtypes, shap
 the op keeps tensors for backward, the same tensors to keep), computed by a Triton kernel, or
 ``None``: the caller then runs its PyTorch path. The kernels run when
 
-- ``LEANACT_TRITON`` is ``1`` or ``strict`` (read at every call; off by default until the kernels
-  have been verified on a GPU by ``benchmarks/gpu_suite.py``),
+- ``LEANACT_TRITON`` is unset, ``1`` or ``strict`` (read at every call; ``0`` turns them off),
 - every tensor is a plain CUDA tensor (not fake, not a subclass, not a functorch wrapper),
 - no ``torch.compile`` trace is running (the PyTorch path is what inductor fuses),
 - Triton imports (checked once), and the op's dtype and sizes are covered (float16, bfloat16,
   float32; normalized size up to :data:`MAX_N`); otherwise the PyTorch path.
 
-A kernel that fails to compile or launch (e.g. an untested Triton version) warns once and leaves
-its op on the PyTorch path for the rest of the process; ``LEANACT_TRITON=strict`` raises instead
-(the tests and the GPU suite set it). Tests run the kernels on CPU tensors under Triton's
-interpreter through :func:`use_kernels`.
+Before an op's kernel first runs on a device (per op, dtype and variant), a **self-check** runs
+the op on small inputs through the kernel and through its PyTorch path on that device and compares
+them (bitwise where the math is the same, within the op's documented bound elsewhere; checks are
+registered with :func:`register_check`, those of the ops in :mod:`.selfcheck`). It runs in a
+thread of its own, so that no saved-tensor hook, autocast, grad mode or compile state of the
+caller's sees it, with its own random generators (the caller's RNG is not advanced). A kernel that
+fails to compile or launch, or whose self-check disagrees (e.g. an untested Triton version or GPU),
+warns once and leaves its op on the PyTorch path for the rest of the process;
+``LEANACT_TRITON=strict`` raises instead (the tests and the GPU suite set it). While a CUDA graph
+is being captured an op not yet checked takes the PyTorch path. Tests run the kernels on CPU
+tensors under Triton's interpreter through :func:`use_kernels`.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import threading
 import warnings
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["available", "enabled", "use_kernels", "dropout", "keep_mask_like", "keep_mask_rows", "layer_norm_forward",
+__all__ = ["available", "enabled", "use_kernels", "register_check", "verified", "dropout", "keep_mask_like", "keep_mask_rows", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "gelu_forward", "gelu_backward"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -34,8 +42,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 1024
 #: Largest normalized size handled by the one-block-per-row norm kernels (larger: the PyTorch path).
 MAX_N = 32768
-_STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False, "fake": False}
-_BROKEN: set[str] = set()  # kernels that raised: their ops take the PyTorch path from then on
+_STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False, "fake": False, "verify": True}
+_BROKEN: set[str] = set()  # kernels that raised or failed their self-check: the PyTorch path from then on
+_VERIFIED: set[tuple] = set()  # (op, device, key) whose self-check passed
+_CHECKS: dict[str, Callable] = {}  # op name -> check(device, key), raising AssertionError on a mismatch
+_CHECK_LOCK = threading.RLock()
+_LOCAL = threading.local()  # .force: "on" / "off" inside a self-check's thread
 
 
 def _kernels():
@@ -55,23 +67,66 @@ def available() -> bool:
     return torch.cuda.is_available() and _kernels() is not None
 
 
+_ON, _OFF = ("", "1", "on", "true", "strict"), ("0", "off", "false")
+
+
+def _setting() -> str:
+    value = os.environ.get("LEANACT_TRITON", "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"LEANACT_TRITON={value!r} is not a setting: use 1 (the default: Triton kernels on CUDA), "
+                         "0 (the PyTorch path everywhere) or strict (a kernel that fails raises instead of falling "
+                         "back)")
+    return value
+
+
 def enabled() -> bool:
-    """``LEANACT_TRITON`` is ``1`` or ``strict`` (opt-in: the kernels have not run on a GPU yet)."""
-    return os.environ.get("LEANACT_TRITON", "0").strip() in ("1", "strict")
+    """Whether the kernels may run: ``LEANACT_TRITON`` unset (the default), ``1`` or ``strict``;
+    ``0`` turns them off (the PyTorch path everywhere)."""
+    return _setting() in _ON
 
 
 def _strict() -> bool:
-    return os.environ.get("LEANACT_TRITON", "").strip() == "strict" or _STATE["strict"]
+    return _STATE["strict"] or getattr(_LOCAL, "force", None) == "on" or _setting() == "strict"
+
+
+def register_check(name: str, check: Callable) -> None:
+    """Register the self-check of the kernels launched under ``name``: ``check(device, key)`` runs
+    the op on small inputs on ``device`` through its kernel and its PyTorch path (see
+    :func:`forced`) and raises ``AssertionError`` where they disagree; ``key`` is what the launch
+    passed (by default the dtype of the tensor it ran on)."""
+    _CHECKS[name] = check
+
+
+def verified() -> set:
+    """The ``(op, device, key)`` whose self-check has passed in this process."""
+    return set(_VERIFIED)
 
 
 @contextlib.contextmanager
-def use_kernels(module, strict: bool = True, fake: bool = False):
+def forced(path: str):
+    """In this thread, run every op through its kernel (``"on"``: a failing kernel raises, nothing is
+    self-checked) or its PyTorch path (``"off"``) -- what a self-check compares."""
+    if path not in ("on", "off"):
+        raise ValueError(f"forced: path must be 'on' or 'off', got {path!r}")
+    saved = getattr(_LOCAL, "force", None)
+    _LOCAL.force = path
+    try:
+        yield
+    finally:
+        _LOCAL.force = saved
+
+
+@contextlib.contextmanager
+def use_kernels(module, strict: bool = True, fake: bool = False, verify: bool = False):
     """For the duration of the block, run ``module``'s launchers: tests pass :mod:`.kernels`
     imported under ``TRITON_INTERPRET=1`` and CPU tensors are accepted; ``fake=True`` accepts fake
-    tensors only (:data:`SHAPES_ONLY`: leanact.estimate). ``strict``: a failing kernel raises."""
-    saved, broken = dict(_STATE), set(_BROKEN)
-    _STATE.update(kernels=module, failed=False, cpu=not fake, strict=strict, fake=fake)
+    tensors only (:data:`SHAPES_ONLY`: leanact.estimate). ``strict``: a failing kernel or self-check
+    raises. ``verify``: self-check each op before its first launch (as on CUDA; off by default, the
+    tests compare the kernels themselves)."""
+    saved, broken, done = dict(_STATE), set(_BROKEN), set(_VERIFIED)
+    _STATE.update(kernels=module, failed=False, cpu=not fake, strict=strict, fake=fake, verify=verify)
     _BROKEN.clear()
+    _VERIFIED.clear()
     try:
         yield
     finally:
@@ -79,6 +134,8 @@ def use_kernels(module, strict: bool = True, fake: bool = False):
         _STATE.update(saved)
         _BROKEN.clear()
         _BROKEN.update(broken)
+        _VERIFIED.clear()
+        _VERIFIED.update(done)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -95,7 +152,8 @@ def _plain(t: torch.Tensor) -> bool:
 def _usable(*tensors) -> object:
     """The kernels module when every tensor may run a kernel (see the module doc), else None.
     Called first by every op below: under a torch.compile trace nothing else is looked at."""
-    if torch.compiler.is_compiling() or not enabled():
+    force = getattr(_LOCAL, "force", None)
+    if torch.compiler.is_compiling() or force == "off" or (force is None and not enabled()):
         return None
     if not all(t is None or _plain(t) for t in tensors):
         return None
@@ -116,12 +174,65 @@ class _ShapesOnly:
 SHAPES_ONLY = _ShapesOnly()
 
 
-def _launch(name: str, t: torch.Tensor, fn, *args, **kwargs):
+def _isolated(check: Callable, device: torch.device, key) -> BaseException | None:
+    """Run ``check(device, key)`` in a fresh thread (none of this thread's hooks, modes or autocast
+    state) and return what it raised, or None."""
+    box: dict = {}
+
+    def target():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with forced("off"):  # its own kernels are forced on by the check where it compares them
+                check(device, key)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="leanact-triton-self-check", daemon=True)
+    worker.start()
+    worker.join()
+    return box.get("error")
+
+
+def _checked(name: str, t: torch.Tensor, key) -> bool:
+    """Whether ``name``'s kernel may run on ``t``'s device for ``key``: its self-check there has
+    passed (run now if it has not run yet). A failed check warns (raises when strict) and marks the
+    op broken."""
+    if getattr(_LOCAL, "force", None) is not None or _STATE["fake"] or not _STATE["verify"]:
+        return True
+    entry = (name, str(t.device), key)
+    if entry in _VERIFIED:
+        return True
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False  # not checked yet: the PyTorch path while a CUDA graph is captured
+    with _CHECK_LOCK:
+        if entry in _VERIFIED:
+            return True
+        if name not in _CHECKS:
+            from . import selfcheck  # noqa: F401  (registers the ops' checks)
+        check = _CHECKS.get(name)
+        error = (AssertionError(f"no self-check is registered for {name!r}") if check is None
+                 else _isolated(check, t.device, key))
+        if error is None:
+            _VERIFIED.add(entry)
+            return True
+        if _strict():
+            raise RuntimeError(f"leanact: the Triton kernel of {name} failed its self-check on {t.device} "
+                               f"({key}): {type(error).__name__}: {str(error)[:500]}") from error
+        _BROKEN.add(name)
+        warnings.warn(f"leanact: the Triton kernel of {name} failed its self-check on {t.device} ({key}: "
+                      f"{type(error).__name__}: {str(error)[:300]}); {name} uses its PyTorch path from now on "
+                      "(LEANACT_TRITON=strict raises instead; please report it)", RuntimeWarning, stacklevel=4)
+        return False
+
+
+def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
     """``fn(*args, **kwargs)`` (a launcher of :mod:`.kernels`) on ``t``'s device (Triton launches
     on the current CUDA device), or :data:`_FAILED` when the kernel raised (compilation or launch:
-    nothing written then): warned once, and ``name`` takes the PyTorch path from then on. Under
-    ``LEANACT_TRITON=strict`` it raises."""
-    if name in _BROKEN:
+    nothing written then) or failed its self-check (for ``check_key``, by default ``t.dtype``):
+    warned once, and ``name`` takes the PyTorch path from then on. Under ``LEANACT_TRITON=strict``
+    it raises."""
+    if name in _BROKEN or not _checked(name, t, t.dtype if check_key is None else check_key):
         return _FAILED
     try:
         with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
@@ -304,11 +415,11 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
     if x.dtype == torch.float32:
         r = _launch("gelu", x, k.gelu_forward32, x.contiguous(), y, bits, minimum._THRESHOLDS[torch.float32][approximate][0],
-                    approximate == "tanh")
+                    approximate == "tanh", check_key=(x.dtype, approximate))
     else:
         table = tables._ACCESSORS["y16", tables._dtype_name(x.dtype), approximate](str(x.device))
         r = _launch("gelu", x, k.gelu_forward16, x.contiguous(), y, bits, table,
-                    minimum._THRESHOLDS[x.dtype][approximate][1])
+                    minimum._THRESHOLDS[x.dtype][approximate][1], check_key=(x.dtype, approximate))
     return None if r is _FAILED else (y, bits)
 
 
@@ -326,8 +437,9 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
         h = tables._ACCESSORS["h32", "float32", approximate](dev)
         r = _launch("gelu", y, k.gelu_backward32, y.contiguous(), bits, dy.contiguous(), out, ab, h,
                     rebuild32._C32[approximate],
-                    approximate == "tanh")
+                    approximate == "tanh", check_key=(y.dtype, approximate))
     else:
         table = tables._ACCESSORS["g16", tables._dtype_name(y.dtype), approximate](dev)
-        r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table)
+        r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table,
+                    check_key=(y.dtype, approximate))
     return None if r is _FAILED else out

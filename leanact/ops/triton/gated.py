@@ -60,7 +60,7 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, kind: str):
         return None
     h = _empty(g)
     if h.numel() and _launch("gated_mlp", g, k.glu_forward, _rows(g), _rows(u), h.view(-1, g.shape[-1]),
-                             kind) is _FAILED:
+                             kind, check_key=(g.dtype, kind)) is _FAILED:
         return None
     return h
 
@@ -74,6 +74,7 @@ def glu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, kind: str, 
     dg, du, h = _empty(g, need_dg), _empty(g, need_du), _empty(g, need_h)
     n = g.shape[-1]
     if g.numel() and _launch("gated_mlp", g, k.glu_backward, _rows(g), _rows(u), dh.contiguous().view(-1, n),
-                             *(None if t is None else t.view(-1, n) for t in (dg, du, h)), kind) is _FAILED:
+                             *(None if t is None else t.view(-1, n) for t in (dg, du, h)), kind,
+                             check_key=(g.dtype, kind)) is _FAILED:
         return None
     return dg, du, h

@@ -55,7 +55,7 @@ def fewbit_forward(x: torch.Tensor, tables: Callable[[], tuple], bits: int, y_ta
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if with_y else None
     table = y_table() if with_y and not fake else None
     if _d._launch("fewbit", x, k.fewbit_forward, x.contiguous(), y, table, packed, borders, labels,
-                  bits) is _d._FAILED:
+                  bits, check_key=(x.dtype, bits)) is _d._FAILED:
         return None
     return y, packed
 
@@ -66,7 +66,8 @@ def fewbit_backward(packed: torch.Tensor, levels: torch.Tensor, dy: torch.Tensor
     if k is None or dy.dtype not in _d._DTYPES or levels.dtype != torch.float32:
         return None
     out = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    if _d._launch("fewbit", dy, k.fewbit_backward, packed, levels, dy.contiguous(), out, bits) is _d._FAILED:
+    if _d._launch("fewbit", dy, k.fewbit_backward, packed, levels, dy.contiguous(), out, bits,
+                  check_key=(dy.dtype, bits)) is _d._FAILED:
         return None
     return out
 
@@ -84,7 +85,8 @@ def compress_8bit(flat: torch.Tensor, fp8: bool, block: int, qmax: float, u):
         return None
     q = torch.empty(n, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=flat.device)
     scales = torch.empty(nb, dtype=torch.float32, device=flat.device)
-    if _d._launch("compress", flat, k.quantize, flat.contiguous(), q, scales, u, block, qmax) is _d._FAILED:
+    if _d._launch("compress", flat, k.quantize, flat.contiguous(), q, scales, u, block, qmax,
+                  check_key=(flat.dtype, "fp8" if fp8 else "int8")) is _d._FAILED:
         return None
     return q, scales
 
@@ -96,7 +98,7 @@ def decompress_8bit(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
             or values.dim() != 1 or scales.dtype != torch.float32):
         return None
     out = torch.empty(values.numel(), dtype=dtype, device=values.device)
-    if _d._launch("compress", values, k.dequantize, values.contiguous(), scales.contiguous(), out,
-                  block) is _d._FAILED:
+    if _d._launch("compress", values, k.dequantize, values.contiguous(), scales.contiguous(), out, block,
+                  check_key=(dtype, "fp8" if values.dtype == torch.float8_e4m3fn else "int8")) is _d._FAILED:
         return None
     return out

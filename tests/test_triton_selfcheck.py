@@ -1,0 +1,197 @@
+"""The kernels' self-check (leanact/ops/triton/selfcheck.py), run before an op's kernel first runs on
+a device: it passes for the real kernels, catches a kernel that computes something else (which then
+falls back to the PyTorch path with a warning, or raises when strict), and leaves the caller's
+state alone (saved-tensor hooks, autocast, random state). On CPU tensors under Triton's interpreter
+(same plumbing as test_triton_kernels.py: in process when Triton was not imported yet, else in a
+fresh process).
+"""
+import warnings
+
+import pytest
+import torch
+
+from _triton_run import interpreter_setup  # noqa: E402
+
+triton, INTERPRETED = interpreter_setup()
+
+import leanact.ops.gelu.function as G  # noqa: E402
+from leanact.lossy.compress import compress, decompress  # noqa: E402
+from leanact.ops.dropout import dropout_seeded  # noqa: E402
+from leanact.ops.fewbit import fewbit_activation  # noqa: E402
+from leanact.ops.gated_mlp import gated_down  # noqa: E402
+from leanact.ops.layer_norm import layer_norm  # noqa: E402
+from leanact.ops.random import keep_mask_like  # noqa: E402
+from leanact.ops.rms_norm import rms_norm  # noqa: E402
+from leanact.ops.triton import dispatch  # noqa: E402
+
+from _triton_run import run_interpreted  # noqa: E402
+
+pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore:.*encountered in.*:RuntimeWarning")]
+interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+
+
+@pytest.fixture(scope="module")
+def K():
+    from leanact.ops.triton import kernels
+
+    return kernels
+
+
+@pytest.fixture(autouse=True)
+def _default_setting(monkeypatch):
+    monkeypatch.delenv("LEANACT_TRITON", raising=False)  # the default: kernels on
+
+
+def _ops(dtype):
+    """Every op with a kernel, forward and backward, on small CPU inputs: what each entry checks."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, generator=g).to(dtype).requires_grad_()
+    w = (torch.rand(300, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(300, generator=g).to(dtype).requires_grad_()
+    seed = torch.tensor(5)
+    outs = [dropout_seeded(x, seed, 0.2), G.GeluFunction.apply(x, "tanh"),
+            layer_norm(x, (300,), w, b, from_output=True), rms_norm(x, (300,), w, from_output=True),
+            fewbit_activation(x, "silu", 2), gated_down(x, x * 2, torch.randn(8, 300).to(dtype), kind="silu")]
+    sum(o.float().sum() for o in outs).backward()
+    keep_mask_like(seed, (3, 50), 0.1)
+    q, s = compress(x.detach().reshape(-1), "fp8", 256)
+    decompress(q, s, dtype, 256)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_op_passes_its_self_check(K, dtype):
+    with dispatch.use_kernels(K, strict=True, verify=True):
+        _ops(dtype)
+        done = dispatch.verified()
+    names = {name for name, _, _ in done}
+    assert names == {"dropout", "gelu", "layer_norm", "rms_norm", "fewbit", "gated_mlp", "compress"}
+    assert ("dropout", "cpu", torch.int64) in done and ("gelu", "cpu", (dtype, "tanh")) in done
+    assert ("compress", "cpu", (dtype, "fp8")) in done
+
+
+@interp
+def test_the_check_runs_once_per_op_and_key(K, monkeypatch):
+    from leanact.ops.triton import selfcheck  # noqa: F401  (registers the checks)
+
+    calls = []
+    real = dispatch._CHECKS["rms_norm"]
+    monkeypatch.setitem(dispatch._CHECKS, "rms_norm", lambda device, key: (calls.append(key), real(device, key)))
+    x = torch.randn(3, 64, requires_grad=True)
+    with dispatch.use_kernels(K, strict=True, verify=True):
+        for _ in range(3):
+            rms_norm(x, (64,), from_output=False).sum().backward()
+        rms_norm(x.detach().bfloat16().requires_grad_(), (64,))
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+class _Corrupt:
+    """A kernels module whose ``name`` launcher writes a slightly wrong value into its output
+    (argument ``out``): the self-check must catch it."""
+
+    def __init__(self, module, name, out, shift):
+        self.module, self.name, self.out, self.shift = module, name, out, shift
+
+    def __getattr__(self, attr):
+        fn = getattr(self.module, attr)
+        if attr != self.name:
+            return fn
+
+        def corrupt(*args, **kwargs):
+            r = fn(*args, **kwargs)
+            t = args[self.out]
+            t.view(-1)[7] = self.shift(t.view(-1)[7])
+            return r
+        return corrupt
+
+
+def _gated_module():
+    from leanact.ops.triton import gated_kernels
+
+    return gated_kernels
+
+
+def _lossy_module():
+    from leanact.ops.triton import lossy_kernels
+
+    return lossy_kernels
+
+
+_CASES = {  # op: (module, launcher, output argument, perturbation, call)
+    "dropout": (None, "dropout_apply", 1, lambda v: -v + 1,
+                lambda: dropout_seeded(torch.randn(2000), torch.tensor(9), 0.3)),
+    "layer_norm": (None, "norm_forward", 1, lambda v: v * 1.01 + 0.01,
+                   lambda: layer_norm(torch.randn(5, 128, requires_grad=True), (128,), torch.ones(128), torch.zeros(128),
+                                      from_output=True).detach()),
+    "gelu": (None, "gelu_forward16", 1, lambda v: v + 1,
+             lambda: G._forward(torch.randn(3000).bfloat16(), "none", True)),
+    "gated_mlp": ("gated", "glu_forward", 2, lambda v: v * 1.05,
+                  lambda: gated_down(torch.randn(6, 64), torch.randn(6, 64), torch.randn(8, 64))),
+    "compress": ("lossy", "quantize", 2, lambda v: v * 2,  # a wrong block scale
+                 lambda: compress(torch.randn(1000), "int8", 128)),
+}
+
+
+@interp
+@pytest.mark.parametrize("op", sorted(_CASES))
+def test_a_wrong_kernel_fails_its_check_and_falls_back(K, op):
+    where, launcher, out, shift, call = _CASES[op]
+    module = {None: K, "gated": _gated_module(), "lossy": _lossy_module()}[where]
+    with dispatch.forced("off"):
+        torch.manual_seed(0)
+        reference = call()
+    bad = _Corrupt(module, launcher, out, shift)
+    with dispatch.use_kernels(bad, strict=False, verify=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        got = call()
+        assert op in dispatch._BROKEN and not any(name == op for name, _, _ in dispatch.verified())
+    assert any("failed its self-check" in str(w.message) and op in str(w.message) for w in caught)
+    for a, r in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, reference))):
+        assert a is None and r is None or torch.equal(a, r)  # the PyTorch path ran
+    with dispatch.use_kernels(bad, strict=True, verify=True), pytest.raises(RuntimeError, match="self-check"):
+        torch.manual_seed(0)
+        call()
+
+
+@interp
+def test_the_check_leaves_the_callers_state_alone(K):
+    """Saved-tensor hooks, autocast and the random state around the first call see only the op."""
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    x = torch.randn(4, 96, requires_grad=True)
+    w = torch.rand(96) + 0.5
+    rng = torch.get_rng_state()
+    with dispatch.use_kernels(K, strict=True, verify=True):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            rms_norm(x, (96,), w, from_output=True)  # the first call: the check runs (in its own thread)
+            first = list(packed)
+            packed.clear()
+            rms_norm(x, (96,), w, from_output=True)
+        assert ("rms_norm", "cpu", torch.float32) in dispatch.verified()
+    assert first == packed and len(first) >= 1
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_setting(monkeypatch):
+    assert dispatch.enabled()  # unset: on
+    for value, on in (("1", True), ("strict", True), ("0", False), (" off ", False)):
+        monkeypatch.setenv("LEANACT_TRITON", value)
+        assert dispatch.enabled() is on
+    monkeypatch.setenv("LEANACT_TRITON", "yes please")
+    with pytest.raises(ValueError, match="LEANACT_TRITON='yes please'.*0 \\(the PyTorch path"):
+        dispatch.enabled()
+    with pytest.raises(ValueError, match="'on' or 'off'"):
+        with dispatch.forced("sometimes"):
+            pass
+
+
+def test_in_subprocess():
+    """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
+    if INTERPRETED:
+        pytest.skip("the interpreter runs in this process")
+    run_interpreted(__file__)
