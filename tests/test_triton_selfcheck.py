@@ -85,6 +85,42 @@ def test_the_check_runs_once_per_op_and_key(K, monkeypatch):
     assert calls == [torch.float32, torch.bfloat16]
 
 
+_KEYS = [("dropout", torch.float32), ("dropout", torch.int64), ("gelu", (torch.bfloat16, "none")),
+         ("gelu", (torch.float32, "tanh")), ("layer_norm", torch.bfloat16), ("rms_norm", torch.float32),
+         ("gated_mlp", (torch.bfloat16, "gelu_tanh")), ("gated_mlp", (torch.float32, "silu")),
+         ("fewbit", (torch.float16, 3)), ("compress", (torch.float32, "int8")), ("compress", (torch.bfloat16, "fp8"))]
+
+
+@interp
+def test_checks_never_enter_autograds_engine(K, monkeypatch):
+    """A check may start inside a backward pass (autograd's CUDA thread busy with the caller's
+    graph): it must not call backward itself, or it would wait on that thread forever."""
+    from leanact.ops.triton import selfcheck  # noqa: F401  (registers the checks)
+
+    def engine(*args, **kwargs):
+        raise AssertionError("a self-check entered autograd's engine")
+
+    monkeypatch.setattr(torch.autograd, "backward", engine)
+    monkeypatch.setattr(torch.autograd, "grad", engine)
+    with dispatch.use_kernels(K, strict=True, verify=True):
+        for name, key in _KEYS:
+            assert dispatch._isolated(dispatch._CHECKS[name], torch.device("cpu"), key) is None, (name, key)
+
+
+@interp
+def test_a_check_started_inside_backward(K):
+    """The first kernel launch of an op happening in backward (its forward took the PyTorch path)
+    runs the check there and the backward completes with the kernel's result."""
+    x = torch.randn(3, 200, dtype=torch.bfloat16, requires_grad=True)
+    y = G.GeluFunction.apply(x, "none")  # the PyTorch path: kernels not in use yet
+    dy = torch.randn_like(y)
+    (expected,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+    with dispatch.use_kernels(K, strict=True, verify=True):
+        (got,) = torch.autograd.grad(y, x, dy)
+        assert ("gelu", "cpu", (torch.bfloat16, "none")) in dispatch.verified()
+    assert torch.equal(got, expected)
+
+
 class _Corrupt:
     """A kernels module whose ``name`` launcher writes a slightly wrong value into its output
     (argument ``out``): the self-check must catch it."""
