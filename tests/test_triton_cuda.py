@@ -164,3 +164,44 @@ def test_patched_equals_unpatched_on_cuda(family):
     assert torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and g0.keys() == g1.keys()
     for name in g0:
         assert torch.allclose(g1[name], g0[name], rtol=1e-4, atol=1e-5), name
+
+
+_CHECK_KEYS = [("dropout", torch.int64)] + [("dropout", dt) for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
+    ("gelu", (dt, mode)) for dt in (torch.float32, torch.bfloat16, torch.float16) for mode in ("none", "tanh")] + [
+    (name, dt) for name in ("layer_norm", "rms_norm") for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
+    ("gated_mlp", (dt, kind)) for dt in (torch.float32, torch.bfloat16) for kind in ("silu", "gelu", "gelu_tanh")] + [
+    ("fewbit", (dt, bits)) for dt in (torch.float32, torch.bfloat16) for bits in (1, 2, 4)] + [
+    ("compress", (dt, fmt)) for dt in (torch.float32, torch.bfloat16) for fmt in ("fp8", "int8")]
+
+
+@pytest.mark.parametrize("name,key", _CHECK_KEYS, ids=str)
+def test_self_check_passes_on_this_gpu(name, key):
+    """Every op's first-use self-check (compiled kernel vs PyTorch path on this device) passes."""
+    import leanact.lossy.compress  # noqa: F401  (registers the compression's check)
+    from leanact.ops.triton import selfcheck  # noqa: F401
+
+    error = dispatch._isolated(dispatch._CHECKS[name], torch.device("cuda", torch.cuda.current_device()), key)
+    assert error is None, f"{name} {key}: {error}"
+
+
+def test_self_check_started_inside_a_cuda_backward_does_not_hang(monkeypatch):
+    """The first launch of GELU's backward kernel happens in autograd's CUDA thread: its self-check
+    must not wait on that thread (the checks never call backward)."""
+    import threading
+
+    monkeypatch.setenv("LEANACT_TRITON", "1")
+    x = torch.randn(4, 300, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with dispatch.forced("off"):
+        y = G.GeluFunction.apply(x, "tanh")  # the forward on the PyTorch path: nothing checked yet
+    box = {}
+
+    def run():
+        with dispatch.use_kernels(dispatch._kernels(), strict=True, verify=True):
+            box["grad"] = torch.autograd.grad(y, x, torch.ones_like(y))[0]
+            box["verified"] = dispatch.verified()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "the backward hung in the self-check"
+    assert ("gelu", str(x.device), (torch.bfloat16, "tanh")) in box["verified"]
