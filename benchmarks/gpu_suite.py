@@ -364,7 +364,7 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
         rec.note("Triton kernels unavailable here: the leanact column is the PyTorch path")
     os.environ["LEANACT_TRITON"] = "strict"  # a failing kernel is an error here, not a silent fallback
     deadline = time.perf_counter() + limit_s - 10
-    iters = _size("iters")
+    iters, failed = _size("iters"), []
     for name, dt, shape, lean, ref, liger in op_cases(_dev(), _size("tokens")):
         if time.perf_counter() > deadline:
             rec.note(f"stopped before {name} {dt}: time limit")
@@ -385,12 +385,15 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
             ratio = t_lean / t_ref
             rec.row(name, dt, "x".join(map(str, shape)), t_ref, t_lean, f"{ratio:.2f}x", "ok" if ratio <= 1.2 else "no",
                     t_path, t_liger)
-        except Exception as e:  # one op failing leaves the others
+        except Exception as e:  # one op failing leaves the others (the part still fails at the end)
+            failed.append(f"{name} {dt}")
             rec.note(f"{name} {dt}: {type(e).__name__}: {str(e)[:200]}")
         finally:
             _empty_cache()
     passed = sorted(f"{op} {key}" for op, device, key in dispatch.verified() if device.startswith("cuda"))
     rec.note("kernel self-checks passed on this GPU: " + (", ".join(passed) if passed else "none"))
+    if failed:
+        raise RuntimeError(f"{len(failed)} op case(s) failed: {', '.join(failed)}")
 
 
 BERT_MODES = [("HF sdpa", "sdpa", None), ("leanact", "sdpa", "patch"), ("HF eager", "eager", None),
