@@ -58,37 +58,40 @@ class Row:
     peak_gib: float
 
 
-def build(attn: str, lean: str | None, precision: str, cast: str, seq: int):
+def build(attn: str, lean: str | None, precision: str, cast: str, seq: int, device: str = "cuda", **sizes):
+    """BERT-Large (``sizes``: BertConfig fields to override, e.g. a tiny model for a CPU smoke run) on
+    ``device``, in training mode, ``leanact.patch``'ed with ``attention=lean`` unless None."""
     import transformers
 
     import leanact
 
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                  intermediate_size=4096, vocab_size=30522, max_position_embeddings=max(512, seq),
-                                  attn_implementation=attn)
+    geometry = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                    vocab_size=30522, max_position_embeddings=max(512, seq))
+    cfg = transformers.BertConfig(**{**geometry, **sizes}, attn_implementation=attn)
     model = transformers.BertForMaskedLM(cfg)
     if cast == "model":
         model = model.to(LOW[precision])
-    model = model.cuda().train()
+    model = model.to(device).train()
     if lean is not None:
         leanact.patch(model, attention=lean)
     return model
 
 
-def make_batch(b: int, seq: int, vocab: int = 30522) -> dict:
-    ids = torch.randint(0, vocab, (b, seq), device="cuda")
-    labels = torch.where(torch.rand(b, seq, device="cuda") < 0.15, ids, torch.full_like(ids, -100))
+def make_batch(b: int, seq: int, vocab: int = 30522, device: str = "cuda") -> dict:
+    ids = torch.randint(0, vocab, (b, seq), device=device)
+    labels = torch.where(torch.rand(b, seq, device=device) < 0.15, ids, torch.full_like(ids, -100))
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
 
 
 def make_step(model, opt, precision: str, cast: str, seq: int):
-    """One training step (forward, backward, optimizer) at batch b; returns nothing."""
-    scaler = torch.amp.GradScaler("cuda", enabled=(precision == "fp16" and cast == "autocast"))
+    """One training step (forward, backward, optimizer) at batch b on the model's device; returns nothing."""
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device, enabled=(precision == "fp16" and cast == "autocast"))
 
     def step(b: int) -> None:
-        batch = make_batch(b, seq)
-        with torch.autocast("cuda", dtype=LOW[precision], enabled=(cast == "autocast")):
+        batch = make_batch(b, seq, model.config.vocab_size, device)
+        with torch.autocast(device, dtype=LOW[precision], enabled=(cast == "autocast")):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -105,15 +108,19 @@ def _free(model=None, opt=None) -> None:
     torch.cuda.empty_cache()
 
 
-def measure_step(step: Callable[[int], None], limit: int, steps: int, opt=None) -> tuple[int, float, float]:
+def measure_step(step: Callable[[int], None], limit: int, steps: int, opt=None,
+                 device: str = "cuda") -> tuple[int, float, float]:
     """(largest batch for which ``step(b)`` fits, sequences/s at it (median of ``steps`` timed steps
     after two warm-up steps), peak GiB over the timed steps); (0, 0, 0) if not even 1 fits. ``opt``'s
-    gradients are dropped after each try (an out-of-memory step may leave them allocated)."""
+    gradients are dropped after each try (an out-of-memory step may leave them allocated). On a
+    ``device`` other than CUDA nothing is synchronized and the peak is NaN."""
+    cuda = device == "cuda"
 
     def fits(b: int) -> bool:
         try:
             step(b)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             return True
         except torch.cuda.OutOfMemoryError:
             return False
@@ -125,16 +132,18 @@ def measure_step(step: Callable[[int], None], limit: int, steps: int, opt=None) 
     if batch:
         for _ in range(2):  # warm-up
             step(batch)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
             step(batch)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         speed = batch / statistics.median(times)
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return batch, speed, peak
 
 

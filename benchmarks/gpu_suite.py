@@ -25,10 +25,14 @@ out, and what it finished before that):
 The whole run stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
 ``--out`` under a header with the device, torch / triton / transformers versions, the git commit and
 the date. Without CUDA it exits with a message and writes nothing.
+
+``--smoke --out FILE`` runs every part on the CPU at tiny sizes (:data:`SIZES`; no CUDA calls, peaks
+"n/a", ``tests`` a small CPU subset) to catch Python errors in the parts before a GPU run.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -46,6 +50,17 @@ ROOT = HERE.parent
 PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload"]
 LIMITS = {"tests": 140, "ops": 70, "bert": 160, "llama": 60, "estimate": 50, "offload": 45}  # seconds
 TOTAL_S = sum(LIMITS.values())  # 525 s, under 9 minutes
+SMOKE_ENV = "LEANACT_GPU_SUITE_SMOKE"  # "1" in the workers of a --smoke run
+_TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
+SIZES = {  # per run kind: model sizes and batch / sequence / search limits of the parts
+    "gpu": dict(tokens=16384, iters=10, bert={}, bert_seq=512, bert_limit=256, bert_steps=3, llama={}, llama_batch=4,
+                llama_seq=1024, est_bert={}, est_batch=8, est_seq=512, offload_batch=8, offload_threshold={}),
+    "smoke": dict(tokens=4, iters=1, bert=_TINY_BERT, bert_seq=32, bert_limit=2, bert_steps=1,
+                  llama=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, intermediate_size=172, vocab_size=1000),
+                  llama_batch=1, llama_seq=32, est_bert=_TINY_BERT, est_batch=2, est_seq=32, offload_batch=2,
+                  offload_threshold=dict(offload_threshold=0)),  # tiny tensors are offloaded too
+}
 TITLES = {
     "tests": "CUDA tests",
     "ops": "Per-op forward+backward time (ms, median)",
@@ -93,6 +108,47 @@ def _cell(v) -> str:
             return "n/a"
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def smoke() -> bool:
+    """Whether this process runs a --smoke run's part (CPU, tiny sizes)."""
+    return os.environ.get(SMOKE_ENV) == "1"
+
+
+def _dev() -> str:
+    return "cpu" if smoke() else "cuda"
+
+
+def _size(key: str):
+    return SIZES["smoke" if smoke() else "gpu"][key]
+
+
+def _sync() -> None:
+    import torch
+
+    if _dev() == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if _dev() == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    """``torch.cuda.max_memory_allocated`` in GiB; NaN on the CPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if _dev() == "cuda" else float("nan")
+
+
+def _empty_cache() -> None:
+    import torch
+
+    if _dev() == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env: dict | None = None) -> dict:
@@ -202,6 +258,9 @@ def part_tests(rec: Recorder, limit_s: float) -> None:
     # the interpreter re-run and the offline compile are the CPU machines' checks: left out here
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda or triton", "-k",
            "not test_in_subprocess and not compile_for_a_gpu", "tests"]
+    if smoke():  # the same machinery on a few quick CPU tests
+        cmd[-5:] = ["-k", "largest_fitting", "tests/test_bench_gpu_bert_large.py"]
+        rec.note("smoke run: a small CPU subset instead of the CUDA tests")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, limit_s - 10))
     counts = parse_pytest(proc.stdout)
     for what in ("passed", "failed", "error", "skipped"):
@@ -214,17 +273,23 @@ def part_tests(rec: Recorder, limit_s: float) -> None:
 
 
 def _time_fwd_bwd(fn, x, dy, iters: int = 10) -> float:
-    """Median ms of ``fn(x)`` forward + backward(dy) (CUDA events; 3 warm-up calls)."""
+    """Median ms of ``fn(x)`` forward + backward(dy) (CUDA events, or the wall clock on the CPU; 3
+    warm-up calls, 1 for a single timed one)."""
     import torch
 
     def once():
         x.grad = None
         fn(x).backward(dy)
 
-    for _ in range(3):
+    for _ in range(3 if iters > 1 else 1):
         once()
     times = []
     for _ in range(iters):
+        if x.device.type != "cuda":
+            t0 = time.perf_counter()
+            once()
+            times.append((time.perf_counter() - t0) * 1000)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         once()
@@ -299,32 +364,36 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
         rec.note("Triton kernels unavailable here: the leanact column is the PyTorch path")
     os.environ["LEANACT_TRITON"] = "strict"  # a failing kernel is an error here, not a silent fallback
     deadline = time.perf_counter() + limit_s - 10
-    for name, dt, shape, lean, ref, liger in op_cases():
+    iters, failed = _size("iters"), []
+    for name, dt, shape, lean, ref, liger in op_cases(_dev(), _size("tokens")):
         if time.perf_counter() > deadline:
             rec.note(f"stopped before {name} {dt}: time limit")
             break
         try:
             torch.manual_seed(0)
-            x = torch.randn(shape, device="cuda", dtype=getattr(torch, dt), requires_grad=True)
+            x = torch.randn(shape, device=_dev(), dtype=getattr(torch, dt), requires_grad=True)
             with torch.no_grad():
                 dy = torch.randn_like(ref(x))  # the output's shape (an MLP's differs from its input's)
-            t_ref = _time_fwd_bwd(ref, x, dy)
-            t_lean = _time_fwd_bwd(lean, x, dy)
+            t_ref = _time_fwd_bwd(ref, x, dy, iters)
+            t_lean = _time_fwd_bwd(lean, x, dy, iters)
             os.environ["LEANACT_TRITON"] = "0"
             try:
-                t_path = _time_fwd_bwd(lean, x, dy)
+                t_path = _time_fwd_bwd(lean, x, dy, iters)
             finally:
                 os.environ["LEANACT_TRITON"] = "strict"
-            t_liger = _time_fwd_bwd(liger, x, dy) if liger is not None else float("nan")
+            t_liger = _time_fwd_bwd(liger, x, dy, iters) if liger is not None else float("nan")
             ratio = t_lean / t_ref
             rec.row(name, dt, "x".join(map(str, shape)), t_ref, t_lean, f"{ratio:.2f}x", "ok" if ratio <= 1.2 else "no",
                     t_path, t_liger)
-        except Exception as e:  # one op failing leaves the others
+        except Exception as e:  # one op failing leaves the others (the part still fails at the end)
+            failed.append(f"{name} {dt}")
             rec.note(f"{name} {dt}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            torch.cuda.empty_cache()
+            _empty_cache()
     passed = sorted(f"{op} {key}" for op, device, key in dispatch.verified() if device.startswith("cuda"))
     rec.note("kernel self-checks passed on this GPU: " + (", ".join(passed) if passed else "none"))
+    if failed:
+        raise RuntimeError(f"{len(failed)} op case(s) failed: {', '.join(failed)}")
 
 
 BERT_MODES = [("HF sdpa", "sdpa", None), ("leanact", "sdpa", "patch"), ("HF eager", "eager", None),
@@ -358,24 +427,29 @@ def _bert_mode(gb, attn: str, how: str | None) -> tuple[int, float, float]:
 
     import leanact
 
-    model = gb.build(attn, None, "bf16", "autocast", 512)
+    seq = _size("bert_seq")
+    model = gb.build(attn, None, "bf16", "autocast", seq, _dev(), **_size("bert"))
     os.environ["LEANACT_TRITON"] = "1"  # leanact's rows: its Triton kernels (the PyTorch path: LLaMA's part)
     if how == "patch":
         leanact.patch(model)
     elif how == "checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    return gb.measure_step(gb.make_step(model, opt, "bf16", "autocast", 512), limit=256, steps=3, opt=opt)
+    return gb.measure_step(gb.make_step(model, opt, "bf16", "autocast", seq), limit=_size("bert_limit"),
+                           steps=_size("bert_steps"), opt=opt, device=_dev())
 
 
 def part_bert(rec: Recorder, limit_s: float, cap_gib: float = 16.0) -> None:
     import torch
 
     gb = _bert_module()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
-    rec.note(f"cap {cap_gib:g} GiB of {total / 2**30:.0f} GiB; targets: leanact batch ≥ 1.6x HF sdpa's, "
-             "throughput at its largest batch ≥ 1.15x HF sdpa's at its own")
+    if smoke():
+        rec.note(f"smoke run: no memory cap, batches up to {_size('bert_limit')}")
+    else:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
+        rec.note(f"cap {cap_gib:g} GiB of {total / 2**30:.0f} GiB; targets: leanact batch ≥ 1.6x HF sdpa's, "
+                 "throughput at its largest batch ≥ 1.15x HF sdpa's at its own")
     done = []
     for label, attn, how in BERT_MODES:
         batch, speed, peak = _bert_mode(gb, attn, how)
@@ -392,33 +466,32 @@ def _llama(attn: str):
     from leanact.models.geometries import GEOMETRIES
 
     g = GEOMETRIES["llama-1b-like"]
+    g = dataclasses.replace(g, kwargs={**g.kwargs, **_size("llama")})
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(_dev()):
         model = getattr(transformers, g.model_cls)(g.make_config(attn=attn, dropout=0.0))
     return model.train()
 
 
 def _step_time(step, steps: int) -> tuple[float, float]:
-    """(median seconds per step, peak GiB) after one warm-up step."""
-    import torch
-
+    """(median seconds per step, peak GiB (NaN on the CPU)) after one warm-up step."""
     step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync()
+    _reset_peak()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    return statistics.median(times), _peak_gib()
 
 
 def _train_step(model, opt, inputs: dict, autocast: bool):
     import torch
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(_dev(), dtype=torch.bfloat16, enabled=autocast):
             loss = model(**inputs).loss
         loss.backward()
         opt.step()
@@ -436,78 +509,91 @@ def _llama_time(lean: bool, batch: int, seq: int, kernels: bool = True) -> tuple
     model = _llama("sdpa")
     if lean:
         leanact.patch(model)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=_dev())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     return _step_time(_train_step(model, opt, dict(input_ids=ids, labels=ids), True), steps=4)
 
 
-def part_llama(rec: Recorder, limit_s: float, batch: int = 4, seq: int = 1024) -> None:
-    import torch
-
+def part_llama(rec: Recorder, limit_s: float) -> None:
+    batch, seq = _size("llama_batch"), _size("llama_seq")
     rec.note(f"batch {batch}, seq {seq}; target: leanact ≤ 1.05x HF sdpa's step time")
     ref = None
     for label in ("HF sdpa", "leanact", "leanact, PyTorch path (LEANACT_TRITON=0)"):
         t, peak = _llama_time(label != "HF sdpa", batch, seq, kernels="PyTorch" not in label)
-        torch.cuda.empty_cache()
+        _empty_cache()
         ref = ref or t
         rec.row(label, batch, seq, t * 1000, f"{t / ref:.3f}x", peak)
 
 
 def _estimate_and_measure(lean: bool, batch: int, seq: int = 512) -> tuple[float, float]:
     """(estimated peak, measured max_memory_allocated) in bytes of one steady-state step of BERT-base
-    (bf16 weights, dropout 0.1, AdamW foreach)."""
+    (bf16 weights, dropout 0.1, AdamW foreach). On the CPU (smoke run) the measurement is
+    :func:`leanact.estimate.measure`'s real step."""
     import torch
     import transformers
 
     import leanact
+    from leanact.estimate import measure
     from leanact.models.geometries import GEOMETRIES
 
+    g = GEOMETRIES["bert-base"]
+    g = dataclasses.replace(g, kwargs={**g.kwargs, **_size("est_bert")})
     torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(GEOMETRIES["bert-base"].make_config(attn="sdpa"))
-    model = model.to(device="cuda", dtype=torch.bfloat16).train()
+    model = transformers.BertForMaskedLM(g.make_config(attn="sdpa"))
+    model = model.to(device=_dev(), dtype=torch.bfloat16).train()
     if lean:
         leanact.patch(model)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=_dev())
     inputs = dict(input_ids=ids, labels=ids)
-    est = leanact.estimate(model, inputs, None, device="cuda", optimizer="adamw")
+    est = leanact.estimate(model, inputs, None, device=_dev(), optimizer="adamw")
+    measured = measure(model, inputs, optimizer="adamw").peak if _dev() == "cpu" else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     _, peak = _step_time(_train_step(model, opt, inputs, False), steps=1)
-    return est.peak, peak * 2**30
+    return est.peak, measured if measured is not None else peak * 2**30
 
 
-def part_estimate(rec: Recorder, limit_s: float, batch: int = 8) -> None:
-    import torch
-
-    for label, lean in (("BERT-base s=512, HF sdpa", False), ("BERT-base s=512, leanact", True)):
-        est, measured = _estimate_and_measure(lean, batch)
-        torch.cuda.empty_cache()
+def part_estimate(rec: Recorder, limit_s: float) -> None:
+    batch, seq = _size("est_batch"), _size("est_seq")
+    if smoke():
+        rec.note("smoke run: leanact.estimate(device=\"cpu\") vs leanact.estimate.measure (a real CPU step)")
+    for label, lean in ((f"BERT-base s={seq}, HF sdpa", False), (f"BERT-base s={seq}, leanact", True)):
+        est, measured = _estimate_and_measure(lean, batch, seq)
+        _empty_cache()
         rec.row(label, batch, est / 2**30, measured / 2**30, f"{est / measured:.3f}",
                 "ok" if abs(est / measured - 1) <= 0.05 else "no")
 
 
-def _offload_time(gb, offload: bool, batch: int) -> tuple[float, float]:
+def _offload_time(gb, offload: bool, batch: int) -> tuple[float, float, int]:
+    """(median seconds per step, peak GiB, saved tensors copied to the host over all steps)."""
     import torch
 
     import leanact
     from leanact import strategies
 
-    model = gb.build("sdpa", None, "bf16", "autocast", 512)
+    seq = _size("bert_seq")
+    model = gb.build("sdpa", None, "bf16", "autocast", seq, _dev(), **_size("bert"))
     leanact.patch(model)
     if offload:
-        strategies.uniform(model, "offload").apply(model)
+        strategies.uniform(model, "offload", **_size("offload_threshold")).apply(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    step = gb.make_step(model, opt, "bf16", "autocast", 512)
-    return _step_time(lambda: step(batch), steps=3)
+    step = gb.make_step(model, opt, "bf16", "autocast", seq)
+    t, peak = _step_time(lambda: step(batch), steps=3)
+    # each offloaded layer's forward is wrapped with its OffloadTransform
+    moved = sum(getattr(getattr(m.__dict__.get("forward"), "transform", None), "offloaded", 0) for m in model.modules())
+    return t, peak, moved
 
 
-def part_offload(rec: Recorder, limit_s: float, batch: int = 8) -> None:
+def part_offload(rec: Recorder, limit_s: float) -> None:
     gb = _bert_module()
+    batch = _size("offload_batch")
     ref = None
     for label, offload in (("leanact", False), ("leanact + offload (every layer)", True)):
-        t, peak = _offload_time(gb, offload, batch)
+        t, peak, moved = _offload_time(gb, offload, batch)
         gb._free()
+        if offload and not moved:
+            raise RuntimeError("the offload plan copied no saved tensor to the host")
         ref = ref or t
-        rec.row(label, batch, t * 1000, f"{t / ref:.3f}x", peak)
+        rec.row(label, batch, t * 1000, f"{t / ref:.3f}x", peak, moved)
 
 
 def _selftest(kind: str):
@@ -534,7 +620,7 @@ COLUMNS = {
     "bert": ["mode", "max batch", "vs HF sdpa", "seq/s", "vs HF sdpa", "peak GiB"],
     "llama": ["mode", "batch", "seq", "step ms", "vs HF sdpa", "peak GiB"],
     "estimate": ["model", "batch", "estimate GiB", "max_memory_allocated GiB", "ratio", "within 5%"],
-    "offload": ["mode", "batch", "step ms", "vs no offload", "peak GiB"],
+    "offload": ["mode", "batch", "step ms", "vs no offload", "peak GiB", "tensors offloaded"],
 }
 
 
@@ -552,8 +638,10 @@ def worker(name: str, json_path: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown file to append to")
+    ap.add_argument("--out", help="markdown file to append to (default benchmarks/RESULTS.md; required with --smoke)")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    ap.add_argument("--smoke", action="store_true",
+                    help="every part on the CPU at tiny sizes: checks the suite's code, measures nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -561,14 +649,21 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args.worker, args.json)
     import torch
 
-    if not torch.cuda.is_available():
+    if args.smoke:
+        if not args.out or pathlib.Path(args.out).resolve() == HERE / "RESULTS.md":
+            ap.error("--smoke needs --out, not benchmarks/RESULTS.md (its rows are no GPU results)")
+        device = "CPU (smoke run, tiny sizes)"
+    elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_suite.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing written.")
-    header = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), **versions()}
+    else:
+        device = torch.cuda.get_device_name(0)
+    args.out = args.out or str(HERE / "RESULTS.md")
+    header = {"device": device, "date": datetime.date.today().isoformat(), **versions()}
     results = {}
     t0 = time.perf_counter()
     for name in args.parts:
         print(f"[gpu_suite] {name} (limit {LIMITS[name]} s) ...", flush=True)
-        results[name] = run_part(name, LIMITS[name])
+        results[name] = run_part(name, LIMITS[name], extra_env={SMOKE_ENV: "1" if args.smoke else "0"})
         print(f"[gpu_suite] {name}: {results[name]['status']} in {results[name]['seconds']:.0f} s", flush=True)
     md = markdown(header, results)
     print(md)

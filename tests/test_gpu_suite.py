@@ -96,3 +96,37 @@ def test_op_cases_run_forward_and_backward_on_cpu():
             tol = 2 * torch.finfo(x.dtype).eps + shape[-1] * 2.0**-24
             torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol, msg=name)
         assert liger is None
+
+
+def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
+    """``--smoke``: the GPU parts' code (leanact.patch, the offload plan, leanact.estimate, the batch
+    search, the op timings) runs end to end on the CPU at tiny sizes; each part reports "ok" with
+    rows, the estimate matches its real CPU step, and the markdown goes to --out only."""
+    import os
+    import subprocess
+
+    out = tmp_path / "smoke.md"
+    parts = ["bert", "llama", "estimate", "offload", "ops"]
+    env = dict(os.environ, PYTHONPATH=str(_PATH.parent.parent), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--parts", *parts, "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = out.read_text()
+    assert "CPU (smoke run, tiny sizes)" in md
+    sections = md.split("\n### ")[1:]
+    assert len(sections) == len(parts)
+    for name, section in zip(parts, sections):
+        assert section.startswith(suite.TITLES[name] + " — ok"), section[:300]
+        rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| " + suite.COLUMNS[name][0])]
+        assert rows, section
+    estimate = sections[parts.index("estimate")]
+    assert estimate.count("| ok |") == 2, estimate  # estimate(device="cpu") within 5% of the measured step
+    offload = sections[parts.index("offload")].splitlines()
+    assert int(next(ln for ln in offload if ln.startswith("| leanact + offload")).split("|")[-2]) > 0
+
+
+def test_smoke_needs_an_out_file_other_than_results_md():
+    for argv in (["--smoke"], ["--smoke", "--out", str(_PATH.parent / "RESULTS.md")]):
+        with pytest.raises(SystemExit) as exc:
+            suite.main(argv)
+        assert exc.value.code == 2
