@@ -205,3 +205,18 @@ def test_self_check_started_inside_a_cuda_backward_does_not_hang(monkeypatch):
     worker.join(timeout=300)
     assert not worker.is_alive(), "the backward hung in the self-check"
     assert ("gelu", str(x.device), (torch.bfloat16, "tanh")) in box["verified"]
+
+
+def test_an_op_not_checked_yet_takes_the_pytorch_path_while_a_cuda_graph_is_captured():
+    """No self-check can run during capture: the op's kernel is not launched (the caller runs the
+    PyTorch path), and nothing is marked verified or broken."""
+    x = torch.randn(8, 256, device="cuda")
+    w = torch.rand(256, device="cuda") + 0.5
+    with dispatch.use_kernels(dispatch._kernels(), strict=True, verify=True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused = dispatch.rms_norm_forward(x, (256,), w, None)
+        assert fused is None
+        assert not dispatch.verified() and "rms_norm" not in dispatch._BROKEN
+        assert dispatch.rms_norm_forward(x, (256,), w, None) is not None  # outside capture: checked, then run
+        assert any(name == "rms_norm" for name, _, _ in dispatch.verified())
