@@ -9,6 +9,7 @@ module's own forward (Trainer and ``generate`` read it), the class and the state
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -33,7 +34,11 @@ class ContextForward:
         self.module, self.context, self.previous = module, context, previous
 
     def _forward(self) -> Callable:
-        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+        if self.previous is not None:
+            return self.previous
+        # functools.partial, not ``type(m).forward.__get__(m)``: Dynamo resolves a bound ``forward`` of a
+        # module through the instance (this wrapper again), which recursed without end under torch.compile
+        return functools.partial(type(self.module).forward, self.module)
 
     @property
     def __signature__(self):
