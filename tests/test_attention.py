@@ -69,8 +69,17 @@ def make_mask(kind, b, h, s_q, s_k, dtype=torch.float64, generator=None):
 
 
 def grads(out, inputs, seed=0):
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    # drawn on the CPU (the same values for every device), then put where the output lives
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     return torch.autograd.grad(out, inputs, go)
+
+
+def test_grads_helper_puts_the_output_gradient_on_the_outputs_device():
+    """The CUDA test's gradients go through this helper: a CPU grad_output for a device output is
+    refused by autograd ("expected device cuda:0 but got cpu"). The meta device shows it here."""
+    x = torch.randn(3, 4, device="meta", requires_grad=True)
+    (g,) = grads(x * 2, (x,))
+    assert g.device == x.device and g.shape == x.shape
 
 
 # ---- float64 gradcheck ------------------------------------------------------------------------
