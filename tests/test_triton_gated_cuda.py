@@ -1,8 +1,9 @@
 """The gated MLP's compiled Triton kernels on a CUDA device against torch's CUDA kernels (the
 PyTorch path of leanact.ops.gated_mlp) on the same device: what the interpreter tests cannot see
 (``tl.erf`` lowered to libdevice's ``erff``, nvcc's FMA contractions in torch's kernels, torch's
-``expf`` / ``tanhf``). Within the bound of gated_kernels' module doc, and mostly bitwise. Skipped
-without CUDA or Triton.
+``expf`` / ``tanhf``). Within the bound of gated_kernels' module doc everywhere; bitwise but for
+the few elements that bound allows to flip where it is a small part of an ulp (tests/_ulp.py).
+Skipped without CUDA or Triton.
 """
 import pytest
 import torch
@@ -13,8 +14,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.triton,
 from leanact.ops.gated_mlp import GATED_ACTIVATIONS, _act_grad, gated_act, gated_down  # noqa: E402
 from leanact.ops.triton import dispatch, gated  # noqa: E402
 
+from _ulp import rare_flips, ulp, within  # noqa: E402
+
 U32 = 2.0 ** -24
-_MANT = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +26,13 @@ def _kernels_present(monkeypatch):
     monkeypatch.setenv("LEANACT_TRITON", "strict")  # a failing kernel raises (no silent fallback)
 
 
-def _ulp(x, dtype):
-    fi = torch.finfo(dtype)
-    _, e = torch.frexp(x.double().abs().clamp_min(fi.tiny).nan_to_num(0.0, fi.max, fi.max))
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), (e - _MANT[dtype]).double())
-
-
-def _check(x, ref, bound):
-    """Within ``bound`` plus one ulp of the storage dtype; returns the bitwise-equal fraction."""
-    same = (x == ref) | (x.isnan() & ref.isnan())
-    ulp = torch.maximum(_ulp(x, x.dtype), _ulp(ref, ref.dtype))
-    assert (same | ((x.double() - ref.double()).abs() <= bound + ulp)).all()
-    return same.double().mean().item()
+def _check(what, x, ref, bound, apart, at=None):
+    """Within ``bound`` plus one ulp of the storage dtype everywhere; where the float32 values before
+    the last rounding that can differ are at most ``apart`` apart, and that is a small part of an
+    ulp, no more elements differ than that allows (tests/_ulp.py)."""
+    assert within(x, ref, bound), what
+    differing, allowed = rare_flips(x, ref, apart, at)
+    assert differing <= allowed, (what, differing, allowed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -51,13 +48,18 @@ def test_kernels_match_torch_on_cuda(kind, dtype):
     a0 = gated_act(kind, g)
     h0, du0, dg0 = a0 * u, dh * a0, _act_grad(kind, dh * u, g)
     ga = g.double().abs()
-    act_err = 16 * U32 * ga + _ulp(a0, dtype)
+    apart = 16 * U32 * ga  # act(g) in float32: torch's expf / tanhf / erff and the kernel's within 2 ulp each
+    act_err = apart + ulp(a0, dtype)  # ... and round(act(g)) one ulp more where a boundary lies between
     t = (dh * u).double().abs()
+    dg_apart = 16 * U32 * (1 + ga) * t
     assert torch.equal(h, hh)
-    fractions = [_check(h, h0, act_err * u.double().abs()), _check(du, du0, act_err * dh.double().abs()),
-                 _check(dg, dg0, 16 * U32 * (1 + ga) * t)]
-    # different only where torch's expf / tanhf miss the correctly rounded value and that shows
-    assert min(fractions) > (0.5 if dtype == torch.float32 else 0.99), fractions
+    # Not a bitwise fraction: for g < -2, 1 + erf(g / sqrt 2) cancels and one ulp of erf moves
+    # round(act(g)) by many 16-bit ulps. On an H200 (torch 2.11+cu130, Triton 3.6) 1.3% (bf16) and
+    # 1.8% (fp16) of GeGLU's h and du differed: what one-ulp erf differences on about a quarter of the
+    # arguments give (Triton's bundled libdevice erff against the toolkit's that torch was built with).
+    _check("h", h, h0, act_err * u.double().abs(), apart, a0)
+    _check("du", du, du0, act_err * dh.double().abs(), apart, a0)
+    _check("dg", dg, dg0, dg_apart, dg_apart)
 
 
 @pytest.mark.parametrize("fused", [False, True])
