@@ -88,6 +88,31 @@ def test_every_strategy_gives_the_plain_gradients(family, patched):
         _assert_grads_close(ref, m, tol=1e-6)
 
 
+def test_recomputed_layers_get_no_kv_cache():
+    """An unpatched causal LM with its default use_cache=True hands its DynamicCache to every layer
+    (``past_key_values=`` before transformers 5.24, ``cache=`` from 5.24 on). A recomputed layer gets
+    none, whatever the argument's name: the replay would append K and V a second time (attention
+    over twice the keys: SAC saw another op sequence, full recompute a shape mismatch)."""
+    from leanact.strategies.cache import strip_caches
+
+    cache = transformers.DynamicCache()
+    args, kwargs, changed = strip_caches((1, cache), {"cache": cache, "kv": cache, "use_cache": True, "x": 2})
+    assert changed and args == (1, None) and kwargs == {"cache": None, "kv": None, "use_cache": False, "x": 2}
+    assert strip_caches((1,), {"cache": {"mine": 1}}) == ((1,), {"cache": {"mine": 1}}, False)  # not an HF cache
+
+    ref = _model("llama", False)
+    assert ref.config.use_cache
+    batch = _data("llama")
+    l_ref = _step(ref, batch)
+    for name in ["full", "selective:attention"]:
+        m = copy.deepcopy(ref)
+        m.zero_grad(set_to_none=True)
+        S.uniform(m, name).apply(m)
+        loss = _step(m, batch)
+        torch.testing.assert_close(loss, l_ref, rtol=1e-6, atol=0, msg=name)
+        _assert_grads_close(ref, m, tol=1e-6)
+
+
 @pytest.mark.parametrize("patched", [pytest.param(False, marks=_slow), True])
 def test_recompute_replays_dropout_masks(patched):
     """Dropout 0.1 (attention and hidden): each recompute strategy gives the loss and gradients of

@@ -4,6 +4,10 @@ Causal LMs create a ``DynamicCache`` on every forward by default (``config.use_c
 training included. A layer re-run on captured arguments would append to that cache again (the
 planner's measurement: a second backward through a freed graph, or attention over stale keys),
 and the cache's copies of K and V are not what a training step needs to keep.
+
+The argument's name changed across transformers releases (``layer_past``, ``past_key_value``,
+``past_key_values``; from 5.24 on ``cache``, with ``past_key_values`` a deprecated alias), so any
+keyword argument that holds a transformers ``Cache`` is dropped too, whatever its name.
 """
 from __future__ import annotations
 
@@ -52,9 +56,11 @@ def caches_off(model: nn.Module, sample_inputs: Any = None) -> Iterator[Any]:
 
 
 def strip_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
-    """``(args, kwargs, changed)`` for a layer call without a KV cache: ``use_cache=False``, cache
-    keyword arguments None, a ``Cache`` passed positionally None."""
+    """``(args, kwargs, changed)`` for a layer call without a KV cache: ``use_cache=False``, the
+    cache keyword arguments of :data:`CACHE_KWARGS` and any keyword argument holding a ``Cache``
+    (transformers >= 5.24 passes it as ``cache=``) None, a ``Cache`` passed positionally None."""
     keys = [k for k in ("use_cache", *CACHE_KWARGS) if kwargs.get(k) not in (None, False)]
+    keys += [k for k, v in kwargs.items() if k not in keys and is_cache(v)]
     positions = [i for i, a in enumerate(args) if is_cache(a)]
     if not keys and not positions:
         return args, kwargs, False
