@@ -13,6 +13,7 @@ compiled kernels against the PyTorch path on the device.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _triton_run import interpreter_setup  # noqa: E402
 
@@ -171,6 +172,49 @@ def test_compress_and_decompress_bitwise(K, dtype, fmt):
             ref = decompress(q0, s0, out, block)
             with dispatch.use_kernels(K):
                 assert _same(decompress(q0, s0, out, block), ref), (n, block, out)
+
+
+class _CudaScalarDivision(TorchDispatchMode):
+    """CUDA's rule for dividing a float32 tensor by a Python number, on CPU tensors: ATen's
+    ``div_true_kernel_cuda`` multiplies by the reciprocal rounded to float32 (for 448 that rounds
+    differently from the division in about half the cases). The CPU divides correctly rounded, as
+    the kernel (``div_rn``) does on both, so the interpreter alone cannot show the difference."""
+
+    def __init__(self):
+        super().__init__()
+        self.divisions_by_a_number = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor) and not kwargs
+                and isinstance(args[1], (int, float)) and args[0].dtype == torch.float32):
+            self.divisions_by_a_number += 1
+            inv = torch.tensor(1.0) / torch.tensor(float(args[1]))  # float32, as ATen's opmath_t(1) / b
+            return (torch.ops.aten.mul_.Tensor if func is torch.ops.aten.div_.Tensor else torch.ops.aten.mul.Tensor)(
+                args[0], inv)
+        return func(*args, **(kwargs or {}))
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_compress_scales_do_not_depend_on_cudas_division_by_a_number(K, dtype, fmt):
+    """On an H200 the fp8 scales of the PyTorch path differed from the kernel's in 3-4 of 8 blocks:
+    ``amax.div_(448.0)`` is ``amax * fl(1/448)`` on CUDA. The PyTorch path divides by a tensor on
+    the data's device instead (correctly rounded everywhere): under CUDA's rule, emulated here, its
+    scales stay the kernel's, and they are amax / qmax correctly rounded."""
+    x = _compress_inputs(50_000, dtype, 128)
+    with _CudaScalarDivision() as mode:
+        q0, s0 = compress(x, fmt, 128, torch.Generator().manual_seed(3))
+    with dispatch.use_kernels(K):
+        q1, s1 = compress(x, fmt, 128, torch.Generator().manual_seed(3))
+    assert _same(s0, s1) and _same(q0, q1)
+    assert mode.divisions_by_a_number == 0
+    amax = torch.cat([x.float(), x.new_zeros(-x.numel() % 128, dtype=torch.float32)]).view(-1, 128).abs().amax(1)
+    qmax = {"fp8": 448.0, "int8": 127.0}[fmt]
+    assert _same(s1, (amax.double() / qmax).float())  # float64 quotient rounded once: correctly rounded
+    probe = torch.tensor([1.0, 3.0, 5.0, 7.0, 11.0])  # the emulation itself: CUDA's rule differs here
+    with _CudaScalarDivision():
+        assert not torch.equal(probe.clone().div_(448.0), probe / torch.tensor(448.0))
 
 
 @triton.jit

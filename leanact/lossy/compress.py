@@ -92,7 +92,11 @@ def compress(flat: torch.Tensor, format: str, block: int, generator: torch.Gener
     if nb * block != n:
         x = torch.cat([x, x.new_zeros(nb * block - n)])
     x = x.view(nb, block)
-    scales = x.abs().amax(dim=1).div_(_QMAX[format])
+    amax = x.abs().amax(dim=1)
+    # amax / qmax correctly rounded on every device, as the kernel's div_rn: the divisor is a tensor
+    # on amax's device (CUDA divides by a Python number as a product with its float32 reciprocal,
+    # ATen's div_true_kernel_cuda: for 448 another rounding in about half the blocks)
+    scales = amax.div_(amax.new_full((), _QMAX[format]))
     inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales)).unsqueeze(1)
     v = x.mul(inv)
     if format == "fp8":

@@ -9,7 +9,9 @@ They compute what the PyTorch paths compute, bit for bit:
   and multiplies by dy in float32, rounded once.
 - 8-bit compressed activations (``leanact.lossy.compress``): per block of ``block`` elements the
   float32 absmax, ``scale = absmax / qmax`` and ``inv = 1 / scale`` (correctly rounded divisions,
-  as torch's), ``v = x * inv``; fp8 e4m3 by integer operations that follow c10's float -> e4m3fn
+  ``div_rn``: Triton's float32 ``/`` is ``div.full.f32`` on CUDA, tests/test_triton_ptx.py; the
+  PyTorch path divides by a tensor, as CUDA's division by a Python number multiplies by its
+  float32 reciprocal), ``v = x * inv``; fp8 e4m3 by integer operations that follow c10's float -> e4m3fn
   conversion (round to nearest even, subnormals by one float addition; see :func:`_e4m3_bits`), int8
   by ``floor(v + u)`` clamped to +-127, u the caller's ``torch.rand`` draw (the PyTorch path adds
   the same u). Decompression: the value times its block's scale in float32, rounded once.

@@ -1,0 +1,140 @@
+"""What the interpreter cannot see: Triton's float32 ``/`` compiles on CUDA to ``div.full.f32`` (an
+approximation, up to 2 ulp) and ``tl.sqrt`` to ``sqrt.approx.f32``, while the interpreter divides and
+takes square roots correctly rounded (numpy). A kernel whose result must equal a PyTorch path
+bitwise therefore passes every interpreter test and fails on a GPU. Compiled here for sm_90 without
+a GPU (Triton's bundled ptxas is not needed: the PTX is enough), every kernel of
+leanact/ops/triton is scanned for approximate instructions.
+
+Allowed where the results are not compared bitwise or the approximation is the reference's own:
+the norms' means ``sum / N`` (LayerNorm / RMSNorm: checked against float64 within a tolerance),
+and the ``ex2.approx`` inside libdevice's ``erff`` (GeGLU's ``tl.erf``; torch's ``erff`` is an
+approximation too, tests/test_triton_gated_cuda.py bounds the difference).
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from _triton_run import _BUILD, ROOT
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+
+_SCAN = r'''
+import re
+from leanact.ops.triton import gated_kernels as GK, kernels as K, lossy_kernels as LK
+
+APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.approx\.\w+|rsqrt\.approx\.\w+"
+                    r"|ex2\.approx\.\w+|lg2\.approx\.\w+|tanh\.approx\.\w+|sin\.approx\.\w+|cos\.approx\.\w+)")
+found, built = {}, set()
+
+def scan(fn, sig, consts, **opts):
+    full = dict(sig, **{k: "constexpr" for k in consts})
+    c = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    name = fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__
+    built.add(name)
+    found.setdefault(name, set()).update(m.split(".")[0] + "." + m.split(".")[1] for m in APPROX.findall(c.asm["ptx"]))
+
+''' + "{body}" + r'''
+kernels = {n for mod in (K, LK, GK) for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
+print("KERNELS", sorted(kernels - built), "MISSING")
+for name in sorted(found):
+    print("FOUND", name, sorted(found[name]))
+'''
+
+_ALL = r'''
+scan(K._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "n": "i64", "offset": "i64",
+     "thr": "i64", "scale": "fp32"}, {"APPLY": True, "BLOCK": 1024}, **K.FUSED)
+scan(K._keep_rows_kernel, {"starts_ptr": "*i64", "out_ptr": "*u8", "seed_ptr": "*i64", "length": "i32", "thr": "i64"},
+     {"BLOCK": 1024}, **K.FUSED)
+for rms in (False, True):
+    scan(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+         "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms,
+         "BLOCK_N": 1024}, **K.FUSED)
+    for from_output in (False, True):
+        scan(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+             "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32",
+             "rows_per_prog": "i32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "FROM_OUTPUT": from_output,
+             "NEED_DX": True, "NEED_DW": True, "NEED_DB": not rms, "BLOCK_N": 1024}, **K.FUSED)
+scan(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
+     "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
+scan(K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
+     "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}, **K.FUSED)
+scan(K._erfc64_kernel, {"x_ptr": "*fp64", "y_ptr": "*fp64", "n": "i32"}, {"BLOCK": 1024}, **K.UNFUSED)
+for tanh in (False, True):
+    scan(K._gelu32_fwd_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32", "thr": "fp32"},
+         {"TANH": tanh, "WITH_BITS": True, "BLOCK": 1024}, **K.UNFUSED)
+    scan(K._gelu32_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
+         "ab_ptr": "*fp32", "h_ptr": "*fp64", "n": "i32", "c32": "fp32"}, {"TANH": tanh, "BLOCK": 1024}, **K.UNFUSED)
+for kind, ptr in ((0, "*fp32"), (1, "*i16")):
+    scan(LK._fewbit_fwd_kernel, {"x_ptr": ptr, "y_ptr": ptr, "tab_ptr": ptr, "packed_ptr": "*u8",
+         "borders_ptr": "*fp32", "labels_ptr": "*u8", "n": "i32", "per": "i32"},
+         {"NB": 19, "BITS": 4, "KIND": kind, "WITH_Y": kind == 1, "BLOCK": 1024}, **K.UNFUSED)
+scan(LK._fewbit_bwd_kernel, {"packed_ptr": "*u8", "levels_ptr": "*fp32", "dy_ptr": "*bf16", "out_ptr": "*bf16",
+     "n": "i32", "per": "i32"}, {"BITS": 3, "BLOCK": 1024}, **K.UNFUSED)
+for int8, q in ((True, "*i8"), (False, "*u8")):
+    scan(LK._quantize_kernel, {"x_ptr": "*fp32", "q_ptr": q, "scale_ptr": "*fp32", "u_ptr": "*fp32", "n": "i32",
+         "nblocks": "i32", "block": "i32", "qmax": "fp32"}, {"INT8": int8, "R": 32, "BP": 128}, **K.UNFUSED)
+    scan(LK._dequantize_kernel, {"q_ptr": q, "scale_ptr": "*fp32", "out_ptr": "*fp16", "n": "i32", "block": "i32"},
+         {"FP8": not int8, "BLOCK": 1024}, **K.UNFUSED)
+for kind in (0, 1, 2):
+    scan(GK._glu_fwd_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16", "n": "i32", "sg": "i64",
+         "su": "i64"}, {"KIND": kind, "BLOCK": 1024}, **K.UNFUSED)
+    scan(GK._glu_bwd_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "dh_ptr": "*bf16", "dg_ptr": "*bf16",
+         "du_ptr": "*bf16", "h_ptr": "*bf16", "n": "i32", "sg": "i64", "su": "i64"},
+         {"KIND": kind, "NEED_DG": True, "NEED_DU": True, "NEED_H": True, "BLOCK": 1024}, **K.UNFUSED)
+'''
+
+_DIVIDES = r'''
+import triton.language as tl
+
+@triton.jit
+def _divides_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tl.load(x_ptr + i) / tl.load(y_ptr + i))
+
+scan(_divides_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 128}, **K.UNFUSED)
+'''
+
+#: kernel -> approximate instructions allowed in it (module doc)
+ALLOWED = {"_ln_fwd_kernel": {"div.full"}, "_ln_bwd_kernel": {"div.full"}, "_glu_fwd_kernel": {"ex2.approx"},
+           "_glu_bwd_kernel": {"ex2.approx"}}
+
+
+def _scan(body: str) -> dict:
+    """Compile in a fresh process without TRITON_INTERPRET (as _triton_run.compile_for_sm90) and read
+    what the scan printed."""
+    pytest.importorskip("triton.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT)
+    with tempfile.TemporaryDirectory() as tmp:  # a file: @triton.jit reads its function's source
+        script = os.path.join(tmp, "scan.py")
+        with open(script, "w") as f:
+            f.write(_BUILD + _SCAN.replace("{body}", body))
+        r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    missing = next(line for line in lines if line.startswith("KERNELS"))
+    found = {}
+    for line in lines:
+        if line.startswith("FOUND "):
+            _, name, rest = line.split(" ", 2)
+            found[name] = set(eval(rest))  # a printed list of strings
+    return {"missing": missing, "found": found}
+
+
+def test_no_approximate_division_or_sqrt_where_results_are_bitwise():
+    result = _scan(_ALL)
+    assert result["missing"] == "KERNELS [] MISSING", result["missing"]  # every kernel scanned
+    extra = {name: sorted(ops - ALLOWED.get(name, set())) for name, ops in result["found"].items()
+             if ops - ALLOWED.get(name, set())}
+    assert not extra, extra
+
+
+def test_the_scan_sees_a_plain_float32_division():
+    """The check can fail: ``x / y`` in float32 is ``div.full.f32`` on CUDA."""
+    assert _scan(_DIVIDES)["found"].get("_divides_kernel") == {"div.full"}
