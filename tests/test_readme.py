@@ -11,11 +11,15 @@
 * Relative links resolve (files, and #anchors to headings); docs/api.md is what
   ``scripts/api_reference.py`` writes (every public name, current signatures and docstrings).
 * The README stays short, keeps CI's test command after its marker, and no page has dates.
+* ``.ci/run`` runs that command in a virtual environment of its own, made for the run and removed
+  after it (checked on a stand-in README whose command inspects its environment).
 """
+import json
 import os
 import pathlib
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -179,6 +183,32 @@ def test_readme_is_short_and_keeps_ci_test_command():
     assert lines[i + 1] == "```bash"  # .ci/run takes the line after this one
     command = lines[i + 2]
     assert command.startswith("python -m pip install") and command.endswith("python -m pytest -q"), command
+
+
+def test_ci_runs_the_readme_command_in_a_new_virtual_environment(tmp_path):
+    """.ci/run on a stand-in repository whose README command records where it runs and fails: it
+    ran in a new virtual environment (its own python and pip first on PATH, none of this
+    environment's packages), CI's exit status is the command's, and the environment is gone."""
+    repo, tmp = tmp_path / "repo", tmp_path / "tmp"
+    (repo / ".ci").mkdir(parents=True)
+    tmp.mkdir()
+    shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
+    probe = ("import importlib.util as u, json, shutil, sys; json.dump([sys.prefix, shutil.which('python'), "
+             "u.find_spec('pytest') is not None], open('where.json', 'w'))")
+    command = f'python -c "{probe}" && python -m pip --version > pip.txt && python -c "import sys; sys.exit(3)"'
+    (repo / "README.md").write_text(f"# stand-in\n\n<!-- test-command -->\n```bash\n{command}\n```\n")
+    site = pathlib.Path(pytest.__file__).parents[1]  # where this environment has pytest: CI must not see it
+    env = dict(os.environ, TMPDIR=str(tmp), LEANACT_CI_PYTHON=sys.executable, PYTHONPATH=str(site))
+    out = subprocess.run(["bash", str(repo / ".ci" / "run")], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out.stdout + out.stderr
+    prefix, python, has_pytest = json.loads((repo / "where.json").read_text())
+    venv = pathlib.Path(prefix)
+    assert venv.parent == tmp and venv.name.startswith("leanact-ci-venv."), prefix
+    assert python == str(venv / "bin" / "python") and not has_pytest  # PYTHONPATH dropped too
+    assert str(venv) in (repo / "pip.txt").read_text()  # the environment's own pip
+    assert list(tmp.iterdir()) == [], "the virtual environment was not removed"
+    assert f"+ {command}" in out.stdout
 
 
 def test_no_dates_in_docs():
