@@ -108,11 +108,21 @@ def _free(model=None, opt=None) -> None:
     torch.cuda.empty_cache()
 
 
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` is the device running out of memory: ``torch.cuda.OutOfMemoryError`` (also
+    ``torch.OutOfMemoryError``), or a RuntimeError saying "out of memory" (cuBLAS / cuDNN workspaces,
+    older torch)."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
 def measure_step(step: Callable[[int], None], limit: int, steps: int, opt=None,
                  device: str = "cuda") -> tuple[int, float, float]:
     """(largest batch for which ``step(b)`` fits, sequences/s at it (median of ``steps`` timed steps
     after two warm-up steps), peak GiB over the timed steps); (0, 0, 0) if not even 1 fits. ``opt``'s
-    gradients are dropped after each try (an out-of-memory step may leave them allocated). On a
+    gradients are dropped after each try (an out-of-memory step may leave them allocated). A batch
+    that fit once in the search may not fit again in the warm-up or timed steps (the allocator's
+    fragmentation, the optimizer state created by the first step): then the batch is lowered by a
+    sixteenth (at least 1) until the timed steps run, and that batch is the one returned. On a
     ``device`` other than CUDA nothing is synchronized and the peak is NaN."""
     cuda = device == "cuda"
 
@@ -122,29 +132,39 @@ def measure_step(step: Callable[[int], None], limit: int, steps: int, opt=None,
             if cuda:
                 torch.cuda.synchronize()
             return True
-        except torch.cuda.OutOfMemoryError:
+        except Exception as e:
+            if not is_oom(e):
+                raise
             return False
         finally:
             _free(None, opt)
 
-    batch = largest_fitting(fits, limit)
-    speed, peak = 0.0, 0.0
-    if batch:
+    def timed(b: int) -> tuple[float, float]:
         for _ in range(2):  # warm-up
-            step(batch)
+            step(b)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            step(batch)
+            step(b)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        speed = batch / statistics.median(times)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    return batch, speed, peak
+        return b / statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+
+    batch = largest_fitting(fits, limit)
+    while batch:
+        try:
+            speed, peak = timed(batch)
+            return batch, speed, peak
+        except Exception as e:
+            if not is_oom(e):
+                raise
+        _free(None, opt)  # outside the except block: the traceback's frames (and their tensors) are gone
+        batch -= max(1, batch // 16)
+    return 0, 0.0, 0.0
 
 
 def measure(label: str, attn: str, lean: str | None, precision: str, cast: str, seq: int, steps: int,

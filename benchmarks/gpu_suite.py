@@ -4,11 +4,14 @@
 
 Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
 context in one part leaves the others running; every part says whether it ran, failed or timed
-out, and what it finished before that):
+out, and what it finished before that). A configuration that runs out of GPU memory is a result,
+not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
+``torch.cuda.empty_cache``) and the part goes on with the next one:
 
 1. ``tests``: the CUDA subset of the test suite (``-m "cuda or triton"``: the compiled Triton
    kernels against the PyTorch path on CUDA, patched tiny models against unpatched ones, attention,
-   offload, the dropout mask across devices).
+   offload, the dropout mask across devices). Failed if any test failed or errored (the counts and
+   the failing tests are kept).
 2. ``ops``: forward+backward time of each lean op (Triton kernels, and the PyTorch path with
    ``LEANACT_TRITON=0``) against torch's own op of the same role, and Liger-Kernel's RMSNorm /
    LayerNorm / SwiGLU when ``liger_kernel`` imports. Target: leanact ≤ 1.2x torch.
@@ -23,8 +26,9 @@ out, and what it finished before that):
 6. ``offload``: step time and peak with and without CPU offload of every layer (overlap).
 
 The whole run stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
-``--out`` under a header with the device, torch / triton / transformers versions, the git commit and
-the date. Without CUDA it exits with a message and writes nothing.
+``--out`` under a header with the device, torch / triton / transformers / liger-kernel versions, the
+git commit of the leanact package that runs ("unknown" outside a git checkout) and the date.
+Without CUDA it exits with a message and writes nothing.
 
 ``--smoke --out FILE`` runs every part on the CPU at tiny sizes (:data:`SIZES`; no CUDA calls, peaks
 "n/a", ``tests`` a small CPU subset) to catch Python errors in the parts before a GPU run.
@@ -34,6 +38,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -151,6 +159,32 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` is the GPU running out of memory (``torch.cuda.OutOfMemoryError``, or a
+    RuntimeError saying "out of memory": cuBLAS / cuDNN workspaces, older torch)."""
+    import torch
+
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
+def unless_oom(rec: Recorder, label: str, fn):
+    """``fn()``, or None when it runs out of GPU memory: then a row ``label, "OOM", "n/a", ...`` and a
+    note are recorded and the memory is freed. Other errors propagate."""
+    try:
+        return fn()
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        what = f"{type(e).__name__}: {str(e)[:200]}"
+    # here, outside the except block, the traceback (and the tensors its frames hold) is gone
+    gc.collect()
+    _empty_cache()
+    width = max(2, len(rec.data["columns"]))
+    rec.row(label, "OOM", *["n/a"] * (width - 2))
+    rec.note(f"{label}: out of memory ({what})")
+    return None
+
+
 def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env: dict | None = None) -> dict:
     """Run one part in a fresh process (``--worker``); returns its result dict with ``status``
     "ok", "failed" (with the error) or "timeout", and ``seconds``."""
@@ -224,21 +258,54 @@ def markdown(header: dict, results: dict[str, dict]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def versions() -> dict:
-    """torch / triton / transformers / liger versions, the git commit; never raises."""
-    import importlib
+#: distribution -> module of the versions in the header
+DISTRIBUTIONS = {"torch": "torch", "triton": "triton", "transformers": "transformers", "liger-kernel": "liger_kernel"}
 
-    info = {}
-    for mod in ("torch", "triton", "transformers", "liger_kernel"):
-        try:
-            info[mod] = getattr(importlib.import_module(mod), "__version__", "?")
-        except Exception:
-            info[mod] = "not installed"
+
+def version(dist: str, module: str) -> str:
+    """The module's ``__version__``, else its distribution's (``liger_kernel`` has no ``__version__``),
+    "not installed" when neither the module imports nor the distribution is installed; never raises."""
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True, timeout=10).stdout.strip() or "?"
+        ver = getattr(importlib.import_module(module), "__version__", None)
+        imports = True
     except Exception:
-        info["commit"] = "?"
+        ver, imports = None, False
+    if ver is None:
+        try:
+            ver = importlib.metadata.version(dist)
+        except Exception:
+            return "?" if imports else "not installed"
+        if not imports:
+            ver += " (does not import)"
+    return str(ver)
+
+
+def commit_of(package_dir) -> str:
+    """Short commit of the git checkout that tracks ``package_dir``'s ``__init__.py``; "unknown" when
+    there is none (an installed copy, a tarball, a checkout that does not track it); never raises."""
+    try:
+        init = pathlib.Path(package_dir) / "__init__.py"
+
+        def git(*args):
+            return subprocess.run(["git", "-C", str(package_dir), *args], capture_output=True, text=True, timeout=10)
+
+        if git("ls-files", "--error-unmatch", init.name).returncode != 0:
+            return "unknown"
+        out = git("rev-parse", "--short", "HEAD")
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def versions() -> dict:
+    """Versions of :data:`DISTRIBUTIONS`, and the commit of the leanact package that runs (where
+    ``import leanact`` finds it, not the working directory's repository); never raises."""
+    info = {dist: version(dist, module) for dist, module in DISTRIBUTIONS.items()}
+    try:
+        spec = importlib.util.find_spec("leanact")
+        info["commit"] = commit_of(pathlib.Path(spec.origin).parent) if spec and spec.origin else "unknown"
+    except Exception:
+        info["commit"] = "unknown"
     return info
 
 
@@ -255,21 +322,36 @@ def parse_pytest(output: str) -> dict[str, int]:
 
 
 def part_tests(rec: Recorder, limit_s: float) -> None:
+    cmd = _pytest_command()
+    if smoke():
+        rec.note("smoke run: a small CPU subset instead of the CUDA tests")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, limit_s - 10))
+    check_pytest(rec, proc.stdout, proc.returncode)
+
+
+def _pytest_command() -> list[str]:
+    """The tests part's pytest command (a function: the suite's tests run it on a file of their own)."""
     # the interpreter re-run and the offline compile are the CPU machines' checks: left out here
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda or triton", "-k",
            "not test_in_subprocess and not compile_for_a_gpu", "tests"]
     if smoke():  # the same machinery on a few quick CPU tests
         cmd[-5:] = ["-k", "largest_fitting", "tests/test_bench_gpu_bert_large.py"]
-        rec.note("smoke run: a small CPU subset instead of the CUDA tests")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, limit_s - 10))
-    counts = parse_pytest(proc.stdout)
+    return cmd
+
+
+def check_pytest(rec: Recorder, output: str, returncode: int) -> None:
+    """Rows (passed, failed, error, skipped counts), a note per failing test; raises (the part
+    fails, its rows kept) when a test failed or errored or pytest itself did not finish cleanly
+    (exit code other than 0, or 5: nothing collected)."""
+    counts = parse_pytest(output)
     for what in ("passed", "failed", "error", "skipped"):
         rec.row(what, counts.get(what, 0))
-    for line in proc.stdout.splitlines():
+    for line in output.splitlines():
         if line.startswith(("FAILED", "ERROR")):
             rec.note(line[:300])
-    if proc.returncode not in (0, 5):
-        rec.note(f"pytest exit code {proc.returncode}")
+    bad = counts.get("failed", 0) + counts.get("error", 0)
+    if bad or returncode not in (0, 5):
+        raise RuntimeError(f"FAILED {bad} test(s) (pytest exit code {returncode})")
 
 
 def _time_fwd_bwd(fn, x, dy, iters: int = 10) -> float:
@@ -369,6 +451,7 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
         if time.perf_counter() > deadline:
             rec.note(f"stopped before {name} {dt}: time limit")
             break
+        oom = False
         try:
             torch.manual_seed(0)
             x = torch.randn(shape, device=_dev(), dtype=getattr(torch, dt), requires_grad=True)
@@ -385,11 +468,16 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
             ratio = t_lean / t_ref
             rec.row(name, dt, "x".join(map(str, shape)), t_ref, t_lean, f"{ratio:.2f}x", "ok" if ratio <= 1.2 else "no",
                     t_path, t_liger)
-        except Exception as e:  # one op failing leaves the others (the part still fails at the end)
-            failed.append(f"{name} {dt}")
+        except Exception as e:  # one op failing leaves the others (the part still fails at the end; an OOM is a row)
+            oom = is_oom(e)
+            if not oom:
+                failed.append(f"{name} {dt}")
             rec.note(f"{name} {dt}: {type(e).__name__}: {str(e)[:200]}")
-        finally:
-            _empty_cache()
+        if oom:
+            rec.row(name, dt, "x".join(map(str, shape)), "OOM", *["n/a"] * 5)
+        x = dy = None  # freed here, outside the except block (whose traceback holds the tensors)
+        gc.collect()
+        _empty_cache()
     passed = sorted(f"{op} {key}" for op, device, key in dispatch.verified() if device.startswith("cuda"))
     rec.note("kernel self-checks passed on this GPU: " + (", ".join(passed) if passed else "none"))
     if failed:
@@ -452,8 +540,12 @@ def part_bert(rec: Recorder, limit_s: float, cap_gib: float = 16.0) -> None:
                  "throughput at its largest batch ≥ 1.15x HF sdpa's at its own")
     done = []
     for label, attn, how in BERT_MODES:
-        batch, speed, peak = _bert_mode(gb, attn, how)
+        # an OOM outside the batch search (building the model, the optimizer's first step) is this mode's row
+        measured = unless_oom(rec, label, lambda: _bert_mode(gb, attn, how))
         gb._free()
+        if measured is None:
+            continue
+        batch, speed, peak = measured
         done.append((label, batch, speed))
         rb, rs = {m: (rb, rs) for m, rb, rs in bert_ratios(done)}[label]
         rec.row(label, batch, f"{rb:.2f}x", speed, f"{rs:.2f}x", peak)
@@ -519,8 +611,13 @@ def part_llama(rec: Recorder, limit_s: float) -> None:
     rec.note(f"batch {batch}, seq {seq}; target: leanact ≤ 1.05x HF sdpa's step time")
     ref = None
     for label in ("HF sdpa", "leanact", "leanact, PyTorch path (LEANACT_TRITON=0)"):
-        t, peak = _llama_time(label != "HF sdpa", batch, seq, kernels="PyTorch" not in label)
+        measured = unless_oom(rec, label, lambda: _llama_time(label != "HF sdpa", batch, seq,
+                                                               kernels="PyTorch" not in label))
         _empty_cache()
+        if measured is None:
+            ref = ref or float("nan")  # HF sdpa's OOM: no ratios
+            continue
+        t, peak = measured
         ref = ref or t
         rec.row(label, batch, seq, t * 1000, f"{t / ref:.3f}x", peak)
 
@@ -557,8 +654,11 @@ def part_estimate(rec: Recorder, limit_s: float) -> None:
     if smoke():
         rec.note("smoke run: leanact.estimate(device=\"cpu\") vs leanact.estimate.measure (a real CPU step)")
     for label, lean in ((f"BERT-base s={seq}, HF sdpa", False), (f"BERT-base s={seq}, leanact", True)):
-        est, measured = _estimate_and_measure(lean, batch, seq)
+        both = unless_oom(rec, label, lambda: _estimate_and_measure(lean, batch, seq))
         _empty_cache()
+        if both is None:
+            continue
+        est, measured = both
         rec.row(label, batch, est / 2**30, measured / 2**30, f"{est / measured:.3f}",
                 "ok" if abs(est / measured - 1) <= 0.05 else "no")
 
@@ -588,8 +688,12 @@ def part_offload(rec: Recorder, limit_s: float) -> None:
     batch = _size("offload_batch")
     ref = None
     for label, offload in (("leanact", False), ("leanact + offload (every layer)", True)):
-        t, peak, moved = _offload_time(gb, offload, batch)
+        measured = unless_oom(rec, label, lambda: _offload_time(gb, offload, batch))
         gb._free()
+        if measured is None:
+            ref = ref or float("nan")
+            continue
+        t, peak, moved = measured
         if offload and not moved:
             raise RuntimeError("the offload plan copied no saved tensor to the host")
         ref = ref or t
