@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from .amp import autocast_dtype, autocast_off
 from .attention_core import RecomputeAttention, TempoAttention
+from .attention_op import recompute_attention
 from .random import _as_seed, draw_seed
 from .transforms import functorch_active
 
@@ -124,6 +125,8 @@ def _sdpa_is_lean(q, k, v, mask4) -> bool:
         elif mask4.dtype != q.dtype:
             return False
     device = _device_type(q)
+    if device == "cpu" and torch.compiler.is_compiling():
+        return False  # torch.compile decomposes the CPU flash kernel into the composition (keeps s²)
     if device == "cpu":
         # The CPU flash kernel's 16-bit backward loses accuracy (measured: gradients 10x further from
         # fp32 than the eager composition's on a tiny OPT); leanact's core accumulates in fp32.
@@ -227,8 +230,16 @@ def _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed
         out = TempoAttention.apply(q, k, v, mask4, seed, p, is_causal, scale)
     else:
         block = int(block_size) if block_size else default_block_size(b, h, s_q, k.size(2))
-        out = RecomputeAttention.apply(q, k, v, mask4, seed, p, is_causal, scale, block)
+        out = _recompute(q, k, v, mask4, seed, p, is_causal, scale, block)
     return out.transpose(1, 2)
+
+
+def _recompute(*args):
+    """:class:`RecomputeAttention` eagerly; its custom op while compiling (opaque to AOTAutograd, which
+    would otherwise keep the s² probabilities of the traced backward: :mod:`leanact.ops.attention_op`)."""
+    if torch.compiler.is_compiling():
+        return recompute_attention(*args)
+    return RecomputeAttention.apply(*args)
 
 
 def _check_variants(softcap, sinks, h: int) -> None:
@@ -250,7 +261,7 @@ def _variant(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, s
     b, h, s_q, _ = q.shape
     block = int(block_size) if block_size else default_block_size(b, h, s_q, k.size(2))
     softcap = None if softcap is None else float(softcap)
-    out = RecomputeAttention.apply(q, k, v, mask4, seed, p, is_causal, scale, block, softcap, sinks)
+    out = _recompute(q, k, v, mask4, seed, p, is_causal, scale, block, softcap, sinks)
     return out.transpose(1, 2)
 
 

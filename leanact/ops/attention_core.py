@@ -178,6 +178,81 @@ def _setup(q, k, v, p):
     return b, h, s_q, d, k.size(1), k.size(2), v.size(-1), b * k.size(1), c, (1.0 / (1.0 - p) if p < 1 else 0.0)
 
 
+def recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None):
+    """:class:`RecomputeAttention`'s forward: the output (b, s_q, H, dv) (its transpose(1, 2) is the
+    (b, H, s_q, dv) result) and the per-row log-sum-exp (b, H, s_q) in the compute dtype."""
+    b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
+    kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
+    dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
+    sink = _sink4(sinks, h, c)
+    out = q.new_empty((b, s_q, h, dv))
+    o4 = out.transpose(1, 2)
+    lse = q.new_empty((b, h, s_q), dtype=c)
+    for i0 in _block_starts(s_q, block):
+        i1 = min(i0 + block, s_q)
+        kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
+        s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h, softcap)
+        m, l, empty = _safe_softmax_(s4, sink)
+        lse[:, :, i0:i1] = (m + l.log()).masked_fill_(empty, _INF).squeeze(-1)
+        r = l.reciprocal().masked_fill_(empty, 0.0)
+        if dropper is not None:
+            s.mul_(dropper(i0, i1, kend).view(s.shape))
+            r.mul_(inv)
+        o4[:, :, i0:i1] = torch.bmm(s, vc[:, :kend]).view(b, h, i1 - i0, dv).mul_(r)
+    return out, lse
+
+
+def recompute_backward(dout, q, k, v, lse, mask, seed, sinks, p, causal, scale, block, softcap=None,
+                       mask_grad=False, sinks_grad=False):
+    """:class:`RecomputeAttention`'s backward from ``dout`` (b, s_q, H, dv) and what it keeps:
+    (dq, dk, dv, dmask or None, dsinks or None)."""
+    b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
+    kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
+    dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
+    sink = _sink4(sinks, h, c)
+    dsink = torch.zeros((1, h, 1, 1), dtype=c, device=q.device) if sinks_grad else None
+    do4 = dout.transpose(1, 2)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros((bk, s_k, d), dtype=c, device=q.device)
+    dvv = torch.zeros((bk, s_k, dv), dtype=c, device=q.device)
+    dmask = torch.zeros(mask.shape, dtype=c, device=q.device) if mask_grad else None
+    # With dropout, dS = P * (inv * dP' - D) = inv * P * (dP' - D / inv), dP' = (dO V^T) * keep:
+    # the factor inv goes on the (rows x d) products. p = 1 (inv = 0): everything but dV is 0.
+    dscale = inv if dropper is not None else 1.0
+    for i0 in _block_starts(s_q, block):
+        i1 = min(i0 + block, s_q)
+        kend = min(s_k, i1) if causal else s_k
+        qs = _rows(q, i0, i1, c, bk).mul(scale)
+        tanh = [] if softcap is not None else None
+        s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h, softcap, tanh)
+        lse_b = lse[:, :, i0:i1].unsqueeze(-1)
+        s4.sub_(lse_b).exp_()  # P; rows with lse = +inf (fully masked) give 0
+        dob = _rows(do4, i0, i1, c, bk)
+        dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropout output
+        if dropper is not None:
+            keep = dropper(i0, i1, kend).view(s.shape)
+            dvv[:, :kend].baddbmm_((s * keep).transpose(1, 2), dob, alpha=inv)
+            dp.mul_(keep)
+        else:
+            dvv[:, :kend].baddbmm_(s.transpose(1, 2), dob)
+        # D / dscale = rowsum(P * dP') in the compute dtype: the same value as rowsum(dO * O) / dscale,
+        # without the rounding of a 16-bit O (which cancels badly where dP' is close to D).
+        dd = (s * dp).sum(-1, keepdim=True)
+        if dsink is not None:  # d sink_h = -sum over rows of P_sink * D, P_sink = exp(sink - lse)
+            psink = (sink - lse_b).exp_()  # (b, H, bs, 1); 0 where lse = +inf
+            dsink.sub_((psink * dd.view(b, h, i1 - i0, 1)).sum((0, 2), keepdim=True), alpha=dscale)
+        ds = dp.sub_(dd).mul_(s)  # dS / dscale
+        if dmask is not None:  # (the mask is added after the softcap: its gradient is dS itself)
+            _mask_grad(dmask, ds.view(b, h, i1 - i0, kend).mul(dscale), i0, i1)
+        if tanh is not None:  # through c·tanh(S/c): times 1 - tanh²(S/c)
+            ds.mul_(tanh[0].square_().neg_().add_(1.0))
+        dq[:, :, i0:i1] = torch.bmm(ds, kc[:, :kend]).mul_(scale * dscale).view(b, h, i1 - i0, d)
+        dk[:, :kend].baddbmm_(ds.transpose(1, 2), qs, alpha=dscale)
+    dk, dvv = dk.view(k.shape).to(k.dtype), dvv.view(v.shape).to(v.dtype)
+    dsinks = dsink.view(h).to(sinks.dtype) if dsink is not None else None
+    return dq, dk, dvv, (dmask.to(mask.dtype) if dmask is not None else None), dsinks
+
+
 class RecomputeAttention(torch.autograd.Function):
     """Flash-style attention. Saves q, k, v (the caller's tensors), the per-row log-sum-exp
     (b, H, s_q) and the seed (plus the caller's mask and the (H,) sinks, if any): nothing of size
@@ -191,24 +266,7 @@ class RecomputeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None):
-        b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
-        kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
-        dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
-        sink = _sink4(sinks, h, c)
-        out = q.new_empty((b, s_q, h, dv))  # (b, s, H, dv): out.transpose(1, 2) is what we return
-        o4 = out.transpose(1, 2)
-        lse = q.new_empty((b, h, s_q), dtype=c)
-        for i0 in _block_starts(s_q, block):
-            i1 = min(i0 + block, s_q)
-            kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
-            s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h, softcap)
-            m, l, empty = _safe_softmax_(s4, sink)
-            lse[:, :, i0:i1] = (m + l.log()).masked_fill_(empty, _INF).squeeze(-1)
-            r = l.reciprocal().masked_fill_(empty, 0.0)
-            if dropper is not None:
-                s.mul_(dropper(i0, i1, kend).view(s.shape))
-                r.mul_(inv)
-            o4[:, :, i0:i1] = torch.bmm(s, vc[:, :kend]).view(b, h, i1 - i0, dv).mul_(r)
+        out, lse = recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap, sinks)
         lse._leanact_exact = True  # a softmax statistic: lossy compression must leave it exact
         ctx.save_for_backward(q, k, v, lse, mask, seed, sinks)
         ctx.args = (p, causal, scale, block, softcap)
@@ -219,54 +277,10 @@ class RecomputeAttention(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx, dout):
         q, k, v, lse, mask, seed, sinks = ctx.saved_tensors
-        p, causal, scale, block, softcap = ctx.args
-        b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
-        kc, vc, amask = _kv(k, c), _kv(v, c), _additive(mask, c)
-        dropper = _Dropper(seed, p, b, h, s_q, s_k, q.device) if p > 0 else None
-        sink = _sink4(sinks, h, c)
         needs = ctx.needs_input_grad
-        dsink = torch.zeros((1, h, 1, 1), dtype=c, device=q.device) if len(needs) > 10 and needs[10] else None
-        do4 = dout.transpose(1, 2)
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.zeros((bk, s_k, d), dtype=c, device=q.device)
-        dvv = torch.zeros((bk, s_k, dv), dtype=c, device=q.device)
-        dmask = torch.zeros(mask.shape, dtype=c, device=q.device) if ctx.needs_input_grad[3] else None
-        # With dropout, dS = P * (inv * dP' - D) = inv * P * (dP' - D / inv), dP' = (dO V^T) * keep:
-        # the factor inv goes on the (rows x d) products. p = 1 (inv = 0): everything but dV is 0.
-        dscale = inv if dropper is not None else 1.0
-        for i0 in _block_starts(s_q, block):
-            i1 = min(i0 + block, s_q)
-            kend = min(s_k, i1) if causal else s_k
-            qs = _rows(q, i0, i1, c, bk).mul(scale)
-            tanh = [] if softcap is not None else None
-            s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h, softcap, tanh)
-            lse_b = lse[:, :, i0:i1].unsqueeze(-1)
-            s4.sub_(lse_b).exp_()  # P; rows with lse = +inf (fully masked) give 0
-            dob = _rows(do4, i0, i1, c, bk)
-            dp = torch.bmm(dob, vc[:, :kend].transpose(1, 2))  # gradient of the dropout output
-            if dropper is not None:
-                keep = dropper(i0, i1, kend).view(s.shape)
-                dvv[:, :kend].baddbmm_((s * keep).transpose(1, 2), dob, alpha=inv)
-                dp.mul_(keep)
-            else:
-                dvv[:, :kend].baddbmm_(s.transpose(1, 2), dob)
-            # D / dscale = rowsum(P * dP') in the compute dtype: the same value as rowsum(dO * O) / dscale,
-            # without the rounding of a 16-bit O (which cancels badly where dP' is close to D).
-            dd = (s * dp).sum(-1, keepdim=True)
-            if dsink is not None:  # d sink_h = -sum over rows of P_sink * D, P_sink = exp(sink - lse)
-                psink = (sink - lse_b).exp_()  # (b, H, bs, 1); 0 where lse = +inf
-                dsink.sub_((psink * dd.view(b, h, i1 - i0, 1)).sum((0, 2), keepdim=True), alpha=dscale)
-            ds = dp.sub_(dd).mul_(s)  # dS / dscale
-            if dmask is not None:  # (the mask is added after the softcap: its gradient is dS itself)
-                _mask_grad(dmask, ds.view(b, h, i1 - i0, kend).mul(dscale), i0, i1)
-            if tanh is not None:  # through c·tanh(S/c): times 1 - tanh²(S/c)
-                ds.mul_(tanh[0].square_().neg_().add_(1.0))
-            dq[:, :, i0:i1] = torch.bmm(ds, kc[:, :kend]).mul_(scale * dscale).view(b, h, i1 - i0, d)
-            dk[:, :kend].baddbmm_(ds.transpose(1, 2), qs, alpha=dscale)
-        dk, dvv = dk.view(k.shape).to(k.dtype), dvv.view(v.shape).to(v.dtype)
-        dsinks = dsink.view(h).to(sinks.dtype) if dsink is not None else None
-        return (dq, dk, dvv, (dmask.to(mask.dtype) if dmask is not None else None), None, None, None, None, None,
-                None, dsinks)[: len(needs)]
+        grads = recompute_backward(dout, q, k, v, lse, mask, seed, sinks, *ctx.args, needs[3],
+                                   len(needs) > 10 and needs[10])
+        return (*grads[:4], None, None, None, None, None, None, grads[4])[: len(needs)]
 
 
 class TempoAttention(torch.autograd.Function):

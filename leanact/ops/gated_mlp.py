@@ -21,6 +21,8 @@ Because the op saves through ``ctx.save_for_backward``, any saved-tensor hooks a
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -61,10 +63,7 @@ class GatedDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, u, weight, bias, kind, cast):
-        w = weight if cast is None else weight.to(cast)
-        b = bias if (bias is None or cast is None) else bias.to(cast)
-        with autocast_off(g.device.type):
-            y = F.linear(_act_mul(kind, g, u), w, b)
+        y = gated_down_forward(g, u, weight, bias, kind, cast)
         ctx.kind, ctx.cast, ctx.bias_dtype = kind, cast, None if bias is None else bias.dtype
         ctx.save_for_backward(g, u, weight)
         return y
@@ -73,34 +72,48 @@ class GatedDownFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx, dy):
         g, u, weight = ctx.saved_tensors
-        w = weight if ctx.cast is None else weight.to(ctx.cast)
-        need_g, need_u, need_w, need_b = ctx.needs_input_grad[:4]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dg = du = dw = db = h = None
-        if need_g or need_u:
-            dh = dy2.mm(w).view(*dy.shape[:-1], w.shape[1])  # MmBackward's grad_self
-            # one kernel for dg, du and h on CUDA (not under double backward: it is not differentiable)
-            fused = None if torch.is_grad_enabled() else _triton.glu_backward(g, u, dh, ctx.kind, need_g, need_u, need_w)
-            if fused is not None:
-                dg, du, h = fused
-            else:
-                a = gated_act(ctx.kind, g)
-                if need_u:
-                    du = dh * a
-                if need_g:
-                    dg = _act_grad(ctx.kind, dh * u, g)
-                if need_w:
-                    h = a * u
-        if need_w:
-            if h is None:
-                h = gated_act(ctx.kind, g) * u if torch.is_grad_enabled() else _act_mul(ctx.kind, g, u)
-            h = h.reshape(-1, u.shape[-1])
-            dw = h.t().mm(dy2).t()  # MmBackward's grad_mat2 of linear's weight.t()
-            if dw.dtype != weight.dtype:
-                dw = dw.to(weight.dtype)
-        if ctx.bias_dtype is not None and need_b:
-            db = dy2.sum(0).to(ctx.bias_dtype)
-        return dg, du, dw, db, None, None
+        return (*gated_down_backward(dy, g, u, weight, ctx.kind, ctx.cast, ctx.bias_dtype, ctx.needs_input_grad[:4]),
+                None, None)
+
+
+def gated_down_forward(g, u, weight, bias, kind, cast):
+    """:class:`GatedDownFunction`'s forward (no autograd)."""
+    w = weight if cast is None else weight.to(cast)
+    b = bias if (bias is None or cast is None) else bias.to(cast)
+    with autocast_off(g.device.type):
+        return F.linear(_act_mul(kind, g, u), w, b)
+
+
+def gated_down_backward(dy, g, u, weight, kind, cast, bias_dtype, needs):
+    """:class:`GatedDownFunction`'s backward: (dg, du, dW, db), None where ``needs`` (four bools) says no."""
+    w = weight if cast is None else weight.to(cast)
+    need_g, need_u, need_w, need_b = needs
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dg = du = dw = db = h = None
+    if need_g or need_u:
+        dh = dy2.mm(w).view(*dy.shape[:-1], w.shape[1])  # MmBackward's grad_self
+        # one kernel for dg, du and h on CUDA (not under double backward: it is not differentiable)
+        fused = None if torch.is_grad_enabled() else _triton.glu_backward(g, u, dh, kind, need_g, need_u, need_w)
+        if fused is not None:
+            dg, du, h = fused
+        else:
+            a = gated_act(kind, g)
+            if need_u:
+                du = dh * a
+            if need_g:
+                dg = _act_grad(kind, dh * u, g)
+            if need_w:
+                h = a * u
+    if need_w:
+        if h is None:
+            h = gated_act(kind, g) * u if torch.is_grad_enabled() else _act_mul(kind, g, u)
+        h = h.reshape(-1, u.shape[-1])
+        dw = h.t().mm(dy2).t()  # MmBackward's grad_mat2 of linear's weight.t()
+        if dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+    if bias_dtype is not None and need_b:
+        db = dy2.sum(0).to(bias_dtype)
+    return dg, du, dw, db
 
 
 def gated_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -122,4 +135,55 @@ def gated_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: tor
     cast = autocast_dtype(g.device.type)
     if cast is not None and g.dtype != cast:  # autocast would cast the product, not the activation's input
         return F.linear(gated_act(kind, g) * u, weight, bias)
+    if torch.compiler.is_compiling():  # opaque to AOTAutograd, which would keep act(g) * u (below)
+        return _gated_down_op(g, u, weight, bias, kind, cast)
     return GatedDownFunction.apply(g, u, weight, bias, kind, cast)
+
+
+# -- the same op for torch.compile ---------------------------------------------------------------
+# Traced by Dynamo, GatedDownFunction's forward and backward become one joint graph and AOTAutograd's
+# partitioner keeps the product act(g) * u that the backward rebuilds (measured: a third tensor of
+# the intermediate size per layer). As a custom op the op is opaque: a compiled model keeps g and u.
+
+@torch.library.custom_op("leanact::gated_down", mutates_args=())
+def _gated_down_op(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kind: str,
+                   cast: Optional[torch.dtype]) -> torch.Tensor:
+    return gated_down_forward(g, u, weight, bias, kind, cast)
+
+
+@_gated_down_op.register_fake
+def _(g, u, weight, bias, kind, cast):
+    return g.new_empty((*g.shape[:-1], weight.shape[0]), dtype=cast or g.dtype)
+
+
+@torch.library.custom_op("leanact::gated_down_backward", mutates_args=())
+def _gated_down_backward_op(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, kind: str,
+                            cast: Optional[torch.dtype], bias_dtype: Optional[torch.dtype],
+                            needs: list[bool]) -> list[torch.Tensor]:
+    with autocast_off(g.device.type):
+        grads = gated_down_backward(dy, g, u, weight, kind, cast, bias_dtype, needs)
+    return [g.new_empty(0) if t is None else t for t in grads]  # an empty tensor: no gradient
+
+
+@_gated_down_backward_op.register_fake
+def _(dy, g, u, weight, kind, cast, bias_dtype, needs):
+    shapes = (g.shape, u.shape, weight.shape, weight.shape[:1])
+    dtypes = (g.dtype, u.dtype, weight.dtype, bias_dtype)
+    return [g.new_empty(s, dtype=d) if n else g.new_empty(0) for s, d, n in zip(shapes, dtypes, needs)]
+
+
+def _gated_setup(ctx, inputs, output):
+    g, u, weight, bias, kind, cast = inputs
+    ctx.save_for_backward(g, u, weight)
+    ctx.kind, ctx.cast, ctx.bias_dtype = kind, cast, None if bias is None else bias.dtype
+
+
+def _gated_grad(ctx, dy):
+    g, u, weight = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+    needs[3] = needs[3] and ctx.bias_dtype is not None
+    grads = _gated_down_backward_op(dy, g, u, weight, ctx.kind, ctx.cast, ctx.bias_dtype, needs)
+    return (*(t if n else None for t, n in zip(grads, needs)), None, None)
+
+
+_gated_down_op.register_autograd(_gated_grad, setup_context=_gated_setup)

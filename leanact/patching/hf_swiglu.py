@@ -12,8 +12,9 @@ Outputs are bitwise HF's; gradients are torch's formulas (``tests/test_patch_swi
 
 The kept tensors go through ``ctx.save_for_backward``: saved-tensor hooks active around the MLP
 (``torch.autograd.graph.save_on_cpu``, a checkpoint region, a meter, a user's hooks) see exactly
-what leanact keeps. Without autograd (``torch.no_grad``, inference), while compiling
-(``torch.compile`` traces HF's forward), under ``torch.func`` transforms, and whenever the
+what leanact keeps; under ``torch.compile`` ``gated_down`` is a custom op, opaque to the compiler,
+so a compiled model keeps g and u too. Without autograd (``torch.no_grad``, inference), under
+``torch.func`` transforms, and whenever the
 activation or a projection changed or has hooks since patching (registered after patching,
 ``leanact.lossy``'s few-bit activation, a LoRA layer put in place), the module runs HF's own
 forward, so inference is bit-identical to the unpatched model and the hooks fire.
@@ -158,8 +159,8 @@ class _LeanHFSwiGLU:
         hf_forward = type(self).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         names, act, act_cls, kind = self._leanact_gated
         mods = self._modules
-        if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or functorch_active() or not _plain(mods.get(act), act_cls)
+        if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or functorch_active()
+                or not _plain(mods.get(act), act_cls)
                 or not all(isinstance(mods.get(k), nn.Module) for k in names[:-1])
                 or not _down_linear(mods.get(names[-1]))):
             return hf_forward(self, *args, **kwargs)

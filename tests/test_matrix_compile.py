@@ -1,0 +1,91 @@
+"""Differential matrix, whole-model ``torch.compile``: a compiled patched model against the eager
+patched model with the same weights.
+
+* runs (``torch.compile(leanact.patch(model))`` used to recurse without end through the instance
+  forward wrappers), in training, with padding, twice (the second call reuses the compiled graphs);
+* gives the eager patched model's loss and gradients (fp32 rules of :mod:`test_matrix`;
+  the eager patched model is itself checked against the unpatched one there);
+* keeps what the eager patched model keeps, under inductor (what ``torch.compile`` uses by
+  default): every kept floating-point tensor larger than one value per token, bytes for bytes. The
+  documented exceptions (docs/patching.md, "torch.compile"): the fused head is off while compiling
+  (the logits are kept, as in the unpatched model: compared here with ``fused_loss=False``), and
+  MoE experts run Hugging Face's code.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import _families as F
+
+import leanact  # noqa: E402
+from leanact.memory.meter import SavedTensorMeter  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NUMERICS = ("llama", "gpt2", "bert", "qwen3", "gemma2", "phi3", "mixtral", "t5")
+MEMORY = ("llama", "gpt2", "bert")
+
+
+def _build(family):
+    try:
+        return F.build(family, "sdpa")
+    except F.Unsupported:
+        return F.build(family, "eager")
+
+
+def _step(fn, model, batch):
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = fn(**batch).loss
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", NUMERICS)
+def test_compiled_patched_matches_eager_patched(family):
+    torch._dynamo.reset()
+    lean = leanact.patch(_build(family))
+    batch = F.batch(family, "right")
+    l_eager, g_eager = _step(lean, lean, batch)
+    compiled = torch.compile(lean, backend="aot_eager")
+    for _ in range(2):
+        l_comp, g_comp = _step(compiled, lean, batch)
+        assert abs(l_comp - l_eager) <= 1e-5 * abs(l_eager), (l_eager, l_comp)
+        assert g_comp.keys() == g_eager.keys()
+        median = torch.stack([g.norm() for g in g_eager.values()]).median()
+        for name, g in g_eager.items():
+            if g.norm() < 1e-6 * median:  # zero in exact arithmetic (key biases): noise on both sides
+                assert (g_comp[name] - g).norm() <= 1e-6 * median, name
+            else:
+                assert (g_comp[name] - g).norm() <= 1e-5 * g.norm(), name
+
+
+def _kept(fn, model, batch, tokens):
+    """Bytes of the kept floating-point tensors larger than one value per token (per-token statistics
+    and the integer labels may be kept in another dtype or layout by the compiled graph)."""
+    meter = SavedTensorMeter(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with meter:
+            out = fn(**batch)
+    total = sum(r.counted_bytes for r in meter.counted()
+                if r.dtype.is_floating_point and torch.Size(r.shape).numel() > tokens)
+    del out
+    meter.release()
+    return total
+
+
+@pytest.mark.parametrize("family", MEMORY)
+def test_compiled_patched_keeps_what_eager_keeps(family):
+    torch._dynamo.reset()
+    lean = leanact.patch(_build(family), fused_loss=False)
+    batch = F.batch(family, "right")
+    tokens = batch["input_ids"].numel()
+    eager = _kept(lean, lean, batch, tokens)
+    compiled = _kept(torch.compile(lean), lean, batch, tokens)
+    assert compiled == eager, (eager, compiled)
