@@ -7,8 +7,9 @@ through the head W (V, h) and the causal-LM loss:
 
 * HF: ``ForCausalLMLoss(F.linear(x, W), labels, V)`` (transformers' own function: shift, upcast
   to fp32, ``F.cross_entropy``), the path of every ``*ForCausalLM`` model;
-* leanact: ``leanact.functional.linear_cross_entropy`` on the shifted labels (what
-  ``leanact.patch`` runs in that model), default (recompute in backward) and ``grad_in_forward``;
+* leanact: ``leanact.functional.linear_cross_entropy`` on the shifted labels, default (recompute
+  in backward) and ``grad_in_forward`` (what ``leanact.patch`` runs in training);
+* torch: ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (torch >= 2.13's chunked path);
   for 16-bit on a CPU that emulates 16-bit GEMM (no AVX512-BF16/AMX) leanact's tiles run fp32
   matmuls by default, so a row with 16-bit matmuls (as HF's) is added.
 
@@ -47,10 +48,19 @@ def lean_loss(grad_in_forward, matmul_dtype=None):
     return run
 
 
+def torch_loss(x, w, labels):
+    """torch's own fused head (torch >= 2.13): ``F.linear_cross_entropy`` with its chunked path."""
+    shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, shift.reshape(-1), ignore_index=-100,
+                                  options=torch.nn.LinearCrossEntropyOptions())
+
+
 def modes(dtype, keys):
     from leanact.ops.linear_cross_entropy import _matmul_dtype
 
     m = {"hf": ("HF ForCausalLMLoss", hf_loss), "lean": ("leanact (recompute)", lean_loss(False))}
+    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        m["torch"] = ("torch F.linear_cross_entropy (chunked)", torch_loss)
     if _matmul_dtype(dtype, torch.device("cpu")) != dtype:  # the automatic choice is fp32 here: show both
         m["lean16"] = (f"leanact, {DTYPE_NAMES[dtype]} matmuls", lean_loss(False, dtype))
     m["gif"] = ("leanact grad_in_forward", lean_loss(True))
@@ -98,8 +108,9 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--modes", default="hf,lean,lean16,gif",
-                    help="comma list of hf, lean, lean16 (16-bit matmuls, where leanact picks fp32), gif")
+    ap.add_argument("--modes", default="hf,lean,lean16,gif,torch",
+                    help="comma list of hf, lean, lean16 (16-bit matmuls, where leanact picks fp32), gif (the "
+                         "gradients in the forward: what leanact.patch runs in training), torch (torch's own)")
     args = ap.parse_args(argv)
     dt = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
+from ..ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["LinearCrossEntropyLoss"]
 
@@ -22,7 +22,7 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
                  scale: float = 1.0, softcap: float | None = None, grad_in_forward: bool = False,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tile_elements: int | None = None,
+                 chunk_tokens: int | None = None, tile_elements: int | None = None,
                  matmul_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing

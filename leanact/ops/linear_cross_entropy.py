@@ -62,13 +62,12 @@ from torch.autograd.function import once_differentiable
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .transforms import functorch_active
 
-__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference",
-           "DEFAULT_TILE_ELEMENTS", "DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD", "DEFAULT_CHUNK_TOKENS",
-           "KEPT_BYTES_PER_TOKEN"]
+__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows",
+           "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "KEPT_BYTES_PER_TOKEN"]
 
-DEFAULT_TILE_ELEMENTS = 1 << 20  # logits per tile (4 MiB in fp32)
-DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD = 1 << 25  # rows x whole vocabulary (~260 tokens at V = 128256)
-DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk at most (recompute mode)
+DEFAULT_TILE_ELEMENTS = 1 << 25  # logits per chunk at most (rows x whole vocabulary: 261 rows at V = 128256)
+MIN_CHUNK_ROWS = 128  # rows per chunk at least (matmuls large enough to run at full speed)
+TRANSIENT_FRACTION = 0.05  # a chunk's transient at most this fraction of plain PyTorch's fp32 logits
 KEPT_BYTES_PER_TOKEN = 8  # fp32 log-sum-exp + int32 target
 #: gather the valid rows (a copy of them) when fewer than this fraction of the tokens are valid (a
 #: masked-LM batch); otherwise compute every row and mask (a causal-LM batch ignores only its last
@@ -97,31 +96,38 @@ def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(cdtype, torch.float32)
 
 
-def _tiles(n: int, v: int, chunk_tokens: int, tile_elements: int, full_vocab: bool, upcast_h: int = 0):
-    """(rows per chunk, vocabulary per tile). ``upcast_h``: the hidden size when the weight's tiles are
-    upcast for the matmuls: the tile's weight copy (tile × hidden) is then held to 4·``tile_elements``
-    (with few tokens narrower tiles would be cheaper in memory, but fp32 GEMM on CPU loses half its
-    throughput on 512-wide tiles)."""
-    if full_vocab:
-        return max(1, min(n, tile_elements // max(v, 1))), v
-    rows = max(1, min(n, chunk_tokens))
-    return rows, max(1, min(v, tile_elements // max(rows, upcast_h // 4)))
+def chunk_rows(n: int, v: int, cdtype: torch.dtype, chunk_tokens: int | None = None,
+               tile_elements: int | None = None) -> int:
+    """Rows per chunk; every chunk spans the whole vocabulary (one plan on every device).
+
+    Default: the chunk's transient (its logits in the accumulation dtype, plus their 16-bit
+    matmul output / gradient copy for 16-bit inputs) is at most :data:`TRANSIENT_FRACTION` of the
+    fp32 logits plain PyTorch would build (N·V·4 bytes), at least :data:`MIN_CHUNK_ROWS` rows (so
+    the matmuls stay large enough to run at full speed), and never more than
+    :data:`DEFAULT_TILE_ELEMENTS` logits. ``chunk_tokens`` / ``tile_elements``, when given, bound the
+    rows / the logits per chunk instead."""
+    if chunk_tokens is not None or tile_elements is not None:
+        rows = min(chunk_tokens or n, (tile_elements or DEFAULT_TILE_ELEMENTS) // max(v, 1))
+        return max(1, min(n, rows))
+    acc = _acc_dtype(cdtype)
+    per_logit = acc.itemsize + (cdtype.itemsize if cdtype != acc else 0)
+    rows = int(TRANSIENT_FRACTION * 4 * n) // per_logit
+    rows = min(max(rows, MIN_CHUNK_ROWS), DEFAULT_TILE_ELEMENTS // max(v, 1))
+    return max(1, min(n, rows))
 
 
 def _starts(n: int, step: int):
-    """Where the tiles along a dimension of ``n`` start (every tile's buffers are freed when the next
-    one is made, so ``leanact.estimate`` runs only the first two and the last on fake tensors)."""
+    """Where the chunks start (every chunk's buffers are freed when the next one is made, so
+    ``leanact.estimate`` runs only the first two and the last on fake tensors)."""
     return range(0, n, step)
 
 
 def _logits(xc, wt, bt, acc, scale, softcap):
-    """(z, t): a tile's logits in ``acc`` (scaled, soft-capped) and tanh(·) when soft-capped; ``wt``,
-    ``bt``: the tile's rows of the weight and bias, in the matmul dtype."""
-    if bt is None:
-        z = xc @ wt.t()
-    else:
-        z = torch.addmm(bt, xc, wt.t())
-    z = z.to(acc)
+    """(z, t): a chunk's logits in ``acc`` (scaled, soft-capped) and tanh(·) when soft-capped; ``wt``:
+    the weight transposed (H, V), ``bt`` the bias, in the matmul dtype."""
+    z = xc @ wt if bt is None else torch.addmm(bt, xc, wt)
+    if z.dtype != acc:
+        z = z.to(acc)
     if scale != 1.0:
         z.mul_(scale)
     if softcap is None:
@@ -130,19 +136,28 @@ def _logits(xc, wt, bt, acc, scale, softcap):
     return t * softcap, t
 
 
-def _dlogits(z, t, lse, coef, yl, sel, eps, v, scale, softcap):
-    """∂loss/∂raw logits of a tile, in place of z: coef·(softmax − (1−ε)·onehot − ε/V), chained
-    through the soft-cap and the scale. ``yl``: target index within the tile (clamped), ``sel``:
-    whether the target falls in this tile."""
-    dz = z.sub_(lse[:, None]).exp_().mul_(coef[:, None])
-    if eps:
-        dz.sub_((coef * (eps / v))[:, None])
-    dz.scatter_add_(1, yl[:, None], (-(1.0 - eps) * coef * sel)[:, None])
-    if softcap is not None:
-        dz.mul_(t.mul_(t).neg_().add_(1.0))
-    if scale != 1.0:
-        dz.mul_(scale)
-    return dz
+def _softmax_(z):
+    """softmax(z) over the vocabulary, in place: torch's row-wise kernel (each row read twice and
+    written once; on a CPU about 3x faster than max / sub / exp / sum passes over the chunk)."""
+    return torch._softmax(z, 1, False, out=z)
+
+
+_NO_FP32_ADDMM: set[str] = set()  # device types whose addmm lacks out_dtype (16-bit -> fp32)
+
+
+def _accumulate_mm_(out, a, b):
+    """out += a @ b, ``out`` fp32 and a, b 16-bit: the products summed in fp32 (``addmm``'s
+    ``out_dtype`` where the device has it, CUDA; else one 16-bit product per call, added in fp32)."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if out.device.type not in _NO_FP32_ADDMM:
+        try:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            _NO_FP32_ADDMM.add(out.device.type)
+    out += a @ b
 
 
 def _active(x, target, ignore_index, v):
@@ -162,92 +177,171 @@ def _active(x, target, ignore_index, v):
     return valid, rows, x.index_select(0, rows), target.index_select(0, rows), n_valid
 
 
+class _Chunks:
+    """What forward and backward share: the valid rows, their upcast copy, the weight in the
+    matmul dtype (transposed), the bias, the chunk plan."""
+
+    def __init__(self, x, weight, bias, target, ignore_index, cdtype, chunk_tokens, tile_elements):
+        self.n, self.h = x.shape
+        self.v = weight.shape[0]
+        self.acc = _acc_dtype(cdtype)
+        self.valid, self.rows, xa, ya, self.n_valid = _active(x, target, ignore_index, self.v)
+        self.na, self.cdtype, self.device = xa.shape[0], cdtype, x.device
+        self.xa = xa
+        self.wc = weight.to(cdtype)  # (a copy under autocast, as F.linear's)
+        self.wt = self.wc.t()
+        self.bc = None if bias is None else bias.to(cdtype)
+        self.y = ya.unsqueeze(1)
+        self.step = chunk_rows(self.na, self.v, cdtype, chunk_tokens, tile_elements)
+        self.one = self.step >= self.na
+
+    def coef(self, per_row):
+        """Per-row gradient factor: ``per_row`` (scalar or (na,)) times the valid mask (masked rows)."""
+        c = per_row.expand(self.na) if per_row.dim() == 0 else per_row
+        return c if self.rows is not None else c * self.valid.to(self.acc)
+
+    def scatter(self, values, n_cols=None):
+        """(na, ...) rows back to (n, ...) (zeros at the ignored rows when they were dropped)."""
+        if self.rows is None:
+            return values
+        return values.new_zeros((self.n, *values.shape[1:])).index_copy_(0, self.rows, values)
+
+    def grads(self, coef, eps, scale, softcap, needs, dx_dtype, dw_dtype, db_dtype, lse=None):
+        """dx, dW, db of ``Σ coef_i·loss_i``, chunk by chunk; with ``lse`` None the forward's statistics
+        are computed on the way and returned too: (dx, dw, db, lse, zy, zsum).
+
+        Per chunk, in place on its logits z: p = softmax(z) (torch's row-wise kernel); the forward
+        reads the log-sum-exp off it as m − log p(argmax); the target's entry gets −(1−ε) and every
+        entry −ε/V; the row factor r = coef (× the logit scale) scales p while it is rounded to the
+        matmul dtype (16-bit: one pass, the values the unfused backward rounds) or scales the rows of
+        dx and of x after / before the matmuls (fp32: no pass over the chunk)."""
+        acc, na, v, h, dev, step = self.acc, self.na, self.v, self.h, self.device, self.step
+        low = self.cdtype != acc  # 16-bit matmuls
+        stats = lse is None
+        zy = zsum = None
+        if stats:
+            lse = torch.empty(na, dtype=acc, device=dev)
+            zy = torch.empty((na, 1), dtype=acc, device=dev)
+            zsum = torch.empty(na, dtype=acc, device=dev) if eps else None
+        dx = torch.empty((na, h), dtype=self.cdtype, device=dev) if needs[0] else None
+        dw = None
+        if needs[1]:
+            dw = (torch.empty((v, h), dtype=self.cdtype, device=dev) if self.one
+                  else torch.zeros((v, h), dtype=acc, device=dev))
+        db = torch.zeros(v, dtype=acc, device=dev) if self.bc is not None and needs[2] else None
+        xs, ys, cs, lses = self.xa.split(step), self.y.split(step), coef.split(step), lse.split(step)
+        dxs = None if dx is None else dx.split(step)
+        zys = None if zy is None else zy.split(step)
+        zsums = None if zsum is None else zsum.split(step)
+        neg = torch.full((min(step, na), 1), -(1.0 - eps), dtype=acc, device=dev)
+        for r0 in _starts(na, step):
+            i = r0 // step
+            z = t = e = el = xc = None  # (one chunk alive at a time)
+            xc = xs[i].to(self.cdtype)  # (a copy of one chunk only, when the dtypes differ)
+            z, t = _logits(xc, self.wt, self.bc, acc, scale, softcap)
+            if stats:
+                torch.gather(z, 1, ys[i], out=zys[i])
+                if eps:
+                    torch.sum(z, 1, out=zsums[i])
+                m, at = z.max(1, keepdim=True)
+            e = _softmax_(z)
+            if stats:  # lse = m - log p(argmax): p there is 1/Σexp(z - m), rounded once (no underflow)
+                torch.sub(m, e.gather(1, at).log_(), out=lses[i][:, None])
+            e.scatter_add_(1, ys[i], neg[: e.shape[0]])
+            if eps:
+                e.sub_(eps / v)
+            r = cs[i][:, None]
+            if softcap is not None:
+                e.mul_(t.mul_(t).neg_().add_(1.0))
+            if scale != 1.0:
+                r = r * scale
+            if low:
+                el = torch.mul(e, r, out=torch.empty(e.shape, dtype=self.cdtype, device=dev))
+                e = None
+                if dx is not None:
+                    torch.mm(el, self.wc, out=dxs[i])
+                if dw is not None:
+                    if self.one:
+                        torch.mm(el.t(), xc, out=dw)
+                    else:
+                        _accumulate_mm_(dw, el.t(), xc)
+                if db is not None:
+                    db += el.sum(0, dtype=acc)
+            else:
+                if dx is not None:
+                    torch.mm(e, self.wc, out=dxs[i]).mul_(r)
+                if dw is not None:
+                    xr = xc * r
+                    if self.one:
+                        torch.mm(e.t(), xr, out=dw)
+                    else:
+                        dw.addmm_(e.t(), xr)
+                if db is not None:
+                    db.addmv_(e.t(), r.squeeze(1))
+        z = t = e = el = xc = None  # the chunk goes before the results are cast
+        if na == 0 and dw is not None:
+            dw.zero_()
+        dx = None if dx is None else self.scatter(dx).to(dx_dtype)
+        dw = None if dw is None else dw.to(dw_dtype)
+        db = None if db is None else db.to(db_dtype)
+        return (dx, dw, db, lse, zy, zsum) if stats else (dx, dw, db)
+
+    def stats(self, eps, scale, softcap):
+        """Forward without gradients: (lse, zy, zsum) chunk by chunk."""
+        acc, na, dev, step = self.acc, self.na, self.device, self.step
+        lse = torch.empty(na, dtype=acc, device=dev)
+        zy = torch.empty((na, 1), dtype=acc, device=dev)
+        zsum = torch.empty(na, dtype=acc, device=dev) if eps else None
+        xs, ys, lses, zys = self.xa.split(step), self.y.split(step), lse.split(step), zy.split(step)
+        zsums = None if zsum is None else zsum.split(step)
+        for r0 in _starts(na, step):
+            i = r0 // step
+            z = t = None
+            z, t = _logits(xs[i].to(self.cdtype), self.wt, self.bc, acc, scale, softcap)
+            torch.gather(z, 1, ys[i], out=zys[i])
+            if eps:
+                torch.sum(z, 1, out=zsums[i])
+            torch.logsumexp(z, 1, out=lses[i])
+        return lse, zy, zsum
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Fused linear + cross-entropy over tiles (see the module docstring). x: (N, H), weight: (V, H),
-    bias: (V,) or None, target: (N,) integer. Returns the fp32 (fp64 for fp64) loss."""
+    """Fused linear + cross-entropy over chunks of rows × the whole vocabulary (module docstring).
+    x: (N, H), weight: (V, H), bias: (V,) or None, target: (N,) integer. Returns the fp32 (fp64 for
+    fp64) loss."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, reduction, eps, scale, softcap, cdtype,
                 chunk_tokens, tile_elements, grad_in_forward):
-        n, h = x.shape
-        v = weight.shape[0]
-        acc = _acc_dtype(cdtype)
-        valid, rows, xa, ya, n_valid = _active(x, target, ignore_index, v)
-        na = xa.shape[0]
+        ch = _Chunks(x, weight, bias, target, ignore_index, cdtype, chunk_tokens, tile_elements)
+        acc, v = ch.acc, ch.v
         needs = ctx.needs_input_grad
         eager = bool(grad_in_forward) and reduction != "none" and any(needs[:3])
-        t_rows, t_vocab = _tiles(na, v, chunk_tokens, tile_elements, eager, h if weight.dtype != cdtype else 0)
-        mask = None if rows is not None else valid.to(acc)
-        lse = torch.full((na,), -torch.inf, dtype=acc, device=x.device)
-        zy = torch.zeros(na, dtype=acc, device=x.device)
-        zsum = torch.zeros(na, dtype=acc, device=x.device) if eps else None
         if eager:
-            coef_all = (torch.ones((), dtype=acc, device=x.device) if reduction == "sum"
-                        else 1.0 / n_valid.clamp(min=1).to(acc)).expand(na)  # (no valid row: unused)
-            if mask is not None:
-                coef_all = coef_all * mask
-            one = t_rows >= na  # one chunk: dW straight in W's dtype, else summed over chunks in fp32
-            wc = weight.to(cdtype)  # (a copy under autocast or with fp32 matmuls of 16-bit inputs)
-            dx = torch.zeros((na, h), dtype=cdtype, device=x.device) if needs[0] else None
-            dw_acc = torch.zeros((v, h), dtype=weight.dtype if one else acc, device=x.device) if needs[1] else None
-            db = torch.zeros(v, dtype=acc, device=x.device) if bias is not None and needs[2] else None
-        wt = bt = None
-        x1 = xa.to(cdtype) if t_rows >= na else None  # one chunk: upcast once, not once per tile
-        for v0 in _starts(v, t_vocab):
-            v1 = min(v, v0 + t_vocab)
-            wt = bt = None  # the previous tile's copies go before the next is made
-            wt = wc if eager else weight[v0:v1].to(cdtype)
-            bt = None if bias is None else bias[v0:v1].to(cdtype)
-            for r0 in _starts(na, t_rows):
-                r1 = min(na, r0 + t_rows)
-                z = t = dz = dzl = xc = None  # (one tile alive at a time)
-                xc = x1 if x1 is not None else xa[r0:r1].to(cdtype)  # (an upcast copy of one chunk)
-                z, t = _logits(xc, wt, bt, acc, scale, softcap)
-                y = ya[r0:r1] - v0
-                sel = (y >= 0) & (y < v1 - v0)
-                yl = y.clamp(0, v1 - v0 - 1)
-                zy[r0:r1] += torch.where(sel, z.gather(1, yl[:, None]).squeeze(1), 0.0)
-                if eps:
-                    zsum[r0:r1] += z.sum(1)
-                tl = torch.logsumexp(z, 1)
-                lse[r0:r1] = tl if v0 == 0 else torch.logaddexp(lse[r0:r1], tl)
-                if eager:  # one tile = the whole vocabulary: the gradient right away
-                    dz = _dlogits(z, t, lse[r0:r1], coef_all[r0:r1], yl, sel.to(acc), eps, v, scale, softcap)
-                    dzl = dz.to(cdtype)
-                    if dx is not None:
-                        torch.mm(dzl, wt, out=dx[r0:r1])
-                    if dw_acc is not None and one and dw_acc.dtype == cdtype:
-                        torch.mm(dzl.t(), xc, out=dw_acc)
-                    elif dw_acc is not None and (one or acc != cdtype):
-                        dw_acc += dzl.t() @ xc
-                    elif dw_acc is not None:
-                        dw_acc.addmm_(dzl.t(), xc)
-                    if db is not None:
-                        db.add_(dz.sum(0))
-        per = lse - zy * (1.0 - eps)
+            per_row = (torch.ones((), dtype=acc, device=x.device) if reduction == "sum"
+                       else 1.0 / ch.n_valid.clamp(min=1).to(acc))  # (no valid row: unused)
+            dx, dw, db, lse, zy, zsum = ch.grads(ch.coef(per_row), eps, scale, softcap, needs[:3], x.dtype,
+                                                 weight.dtype, None if bias is None else bias.dtype)
+        else:
+            lse, zy, zsum = ch.stats(eps, scale, softcap)
+        per = lse - zy.squeeze(1) * (1.0 - eps)
         if eps:
             per = per - zsum * (eps / v)
-        if mask is not None:
-            per = per * mask
+        if ch.rows is None:
+            per = per * ch.valid.to(acc)
         if reduction == "none":
-            out = per if rows is None else per.new_zeros(n).index_copy_(0, rows, per)
+            out = ch.scatter(per)
         else:
             out = per.sum()
             if reduction == "mean":
-                out = out / n_valid.to(acc)
+                out = out / ch.n_valid.to(acc)
         ctx.reduction, ctx.eps, ctx.scale, ctx.softcap, ctx.cdtype = reduction, eps, scale, softcap, cdtype
         ctx.chunk_tokens, ctx.tile_elements, ctx.eager = chunk_tokens, tile_elements, eager
-        ctx.has_bias = bias is not None
         if eager:
-            if dx is not None:
-                dx = (dx if rows is None else dx.new_zeros((n, h)).index_copy_(0, rows, dx)).to(x.dtype)
-            dw = None if dw_acc is None else dw_acc.to(weight.dtype)
-            db = None if db is None else db.to(bias.dtype)
             ctx.save_for_backward(dx, dw, db)  # gradients, scaled in backward by the incoming one
         else:
-            lse_full = lse if rows is None else lse.new_zeros(n).index_copy_(0, rows, lse)
-            t32 = torch.where(valid, target, -1).to(torch.int32 if v < 2**31 else torch.int64)
-            ctx.save_for_backward(x, weight, bias, lse_full, t32)
+            t32 = torch.where(ch.valid, target, -1).to(torch.int32 if v < 2**31 else torch.int64)
+            ctx.save_for_backward(x, weight, bias, ch.scatter(lse), t32)
         return out
 
     @staticmethod
@@ -258,68 +352,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return (*(None if t is None else (t * g).to(t.dtype) for t in ctx.saved_tensors),
                     None, None, None, None, None, None, None, None, None, None)
         x, weight, bias, lse_full, t32 = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        cdtype, eps, scale, softcap = ctx.cdtype, ctx.eps, ctx.scale, ctx.softcap
-        acc = _acc_dtype(cdtype)
-        n, h = x.shape
-        v = weight.shape[0]
-        valid, rows, xa, ya, n_valid = _active(x, t32.long(), -1, v)
-        na = xa.shape[0]
-        lse = lse_full if rows is None else lse_full.index_select(0, rows)
+        ch = _Chunks(x, weight, bias, t32.long(), -1, ctx.cdtype, ctx.chunk_tokens, ctx.tile_elements)
+        acc = ch.acc
+        lse = lse_full if ch.rows is None else lse_full.index_select(0, ch.rows)
         g = g.to(acc)
         if ctx.reduction == "none":
-            coef = g.reshape(-1) if rows is None else g.reshape(-1).index_select(0, rows)
+            coef = ch.coef(g.reshape(-1) if ch.rows is None else g.reshape(-1).index_select(0, ch.rows))
         else:
-            coef = (g if ctx.reduction == "sum" else g / n_valid.clamp(min=1).to(acc)).expand(na)
-        if rows is None:
-            coef = coef * valid.to(acc)
-        t_rows, t_vocab = _tiles(na, v, ctx.chunk_tokens, ctx.tile_elements, False, h if weight.dtype != cdtype else 0)
-        dx_acc = torch.zeros((na, h), dtype=acc, device=x.device) if needs[0] else None
-        dw = torch.empty_like(weight) if needs[1] else None
-        db = torch.zeros(v, dtype=acc, device=x.device) if ctx.has_bias and needs[2] else None
-        one_chunk = t_rows >= na
-        x1 = xa.to(cdtype) if one_chunk else None  # one chunk: upcast once, not once per tile
-        for v0 in _starts(v, t_vocab):
-            v1 = min(v, v0 + t_vocab)
-            wt = bt = dw_tile = None  # the previous tile's buffers go before the next is made
-            wt = weight[v0:v1].to(cdtype)
-            bt = None if bias is None else bias[v0:v1].to(cdtype)
-            dw_tile = None if dw is None or one_chunk else torch.zeros((v1 - v0, h), dtype=acc, device=x.device)
-            for r0 in _starts(na, t_rows):
-                r1 = min(na, r0 + t_rows)
-                z = t = dz = dzl = xc = None  # (one tile alive at a time)
-                xc = x1 if x1 is not None else xa[r0:r1].to(cdtype)  # (an upcast copy of one chunk)
-                z, t = _logits(xc, wt, bt, acc, scale, softcap)
-                y = ya[r0:r1] - v0
-                sel = ((y >= 0) & (y < v1 - v0)).to(acc)
-                dz = _dlogits(z, t, lse[r0:r1], coef[r0:r1], y.clamp(0, v1 - v0 - 1), sel, eps, v, scale, softcap)
-                dzl = dz.to(cdtype)
-                if dx_acc is not None:
-                    if acc == cdtype:
-                        dx_acc[r0:r1].addmm_(dzl, wt)
-                    else:
-                        dx_acc[r0:r1] += dzl @ wt
-                if dw is not None:
-                    if one_chunk and dw.dtype == cdtype:
-                        torch.mm(dzl.t(), xc, out=dw[v0:v1])
-                    elif one_chunk:
-                        dw[v0:v1] = dzl.t() @ xc
-                    elif acc == cdtype:
-                        dw_tile.addmm_(dzl.t(), xc)
-                    else:
-                        dw_tile += dzl.t() @ xc
-                if db is not None:
-                    db[v0:v1] += dz.sum(0)
-            if dw_tile is not None:
-                dw[v0:v1] = dw_tile
-        z = t = dz = dzl = wt = bt = dw_tile = xa = xc = x1 = None  # the tiles go before dx is cast
-        if dw is not None and na == 0:
-            dw.zero_()
-        dx = None
-        if dx_acc is not None:
-            dx = dx_acc.to(x.dtype) if rows is None else x.new_zeros((n, h)).index_copy_(0, rows, dx_acc.to(x.dtype))
-        if db is not None:
-            db = db.to(bias.dtype)
+            coef = ch.coef(g if ctx.reduction == "sum" else g / ch.n_valid.clamp(min=1).to(acc))
+        dx, dw, db = ch.grads(coef, ctx.eps, ctx.scale, ctx.softcap, ctx.needs_input_grad[:3], x.dtype,
+                              weight.dtype, None if bias is None else bias.dtype, lse=lse)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
@@ -358,7 +400,7 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     grad_in_forward: bool = False,
     matmul_dtype: torch.dtype | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     tile_elements: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias).float(), target, ...)`` without the logits.
@@ -379,10 +421,8 @@ def linear_cross_entropy(
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    if tile_elements is None:
-        tile_elements = DEFAULT_TILE_ELEMENTS_GRAD_IN_FORWARD if grad_in_forward else DEFAULT_TILE_ELEMENTS
-    if chunk_tokens < 1 or tile_elements < 1:
-        raise ValueError(f"chunk_tokens and tile_elements must be >= 1, got {chunk_tokens}, {tile_elements}")
+    if (chunk_tokens is not None and chunk_tokens < 1) or (tile_elements is not None and tile_elements < 1):
+        raise ValueError(f"chunk_tokens and tile_elements must be >= 1 (or None), got {chunk_tokens}, {tile_elements}")
     if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
         raise RuntimeError(f"linear_cross_entropy: input (..., {input.shape[-1]}) and weight "
                            f"{tuple(weight.shape)} do not match (weight must be (V, {input.shape[-1]}))")
@@ -410,7 +450,7 @@ def linear_cross_entropy(
     with autocast_off(x.device.type):
         loss = LinearCrossEntropyFunction.apply(x, weight, bias, tgt, int(ignore_index), red, float(label_smoothing),
                                                 float(scale), None if softcap is None else float(softcap), cdtype,
-                                                int(chunk_tokens), int(tile_elements), bool(grad_in_forward))
+                                                chunk_tokens, tile_elements, bool(grad_in_forward))
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -329,7 +329,8 @@ class _Window(TorchFunctionMode):
                 loss = linear_cross_entropy(x, self.head.weight, target, self.head.bias,
                                             ignore_index=a.get("ignore_index", -100),
                                             reduction=a.get("reduction", "mean"),
-                                            label_smoothing=a.get("label_smoothing", 0.0), scale=scale, softcap=softcap)
+                                            label_smoothing=a.get("label_smoothing", 0.0), scale=scale, softcap=softcap,
+                                            grad_in_forward=True)
             if loss.dtype != e.t.dtype and self.ac is None:  # (autocast runs cross_entropy in fp32: fp32 loss)
                 loss = loss.to(e.t.dtype)
         self.consumed = True
