@@ -3,8 +3,8 @@
     loss = F.cross_entropy(F.linear(x, W, b).float() [· scale] [→ c·tanh(·/c)], target,
                            ignore_index=, reduction=, label_smoothing=)
 
-computed over tiles of (tokens × vocabulary). Only one tile of logits exists at a time; neither the
-full logits nor their fp32 copy, nor the log-softmax, is ever built.
+computed over chunks of rows (tokens) × the whole vocabulary. Only one chunk of logits exists at a
+time; neither the full logits nor their fp32 copy, nor the log-softmax, is ever built.
 
 Per valid token i (target ≠ ignore_index), with z the (scaled, soft-capped) logits in the
 accumulation dtype (fp32 for 16-bit inputs, fp64 for fp64), lse_i = logsumexp_v z_iv and ε the
@@ -15,34 +15,38 @@ label smoothing (torch's definition, ``(1-ε)·nll + ε·mean_v(−log p)``):
 
 ``mean`` divides the sum by the number of valid tokens (NaN when there is none, as torch),
 ``sum`` sums, ``none`` returns per-token losses (0 at ignored tokens); ``num_items_in_batch``
-(Hugging Face's gradient-accumulation path) divides the sum by that count instead. The logits of a
-tile are the matmul in the compute dtype (the input's, or autocast's), upcast -- the values
+(Hugging Face's gradient-accumulation path) divides the sum by that count instead. A chunk's
+logits are the matmul in the compute dtype (the input's, or autocast's), upcast -- the values
 ``F.linear(...).float()`` gives (but see ``matmul_dtype`` below) -- and everything after (scale,
-softcap, logsumexp, the loss and its sum) is in the accumulation dtype. Soft-capping:
+softcap, softmax, the loss and its sum) is in the accumulation dtype. Soft-capping:
 ∂z/∂raw = scale·(1 − (z/c)²).
+
+The chunk plan (:func:`chunk_rows`, the same on every device): each chunk's transient is at most
+5% of the fp32 logits plain PyTorch builds, with at least 128 rows (matmuls large enough to run at
+full speed) and at most 2^25 logits: 261 rows at V = 128256. Per chunk: the logits matmul, torch's
+row-wise softmax in place (the log-sum-exp read off it as m − log p(argmax), no underflow), the
+one-hot and smoothing terms, the row factor folded into the rounding to the matmul dtype (16-bit)
+or into the rows of dx and x (fp32), and the dx and dW matmuls: about 20 dispatched ops.
 
 Two ways to get the gradients (``grad_in_forward``):
 
 * ``False`` (default): forward keeps, per token, its fp32 log-sum-exp and its target as int32
   (**8 bytes per token**, plus x, which the op before usually keeps anyway -- one storage -- and
-  the weight and bias, parameters); backward recomputes each tile's logits and produces dx, dW, db
-  directly. Four matmuls of the head's size instead of plain PyTorch's three.
-* ``True`` (``reduction`` mean/sum only; ``none`` falls back to the default): forward computes the
-  gradients chunk by chunk (a tile is a chunk of tokens × the whole vocabulary) and keeps dx
+  the weight and bias, parameters); backward recomputes each chunk's logits and produces dx, dW,
+  db. Four matmuls of the head's size instead of plain PyTorch's three.
+* ``True`` (``reduction`` mean/sum only; ``none`` falls back to the default; what
+  ``leanact.patch`` runs in training): forward computes the gradients chunk by chunk and keeps dx
   (x's size, x's dtype), dW (W's size and dtype) and db; backward only scales them by the incoming
-  gradient. Three matmuls, as plain PyTorch, but dx/dW-sized results are kept from forward to
-  backward.
+  gradient. Three matmuls, as plain PyTorch; the gradients exist from the forward's end instead of
+  the backward's start.
 
 Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without native 16-bit GEMM
-(no AVX512-BF16 / AMX), where they run in fp32 on upcast tiles (``matmul_dtype``): oneDNN emulates
-bf16 GEMM there about 4x slower than fp32, and the fp32 products are exact, so the loss and
-gradients are then more accurate than the unfused 16-bit computation (whose logits are rounded to
-16 bits). Accumulation: dx over vocabulary tiles in an fp32 buffer (the size of x), dW of a
-vocabulary tile over token chunks in an fp32 buffer (tile × hidden), db in fp32; each is cast to
-its parameter's dtype once. Transients are one tile: ``tile_elements`` logits (default 2^20; 2^25 with
-``grad_in_forward``, whose tiles span the whole vocabulary and whose matmuls need enough rows to be
-efficient) -- a few bytes per element for the logits, probabilities and their 16-bit copy -- plus
-the fp32 dx buffer.
+(no AVX512-BF16 / AMX), where they run in fp32 on upcast chunks (``matmul_dtype``): oneDNN emulates
+bf16 GEMM there about 4x slower than fp32, and the fp32 products are exact. Accumulation: dW over
+chunks in an fp32 buffer (W's size: ``addmm`` with ``out_dtype`` where the device has it, CUDA),
+db in fp32; dx is one matmul per chunk; each is cast to its parameter's dtype once. Transients:
+one chunk of logits (and its 16-bit copy for 16-bit matmuls), one chunk's copy of x when its
+dtype differs from the matmul dtype, dx and the fp32 dW accumulator.
 
 Ignored tokens: when fewer than half the tokens are valid (masked LM), the valid rows are gathered
 first (real tensors; one host sync to count them) and ignored tokens cost nothing; otherwise (causal
