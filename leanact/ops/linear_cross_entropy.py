@@ -65,6 +65,7 @@ from torch.autograd.function import once_differentiable
 
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .transforms import functorch_active
+from .triton import cross_entropy as _triton_ce
 
 __all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows",
            "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "KEPT_BYTES_PER_TOKEN"]
@@ -126,10 +127,13 @@ def _starts(n: int, step: int):
     return range(0, n, step)
 
 
-def _logits(xc, wt, bt, acc, scale, softcap):
-    """(z, t): a chunk's logits in ``acc`` (scaled, soft-capped) and tanh(·) when soft-capped; ``wt``:
-    the weight transposed (H, V), ``bt`` the bias, in the matmul dtype."""
-    z = xc @ wt if bt is None else torch.addmm(bt, xc, wt)
+def _matmul(xc, wt, bt):
+    """A chunk's raw logits in the matmul dtype; ``wt``: the weight transposed (H, V), ``bt`` the bias."""
+    return xc @ wt if bt is None else torch.addmm(bt, xc, wt)
+
+
+def _logits(z, acc, scale, softcap):
+    """(z, t): raw logits ``z`` in ``acc``, scaled and soft-capped, and tanh(·) when soft-capped."""
     if z.dtype != acc:
         z = z.to(acc)
     if scale != 1.0:
@@ -242,7 +246,12 @@ class _Chunks:
             i = r0 // step
             z = t = e = el = xc = None  # (one chunk alive at a time)
             xc = xs[i].to(self.cdtype)  # (a copy of one chunk only, when the dtypes differ)
-            z, t = _logits(xc, self.wt, self.bc, acc, scale, softcap)
+            z = _matmul(xc, self.wt, self.bc)
+            if _triton_ce.chunk_(z, ys[i], cs[i], lses[i], zys[i] if stats else lses[i],
+                                 zsums[i] if zsums is not None else None, scale, softcap, eps, stats, True):
+                self._matmuls(z, xc, dxs[i] if dxs is not None else None, dw, db, acc, None)  # z: the gradient
+                continue
+            z, t = _logits(z, acc, scale, softcap)
             if stats:
                 torch.gather(z, 1, ys[i], out=zys[i])
                 if eps:
@@ -259,29 +268,12 @@ class _Chunks:
                 e.mul_(t.mul_(t).neg_().add_(1.0))
             if scale != 1.0:
                 r = r * scale
-            if low:
+            if low:  # the row factor applied while rounding to the matmul dtype: the gradient itself
                 el = torch.mul(e, r, out=torch.empty(e.shape, dtype=self.cdtype, device=dev))
                 e = None
-                if dx is not None:
-                    torch.mm(el, self.wc, out=dxs[i])
-                if dw is not None:
-                    if self.one:
-                        torch.mm(el.t(), xc, out=dw)
-                    else:
-                        _accumulate_mm_(dw, el.t(), xc)
-                if db is not None:
-                    db += el.sum(0, dtype=acc)
-            else:
-                if dx is not None:
-                    torch.mm(e, self.wc, out=dxs[i]).mul_(r)
-                if dw is not None:
-                    xr = xc * r
-                    if self.one:
-                        torch.mm(e.t(), xr, out=dw)
-                    else:
-                        dw.addmm_(e.t(), xr)
-                if db is not None:
-                    db.addmv_(e.t(), r.squeeze(1))
+                self._matmuls(el, xc, dxs[i] if dxs is not None else None, dw, db, acc, None)
+            else:  # fp32: the row factor on the rows of dx and x (no pass over the chunk)
+                self._matmuls(e, xc, dxs[i] if dxs is not None else None, dw, db, acc, r)
         z = t = e = el = xc = None  # the chunk goes before the results are cast
         if na == 0 and dw is not None:
             dw.zero_()
@@ -289,6 +281,25 @@ class _Chunks:
         dw = None if dw is None else dw.to(dw_dtype)
         db = None if db is None else db.to(db_dtype)
         return (dx, dw, db, lse, zy, zsum) if stats else (dx, dw, db)
+
+    def _matmuls(self, g, xc, dx, dw, db, acc, r):
+        """dx rows, dW and db of a chunk from its logit gradient ``g`` (``r``: row factors still to
+        apply, None when g has them)."""
+        if dx is not None:
+            torch.mm(g, self.wc, out=dx)
+            if r is not None:
+                dx.mul_(r)
+        if dw is not None:
+            xr = xc if r is None else xc * r
+            if self.one:
+                torch.mm(g.t(), xr, out=dw)
+            else:
+                _accumulate_mm_(dw, g.t(), xr)
+        if db is not None:
+            if r is None:
+                db += g.sum(0, dtype=acc)
+            else:
+                db.addmv_(g.t(), r.squeeze(1))
 
     def stats(self, eps, scale, softcap):
         """Forward without gradients: (lse, zy, zsum) chunk by chunk."""
@@ -301,7 +312,11 @@ class _Chunks:
         for r0 in _starts(na, step):
             i = r0 // step
             z = t = None
-            z, t = _logits(xs[i].to(self.cdtype), self.wt, self.bc, acc, scale, softcap)
+            z = _matmul(xs[i].to(self.cdtype), self.wt, self.bc)
+            if _triton_ce.chunk_(z, ys[i], None, lses[i], zys[i], zsums[i] if zsums is not None else None, scale,
+                                 softcap, eps, True, False):
+                continue
+            z, t = _logits(z, acc, scale, softcap)
             torch.gather(z, 1, ys[i], out=zys[i])
             if eps:
                 torch.sum(z, 1, out=zsums[i])
