@@ -1,6 +1,7 @@
 """One command for a CUDA machine: tests, kernel timings, memory and speed, appended to RESULTS.md.
 
-    python benchmarks/gpu_suite.py [--out benchmarks/RESULTS.md] [--parts tests ops bert llama estimate offload]
+    python benchmarks/gpu_suite.py [--out benchmarks/RESULTS.md]
+        [--parts tests ops bert llama estimate offload head steps]
 
 Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
 context in one part leaves the others running; every part says whether it ran, failed or timed
@@ -24,6 +25,20 @@ not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
 5. ``estimate``: ``leanact.estimate(device="cuda")`` against ``torch.cuda.max_memory_allocated`` of a
    real steady-state step. Target: within 5%.
 6. ``offload``: step time and peak with and without CPU offload of every layer (overlap).
+7. ``head``: head + causal-LM loss forward+backward at 8,192 tokens, hidden 2048, V=128,256, bf16
+   weights and inputs (issue #23): HF's ``ForCausalLMLoss(F.linear(x, W), labels, V)``, leanact's
+   ``linear_cross_entropy(..., grad_in_forward=True)`` (what ``leanact.patch`` runs in training),
+   torch's ``F.linear_cross_entropy`` (torch >= 2.13) and Liger-Kernel's
+   ``LigerFusedLinearCrossEntropyLoss`` where they exist (a note where not), in turns: median time,
+   ratio to HF, transient above the inputs (dx, dW included; also as % of HF's fp32 logits N·V·4),
+   max relative difference of loss / dx / dW to HF's. Targets: leanact ≤ HF's and Liger's time,
+   transient without dx, dW ≤ 5% of the fp32 logits.
+8. ``steps``: whole training steps side by side in one process, in turns (A, B, C, A, ...; fp32
+   weights + bf16 autocast, fused AdamW, each mode its own model with the same seed, all kept
+   allocated when they fit, else one after another with a note): Llama-3.2-1B geometry b=4 s=2048,
+   HF sdpa / Liger-Kernel (its Llama patch, swapped in only for its own model) / leanact, then
+   BERT-Large MLM b=32 s=512, HF sdpa / leanact. Targets: Llama leanact ≤ 1.00x HF's step and ≤
+   Liger's, peak ≤ 0.55x HF's; BERT-Large ≤ 1.05x, peak ≤ 0.6x.
 
 The whole run stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
 ``--out`` under a header with the device, torch / triton / transformers / liger-kernel versions, the
@@ -36,12 +51,14 @@ Without CUDA it exits with a message and writes nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -55,19 +72,24 @@ import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload"]
-LIMITS = {"tests": 140, "ops": 70, "bert": 160, "llama": 60, "estimate": 50, "offload": 45}  # seconds
-TOTAL_S = sum(LIMITS.values())  # 525 s, under 9 minutes
+PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload", "head", "steps"]
+# seconds; the first H200 run took tests 62, ops 23, estimate 27, offload 32 (bert died at 22)
+LIMITS = {"tests": 90, "ops": 40, "bert": 110, "llama": 50, "estimate": 35, "offload": 40, "head": 45, "steps": 120}
+TOTAL_S = sum(LIMITS.values())  # 530 s, under 9 minutes
 SMOKE_ENV = "LEANACT_GPU_SUITE_SMOKE"  # "1" in the workers of a --smoke run
 _TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
 SIZES = {  # per run kind: model sizes and batch / sequence / search limits of the parts
     "gpu": dict(tokens=16384, iters=10, bert={}, bert_seq=512, bert_limit=256, bert_steps=3, llama={}, llama_batch=4,
-                llama_seq=1024, est_bert={}, est_batch=8, est_seq=512, offload_batch=8, offload_threshold={}),
+                llama_seq=1024, est_bert={}, est_batch=8, est_seq=512, offload_batch=8, offload_threshold={},
+                head_batch=4, head_seq=2048, head_hidden=2048, head_vocab=128256, head_rounds=10,
+                steps_llama_batch=4, steps_llama_seq=2048, steps_bert_batch=32, steps_bert_seq=512, steps_rounds=5),
     "smoke": dict(tokens=4, iters=1, bert=_TINY_BERT, bert_seq=32, bert_limit=2, bert_steps=1,
                   llama=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, intermediate_size=172, vocab_size=1000),
                   llama_batch=1, llama_seq=32, est_bert=_TINY_BERT, est_batch=2, est_seq=32, offload_batch=2,
-                  offload_threshold=dict(offload_threshold=0)),  # tiny tensors are offloaded too
+                  offload_threshold=dict(offload_threshold=0),  # tiny tensors are offloaded too
+                  head_batch=2, head_seq=8, head_hidden=32, head_vocab=300, head_rounds=2,
+                  steps_llama_batch=1, steps_llama_seq=16, steps_bert_batch=2, steps_bert_seq=16, steps_rounds=2),
 }
 TITLES = {
     "tests": "CUDA tests",
@@ -76,6 +98,8 @@ TITLES = {
     "llama": "LLaMA-1B-like step time at equal batch (bf16 autocast, AdamW)",
     "estimate": "leanact.estimate(device=\"cuda\") vs torch.cuda.max_memory_allocated (BERT-base, bf16, AdamW)",
     "offload": "CPU offload of every layer: step time and peak",
+    "head": "Head + causal-LM loss forward+backward, 8,192 tokens, hidden 2048, V=128,256, bf16",
+    "steps": "Whole training steps side by side, interleaved (fp32 weights + bf16 autocast, fused AdamW)",
 }
 
 
@@ -145,11 +169,23 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gib() -> float:
-    """``torch.cuda.max_memory_allocated`` in GiB; NaN on the CPU."""
+def _allocated() -> float:
+    """``torch.cuda.memory_allocated`` in bytes; NaN on the CPU."""
     import torch
 
-    return torch.cuda.max_memory_allocated() / 2**30 if _dev() == "cuda" else float("nan")
+    return float(torch.cuda.memory_allocated()) if _dev() == "cuda" else float("nan")
+
+
+def _max_allocated() -> float:
+    """``torch.cuda.max_memory_allocated`` in bytes; NaN on the CPU."""
+    import torch
+
+    return float(torch.cuda.max_memory_allocated()) if _dev() == "cuda" else float("nan")
+
+
+def _peak_gib() -> float:
+    """``torch.cuda.max_memory_allocated`` in GiB; NaN on the CPU."""
+    return _max_allocated() / 2**30
 
 
 def _empty_cache() -> None:
@@ -167,22 +203,38 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
 
 
-def unless_oom(rec: Recorder, label: str, fn):
-    """``fn()``, or None when it runs out of GPU memory: then a row ``label, "OOM", "n/a", ...`` and a
-    note are recorded and the memory is freed. Other errors propagate."""
+def attempt(fn, catch_all: bool = False):
+    """``(fn(), None, None)``, or ``(None, kind, what)`` when it raised: kind "OOM" when it ran out of
+    GPU memory, "error" for another exception (caught only with ``catch_all``; else it propagates);
+    memory is freed then (``gc.collect``, ``torch.cuda.empty_cache``)."""
     try:
-        return fn()
+        return fn(), None, None
     except Exception as e:
-        if not is_oom(e):
+        oom = is_oom(e)
+        if not (oom or catch_all):
             raise
         what = f"{type(e).__name__}: {str(e)[:200]}"
     # here, outside the except block, the traceback (and the tensors its frames hold) is gone
     gc.collect()
     _empty_cache()
-    width = max(2, len(rec.data["columns"]))
-    rec.row(label, "OOM", *["n/a"] * (width - 2))
-    rec.note(f"{label}: out of memory ({what})")
-    return None
+    return None, "OOM" if oom else "error", what
+
+
+def failed_row(rec: Recorder, lead: list, kind: str, what: str) -> None:
+    """A row ``*lead, kind, "n/a", ...`` (the table's width) and a note "<lead>: out of memory (...)"
+    (kind "OOM") or "<lead>: failed (...)"."""
+    width = max(len(lead) + 1, len(rec.data["columns"]))
+    rec.row(*lead, kind, *["n/a"] * (width - len(lead) - 1))
+    rec.note(f"{' '.join(map(str, lead))}: {'out of memory' if kind == 'OOM' else 'failed'} ({what})")
+
+
+def unless_oom(rec: Recorder, label: str, fn):
+    """``fn()``, or None when it runs out of GPU memory: then a row ``label, "OOM", "n/a", ...`` and a
+    note are recorded and the memory is freed. Other errors propagate."""
+    value, kind, what = attempt(fn)
+    if kind:
+        failed_row(rec, [label], kind, what)
+    return value
 
 
 def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env: dict | None = None) -> dict:
@@ -478,8 +530,7 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
         x = dy = None  # freed here, outside the except block (whose traceback holds the tensors)
         gc.collect()
         _empty_cache()
-    passed = sorted(f"{op} {key}" for op, device, key in dispatch.verified() if device.startswith("cuda"))
-    rec.note("kernel self-checks passed on this GPU: " + (", ".join(passed) if passed else "none"))
+    _kernel_note(rec)
     if failed:
         raise RuntimeError(f"{len(failed)} op case(s) failed: {', '.join(failed)}")
 
@@ -488,14 +539,17 @@ BERT_MODES = [("HF sdpa", "sdpa", None), ("leanact", "sdpa", "patch"), ("HF eage
               ("HF sdpa + checkpointing", "sdpa", "checkpointing")]
 
 
-def _bert_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_bert_large", HERE / "gpu_bert_large.py")
+def _bench_module(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def _bert_module():
+    return _bench_module("gpu_bert_large")
 
 
 def bert_ratios(rows: list[tuple[str, int, float]]) -> list[tuple[str, float, float]]:
@@ -700,6 +754,474 @@ def part_offload(rec: Recorder, limit_s: float) -> None:
         rec.row(label, batch, t * 1000, f"{t / ref:.3f}x", peak, moved)
 
 
+# -- side by side: modes timed in turns (the head and steps parts) ---------------------------------
+
+
+@dataclasses.dataclass
+class Mode:
+    """One side of an interleaved comparison. ``step()`` is the timed unit (a training step, a head's
+    forward + backward); ``own`` the bytes the mode keeps between its steps (model, optimizer state,
+    inputs), added to what its step allocates on top of what was allocated before it, so that its
+    peak is that of the mode alone whatever the other modes keep allocated meanwhile (0 for the
+    head: its peak is the transient above the inputs)."""
+
+    label: str
+    step: object = None  # callable, None once released or failed
+    own: float = 0.0
+    times: list = dataclasses.field(default_factory=list)  # seconds of the timed steps
+    peak: float = float("nan")  # bytes, the most over the timed steps (NaN on the CPU)
+    failed: tuple | None = None  # (kind "OOM" / "error", what)
+
+    def measured(self) -> tuple[float, float]:
+        """(seconds, peak bytes) of one step (synchronized; ``reset_peak_memory_stats`` before it)."""
+        _sync()
+        before = _allocated()
+        _reset_peak()
+        t0 = time.perf_counter()
+        self.step()
+        _sync()
+        return time.perf_counter() - t0, _max_allocated() - before + self.own
+
+    def fail(self, kind: str, what: str) -> None:
+        self.failed = (kind, what)
+        self.release()
+
+    def release(self) -> None:
+        self.step = None
+        gc.collect()
+        _empty_cache()
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.times) * 1000 if self.times else float("nan")
+
+
+def interleave(modes: list[Mode], rounds: int, warmup: int = 1, deadline: float | None = None) -> None:
+    """The modes' steps in turns, A, B, C, A, B, C, ...: ``warmup`` untimed rounds, then ``rounds``
+    timed ones (fewer once ``time.perf_counter()`` passes ``deadline``; at least one). Times and the
+    peak go to each mode; a mode whose step fails (out of memory or another error) leaves the
+    rotation with ``failed`` set and its state released, and the others go on."""
+    for r in range(warmup + max(1, rounds)):
+        if r > warmup and deadline is not None and time.perf_counter() > deadline:
+            break
+        for m in modes:
+            if m.step is None:
+                continue
+            out, kind, what = attempt(m.measured, catch_all=True)
+            if kind:
+                m.fail(kind, what)
+            elif r >= warmup:
+                m.times.append(out[0])
+                m.peak = out[1] if m.peak != m.peak else max(m.peak, out[1])
+
+
+def fits_together(n: int, own: float, peak: float, total: float, share: float = 0.9) -> bool:
+    """Whether ``n`` modes can stay allocated at once: n - 1 modes' resident bytes (``own``, the
+    first mode's: model, optimizer state, inputs) plus the first mode's step peak (its own resident
+    bytes included) within ``share`` of the device's ``total`` memory."""
+    return (n - 1) * own + peak <= share * total
+
+
+def _total_memory() -> float | None:
+    """The GPU's memory in bytes; None on the CPU (a smoke run keeps its tiny models together)."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if _dev() == "cuda" else None
+
+
+def compare(rec: Recorder, group: str, builders: list, rounds: int, deadline: float | None = None) -> list[Mode]:
+    """Modes (``label, build`` in ``builders``; ``build()`` makes a model and returns its step) built
+    in order, one step each after building (kernels compile, the optimizer allocates its state; the
+    resident bytes are measured after it), then timed in turns (:func:`interleave`) while all stay
+    allocated. On CUDA, when the first mode's resident bytes and step peak say they do not all fit
+    (:func:`fits_together`), each is built, timed and freed before the next is built instead (a note
+    says which). A mode that fails to build or to step keeps ``failed``; the others go on."""
+    modes = [Mode(label) for label, _ in builders]
+    together, alive = None, []
+    for i, (m, (_, build)) in enumerate(zip(modes, builders)):
+        before = _allocated()
+        m.step, kind, what = attempt(build, catch_all=True)  # no other reference: release() frees the model
+        if not kind:
+            _, kind, what = attempt(m.measured, catch_all=True)
+        if kind:
+            m.fail(kind, what)
+            continue
+        m.own = _allocated() - before
+        if together is None:
+            together = True
+            total = _total_memory()
+            if total is not None and len(modes) > 1:
+                out, kind, what = attempt(m.measured, catch_all=True)  # a step with the optimizer's state
+                if kind:
+                    m.fail(kind, what)
+                    together = None
+                    continue
+                together = fits_together(len(modes), m.own, out[1], total)
+                need = (len(modes) - 1) * m.own + out[1]
+                rec.note(f"{group}: {m.label} keeps {m.own / 2**30:.1f} GiB, its step peaks at "
+                         f"{out[1] / 2**30:.1f} GiB; "
+                         f"{len(modes)} models at once need ~{need / 2**30:.1f} GiB of {total / 2**30:.1f} GiB: "
+                         + ("all kept allocated, steps interleaved" if together else
+                            "each built, timed and freed in turn instead (not interleaved)"))
+        if together:
+            alive.append(m)
+            continue
+        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - i)
+        interleave([m], rounds, deadline=share)
+        m.release()
+    interleave(alive, rounds, deadline=deadline)
+    return modes
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if a == a and b == b and b else "n/a"
+
+
+def _check(what: str, a: float, b: float, limit: float) -> str:
+    """"what 0.970x (target ≤ 1.00x: ok)", "n/a" where a side is missing."""
+    if not (a == a and b == b and b):
+        return f"{what} n/a"
+    return f"{what} {a / b:.3f}x (target ≤ {limit:.2f}x: {'ok' if a / b <= limit else 'no'})"
+
+
+def _failures(modes: list[Mode], third_party: tuple = ("Liger", "torch")) -> list[str]:
+    """Modes of this project (not Liger's or torch's) that failed with an error other than an OOM."""
+    return [m.label for m in modes if m.failed and m.failed[0] == "error" and not m.label.startswith(third_party)]
+
+
+def _kernel_note(rec: Recorder) -> None:
+    """Which leanact Triton kernels passed their self-check on this GPU and which fell back."""
+    from leanact.ops.triton import dispatch
+
+    if _dev() != "cuda":
+        return
+    passed = sorted(f"{op} {key}" for op, device, key in dispatch.verified() if device.startswith("cuda"))
+    rec.note("kernel self-checks passed on this GPU: " + (", ".join(passed) if passed else "none"))
+    broken = sorted(getattr(dispatch, "_BROKEN", ()))
+    if broken:
+        rec.note("leanact kernels on the PyTorch path after a failure: " + ", ".join(map(str, broken)))
+
+
+def _shifted(labels):
+    """Hugging Face's causal-LM shift: position t predicts labels[t + 1], the last one nothing."""
+    import torch.nn.functional as F
+
+    return F.pad(labels, (0, 1), value=-100)[..., 1:]
+
+
+def _liger_head():
+    """(loss(x, W, labels) through Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, "") or
+    (None, why not)."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as e:
+        return None, ("liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss does not import "
+                      f"({type(e).__name__}: {str(e)[:120]})")
+    loss_fn = LigerFusedLinearCrossEntropyLoss()
+
+    def run(x, w, labels):
+        out = loss_fn(w, x.reshape(-1, x.shape[-1]), _shifted(labels).reshape(-1))
+        return out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+
+    return run, ""
+
+
+def head_modes(rec: Recorder) -> list[tuple[str, object]]:
+    """(label, loss(x, W, labels)) of the head part, HF's first (the reference); notes the rows left out."""
+    import torch
+    import torch.nn.functional as F
+
+    hm = _bench_module("head")
+    modes = [("HF ForCausalLMLoss", hm.hf_loss), ("leanact (grad_in_forward, as patch trains)", hm.lean_loss(True))]
+    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        modes.append(("torch F.linear_cross_entropy", hm.torch_loss))
+    else:
+        rec.note(f"torch {torch.__version__} has no F.linear_cross_entropy with LinearCrossEntropyOptions "
+                 "(torch >= 2.13): no torch row")
+    liger, why = _liger_head()
+    if liger is None:
+        rec.note(f"no Liger row: {why}")
+    else:
+        modes.append(("Liger LigerFusedLinearCrossEntropyLoss", liger))
+    return modes
+
+
+def part_head(rec: Recorder, limit_s: float) -> None:
+    import torch
+
+    os.environ["LEANACT_TRITON"] = "1"
+    deadline = time.perf_counter() + limit_s - 10
+    b, s, h, v = (_size(k) for k in ("head_batch", "head_seq", "head_hidden", "head_vocab"))
+    logits32 = b * s * v * 4  # HF's fp32 logits, the unit of the target
+    rec.note(f"b={b} s={s} ({b * s} tokens), hidden {h}, vocabulary {v}, bf16 weights and inputs; HF's fp32 logits "
+             f"N·V·4 = {logits32 / 2**30:.2f} GiB; transient = max_memory_allocated above the inputs over forward + "
+             "backward, gradients dx, dW included; targets: leanact's time ≤ HF's and ≤ Liger's, its transient "
+             "without dx, dW ≤ 5% of HF's fp32 logits")
+    torch.manual_seed(0)
+    x = torch.randn(b, s, h, device=_dev()).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device=_dev()) * h ** -0.5).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, v, (b, s), device=_dev())
+    grads = (x.numel() + w.numel()) * 2
+    ref, diffs = [], {}
+
+    def checked(label, fn, first: bool):
+        """One forward + backward: the first mode's (HF's) loss, dx, dW kept (fp32) as the reference,
+        the others' max relative difference (norm-wise) to it; returns the mode's step (which frees
+        its gradients after it: the next step's transient includes them)."""
+        x.grad = w.grad = None
+        loss = fn(x, w, labels)
+        loss.backward()
+        got = (loss.detach().float(), x.grad.float(), w.grad.float())
+        x.grad = w.grad = None
+        if first:
+            ref.extend(got)
+        elif ref:
+            diffs[label] = max(((a - c).norm() / c.norm()).item() for a, c in zip(got, ref))
+
+        def step():
+            fn(x, w, labels).backward()
+            x.grad = w.grad = None
+
+        return step
+
+    runs = []
+    for i, (label, fn) in enumerate(head_modes(rec)):
+        m = Mode(label)
+        m.step, kind, what = attempt(lambda: checked(label, fn, i == 0), catch_all=True)
+        if kind:
+            m.fail(kind, what)
+        runs.append(m)
+    interleave(runs, _size("head_rounds"), deadline=deadline)
+    hf = runs[0]
+    for m in runs:
+        if m.failed:
+            failed_row(rec, [m.label], *m.failed)
+            continue
+        rel = diffs.get(m.label, 0.0 if m is hf else float("nan"))
+        share, extra = ("n/a", "n/a") if m.peak != m.peak else (f"{m.peak / logits32:.1%}",
+                                                                 f"{(m.peak - grads) / logits32:.1%}")
+        rec.row(m.label, m.ms, _ratio(m.ms, hf.ms), m.peak / 2**30, share, extra, f"{rel:.1e}", len(m.times))
+    lean = runs[1]
+    liger = next((m for m in runs if m.label.startswith("Liger")), None)
+    checks = [_check("time vs HF", lean.ms, hf.ms, 1.0)]
+    if liger is not None:
+        checks.append(_check("time vs Liger", lean.ms, liger.ms, 1.0))
+    extra = (lean.peak - grads) / logits32
+    verdict = "ok" if extra <= 0.05 else "no"
+    checks.append(f"transient without dx, dW {extra:.1%} of HF's fp32 logits (target ≤ 5%: {verdict})"
+                  if extra == extra else "transient n/a")
+    rec.note("leanact: " + "; ".join(checks))
+    _kernel_note(rec)
+    bad = _failures(runs)
+    if bad:
+        raise RuntimeError(f"{len(bad)} mode(s) failed: {', '.join(bad)}")
+
+
+_MISSING = object()
+
+
+class AttributeSwap:
+    """What a process-wide patch changes in a module and in the classes it defines, undone as soon as
+    it ran and put back in place only inside :meth:`active`. Liger-Kernel's Llama patch rebinds names
+    of transformers' ``modeling_llama`` (the RoPE function, the RMSNorm and MLP classes) and
+    ``LlamaForCausalLM.forward``: left in place, the HF sdpa and leanact models stepping in turns with
+    Liger's in one process would run Liger's code."""
+
+    def __init__(self, module):
+        self.module = module
+        self.changes: list = []  # (owner, name, original or _MISSING, patched or _MISSING)
+
+    def capture(self, fn) -> None:
+        mod = self.module
+        owners = [mod] + [v for v in list(vars(mod).values()) if isinstance(v, type) and v.__module__ == mod.__name__]
+        before = [dict(vars(o)) for o in owners]
+        try:
+            fn()
+        finally:
+            for owner, old in zip(owners, before):
+                new = dict(vars(owner))
+                for name in sorted(set(old) | set(new)):
+                    if old.get(name, _MISSING) is not new.get(name, _MISSING):
+                        self.changes.append((owner, name, old.get(name, _MISSING), new.get(name, _MISSING)))
+            self._put(patched=False)
+
+    def _put(self, patched: bool) -> None:
+        for owner, name, original, changed in self.changes:
+            value = changed if patched else original
+            if value is _MISSING:
+                if name in vars(owner):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    @contextlib.contextmanager
+    def active(self):
+        self._put(patched=True)
+        try:
+            yield
+        finally:
+            self._put(patched=False)
+
+    def describe(self) -> str:
+        names = [f"{owner.__name__.rsplit('.', 1)[-1]}.{name}" for owner, name, _, _ in self.changes]
+        return ", ".join(names) or "nothing"
+
+
+LIGER_LLAMA = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+
+
+def liger_llama_patch():
+    """The installed Liger-Kernel's Llama patch: ``(("before", fn()), what)`` for
+    ``apply_liger_kernel_to_llama`` with the :data:`LIGER_LLAMA` options this version takes (run
+    before building), ``(("instance", fn(model)), what)`` for ``_apply_liger_kernel_to_instance``,
+    or ``(None, why not)``."""
+    try:
+        import liger_kernel.transformers as lt
+    except Exception as e:
+        return None, f"liger_kernel does not import ({type(e).__name__}: {str(e)[:120]})"
+    apply = getattr(lt, "apply_liger_kernel_to_llama", None)
+    if apply is not None:
+        try:
+            params = inspect.signature(apply).parameters
+            anything = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            params, anything = {}, True
+        kwargs = {k: v for k, v in LIGER_LLAMA.items() if anything or k in params}
+        what = f"apply_liger_kernel_to_llama({', '.join(f'{k}={v}' for k, v in kwargs.items())}) before building"
+        left = [k for k in LIGER_LLAMA if k not in kwargs]
+        if left:
+            what += f" (this version takes no {', '.join(left)})"
+        return ("before", lambda: apply(**kwargs)), what
+    inst = getattr(lt, "_apply_liger_kernel_to_instance", None)
+    if inst is not None:
+        return ("instance", lambda model: inst(model=model)), ("_apply_liger_kernel_to_instance(model=...) on the "
+                                                                "built model")
+    return None, "liger_kernel.transformers has neither apply_liger_kernel_to_llama nor _apply_liger_kernel_to_instance"
+
+
+def _adamw(model):
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=_dev() == "cuda")
+
+
+def llama_builders(rec: Recorder, batch: int, seq: int) -> list:
+    """(label, build) of the steps part's Llama modes: HF sdpa, Liger (when it imports), leanact; each
+    build makes its model with the same seed, fused AdamW and the same batch, and returns its step."""
+    import torch
+
+    import leanact
+
+    def train(model):
+        torch.manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=_dev())
+        return _train_step(model, _adamw(model), dict(input_ids=ids, labels=ids), True)
+
+    def hf():
+        return train(_llama("sdpa"))
+
+    def lean():
+        return train(leanact.patch(_llama("sdpa")))
+
+    builders = [("HF sdpa", hf)]
+    patch, what = liger_llama_patch()
+    if patch is None:
+        rec.note(f"no Liger row: {what}")
+    else:
+        def liger():
+            from transformers.models.llama import modeling_llama
+
+            swap, (how, fn) = AttributeSwap(modeling_llama), patch
+            if how == "before":
+                swap.capture(fn)
+                with swap.active():
+                    model = _llama("sdpa")
+            else:
+                model = _llama("sdpa")
+                swap.capture(lambda: fn(model))
+            kinds = {}
+            for mod in model.modules():
+                if type(mod).__name__.startswith("Liger"):
+                    kinds[type(mod).__name__] = kinds.get(type(mod).__name__, 0) + 1
+            rec.note(f"Liger: {what}; it rebound {swap.describe()} (in place only while its model builds and steps); "
+                     f"its model has {', '.join(f'{n} {k}' for k, n in kinds.items()) or 'no Liger modules'}")
+            step = train(model)
+
+            def liger_step():
+                with swap.active():
+                    step()
+
+            return liger_step
+
+        builders.append(("Liger", liger))
+    builders.append(("leanact", lean))
+    return builders
+
+
+def bert_builders(rec: Recorder, batch: int, seq: int) -> list:
+    """(label, build) of the steps part's BERT-Large modes: HF sdpa, leanact (Liger has no BERT patch)."""
+    import torch
+
+    import leanact
+
+    gb = _bert_module()
+    rec.note("BERT-Large: no Liger row (Liger-Kernel has no BERT patch)")
+
+    def build(lean: bool):
+        model = gb.build("sdpa", None, "bf16", "autocast", seq, _dev(), **_size("bert"))
+        if lean:
+            leanact.patch(model)
+        torch.manual_seed(1)
+        return _train_step(model, _adamw(model), gb.make_batch(batch, seq, model.config.vocab_size, _dev()), True)
+
+    return [("HF sdpa", lambda: build(False)), ("leanact", lambda: build(True))]
+
+
+def _step_rows(rec: Recorder, model: str, shape: str, modes: list[Mode]) -> None:
+    hf = modes[0]
+    for m in modes:
+        if m.failed:
+            failed_row(rec, [model, m.label], *m.failed)
+        else:
+            rec.row(model, m.label, shape, m.ms, _ratio(m.ms, hf.ms), m.peak / 2**30, _ratio(m.peak, hf.peak),
+                    len(m.times))
+
+
+def part_steps(rec: Recorder, limit_s: float) -> None:
+    os.environ["LEANACT_TRITON"] = "1"
+    start = time.perf_counter()
+    rounds = _size("steps_rounds")
+    lb, ls, bb, bs = (_size(k) for k in ("steps_llama_batch", "steps_llama_seq", "steps_bert_batch", "steps_bert_seq"))
+    rec.note("fp32 weights + bf16 autocast, fused AdamW, each mode its own model built with the same seed, steps in "
+             "turns (A, B, C, A, ...), median step; peak = max_memory_allocated over its steps, less what the other "
+             "modes keep; targets: Llama leanact ≤ 1.00x HF sdpa's step and ≤ Liger's, peak ≤ 0.55x HF sdpa's; "
+             "BERT-Large leanact ≤ 1.05x HF sdpa's step, peak ≤ 0.6x")
+    failed = []
+    runs = [("Llama-3.2-1B geometry", lb, ls, llama_builders, 0.6), ("BERT-Large MLM", bb, bs, bert_builders, 1.0)]
+    for name, batch, seq, builders, share in runs:
+        deadline = start + share * (limit_s - 10)
+        modes = compare(rec, name, builders(rec, batch, seq), rounds, deadline=deadline)
+        _step_rows(rec, name, f"{batch}x{seq}", modes)
+        by = {m.label: m for m in modes}
+        hf, lean = by["HF sdpa"], by["leanact"]
+        if name.startswith("Llama"):
+            checks = [_check("step vs HF sdpa", lean.ms, hf.ms, 1.0)]
+            if "Liger" in by:
+                checks.append(_check("step vs Liger", lean.ms, by["Liger"].ms, 1.0))
+            checks.append(_check("peak vs HF sdpa", lean.peak, hf.peak, 0.55))
+        else:
+            checks = [_check("step vs HF sdpa", lean.ms, hf.ms, 1.05),
+                      _check("peak vs HF sdpa", lean.peak, hf.peak, 0.6)]
+        rec.note(f"{name}, leanact: " + "; ".join(checks))
+        failed += [f"{name} {label}" for label in _failures(modes)]
+        for m in modes:
+            m.release()
+        del modes, by, hf, lean
+    _kernel_note(rec)
+    if failed:
+        raise RuntimeError(f"{len(failed)} mode(s) failed: {', '.join(failed)}")
+
+
 def _selftest(kind: str):
     """Parts for the suite's own tests (no CUDA needed): a row, an error, a hang."""
 
@@ -715,7 +1237,7 @@ def _selftest(kind: str):
 
 
 WORKERS = {"tests": part_tests, "ops": part_ops, "bert": part_bert, "llama": part_llama,
-           "estimate": part_estimate, "offload": part_offload,
+           "estimate": part_estimate, "offload": part_offload, "head": part_head, "steps": part_steps,
            "_selftest_ok": _selftest("ok"), "_selftest_fail": _selftest("fail"), "_selftest_hang": _selftest("hang")}
 COLUMNS = {
     "tests": ["outcome", "count"],
@@ -725,6 +1247,9 @@ COLUMNS = {
     "llama": ["mode", "batch", "seq", "step ms", "vs HF sdpa", "peak GiB"],
     "estimate": ["model", "batch", "estimate GiB", "max_memory_allocated GiB", "ratio", "within 5%"],
     "offload": ["mode", "batch", "step ms", "vs no offload", "peak GiB", "tensors offloaded"],
+    "head": ["mode", "ms", "vs HF", "transient GiB", "% of HF fp32 logits", "without dx, dW", "max rel. diff vs HF",
+             "timed runs"],
+    "steps": ["model", "mode", "batch x seq", "step ms", "vs HF sdpa", "peak GiB", "peak vs HF sdpa", "timed steps"],
 }
 
 

@@ -253,7 +253,7 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     import subprocess
 
     out = tmp_path / "smoke.md"
-    parts = ["tests", "bert", "llama", "estimate", "offload", "ops"]
+    parts = ["tests", "bert", "llama", "estimate", "offload", "ops", "head", "steps"]
     env = dict(os.environ, PYTHONPATH=str(_PATH.parent.parent), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--parts", *parts, "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
@@ -270,6 +270,21 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     assert estimate.count("| ok |") == 2, estimate  # estimate(device="cpu") within 5% of the measured step
     offload = sections[parts.index("offload")].splitlines()
     assert int(next(ln for ln in offload if ln.startswith("| leanact + offload")).split("|")[-2]) > 0
+    # every mode the CPU can run has a row of numbers; the others a note saying why not
+    head = sections[parts.index("head")]
+    cpu_modes = ["HF ForCausalLMLoss", "leanact (grad_in_forward, as patch trains)"]
+    if hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        cpu_modes.append("torch F.linear_cross_entropy")
+    else:
+        assert "no torch row" in head
+    assert [r[0] for r in _rows(head)] == cpu_modes and all(float(r[1]) > 0 for r in _rows(head)), head
+    assert "no Liger row" in head or "| Liger" in head
+    steps = sections[parts.index("steps")]
+    expect = [("Llama-3.2-1B geometry", "HF sdpa"), ("Llama-3.2-1B geometry", "leanact"),
+              ("BERT-Large MLM", "HF sdpa"), ("BERT-Large MLM", "leanact")]
+    assert [tuple(r[:2]) for r in _rows(steps) if r[1] != "Liger"] == expect, steps
+    assert all(float(r[3]) > 0 and r[5] == "n/a" for r in _rows(steps)), steps  # CPU: times, no peaks
+    assert "no Liger row" in steps or "Liger: apply_liger" in steps or "Liger: _apply" in steps
 
 
 def test_smoke_needs_an_out_file_other_than_results_md():
@@ -277,3 +292,289 @@ def test_smoke_needs_an_out_file_other_than_results_md():
         with pytest.raises(SystemExit) as exc:
             suite.main(argv)
         assert exc.value.code == 2
+
+
+def _rows(section: str) -> list[list[str]]:
+    """The cells of a markdown section's table rows (header and rule left out)."""
+    lines = [ln for ln in section.splitlines() if ln.startswith("| ")]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+
+
+def test_the_docstring_lists_every_part_in_order():
+    listed = __import__("re").findall(r"^\d+\. ``(\w+)``", suite.__doc__, flags=__import__("re").M)
+    assert listed == suite.PARTS and set(suite.TITLES) == set(suite.PARTS)
+    assert set(suite.SIZES["smoke"]) == set(suite.SIZES["gpu"])
+
+
+def _fake_modes(calls, fail=None):
+    """Modes A, B, C whose steps append their label to ``calls``; ``fail`` = {label: (call no., exception)}."""
+    fail = fail or {}
+
+    def step(label):
+        def run():
+            calls.append(label)
+            when, exc = fail.get(label, (None, None))
+            if when is not None and calls.count(label) >= when:
+                raise exc
+        return run
+
+    return [suite.Mode(label, step(label)) for label in "ABC"]
+
+
+def test_interleave_runs_the_modes_in_turns(monkeypatch):
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    calls = []
+    modes = _fake_modes(calls)
+    suite.interleave(modes, rounds=3, warmup=1)
+    assert calls == list("ABC") * 4  # one untimed round, then three timed ones, A, B, C, A, B, C, ...
+    assert all(len(m.times) == 3 and m.ms > 0 and m.peak != m.peak and m.failed is None for m in modes)
+    calls.clear()
+    past = suite.Mode("late", lambda: calls.append("late"))
+    suite.interleave([past], rounds=5, warmup=1, deadline=0.0)  # past the deadline: one timed round still
+    assert calls == ["late", "late"] and len(past.times) == 1
+
+
+def test_interleave_drops_a_mode_that_fails_and_goes_on(monkeypatch):
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    calls = []
+    modes = _fake_modes(calls, {"B": (2, _oom()), "C": (3, ValueError("bug"))})
+    suite.interleave(modes, rounds=3, warmup=1)
+    assert calls == list("ABC") + list("ABC") + list("AC") + list("A")
+    a, b, c = modes
+    assert len(a.times) == 3 and a.failed is None
+    assert b.failed[0] == "OOM" and "OutOfMemoryError" in b.failed[1] and b.step is None and b.times == []
+    assert c.failed[0] == "error" and "ValueError: bug" in c.failed[1] and len(c.times) == 1
+
+
+def test_compare_builds_each_mode_then_interleaves_and_survives_a_failed_build(monkeypatch):
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    calls = []
+
+    def builder(label):
+        def build():
+            calls.append("build " + label)
+            if label == "B":
+                raise _oom()
+            return lambda: calls.append(label)
+        return label, build
+
+    rec = suite.Recorder(None, suite.COLUMNS["steps"])
+    modes = suite.compare(rec, "fake", [builder(x) for x in "ABC"], rounds=2)
+    # each built mode steps once after its build, then one untimed and two timed rounds in turns
+    assert calls == ["build A", "A", "build B", "build C", "C"] + list("AC") * 3
+    assert [m.failed and m.failed[0] for m in modes] == [None, "OOM", None]
+    assert [len(m.times) for m in modes] == [2, 0, 2]
+
+
+def test_modes_that_do_not_fit_together_run_one_after_another_each_freed_first(monkeypatch):
+    """When the first mode's memory says the models do not all fit, each is built, timed and freed
+    before the next is built: no reference to a finished mode's model is left behind."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setattr(suite, "_total_memory", lambda: 1.0)  # (NaN peaks on the CPU never fit)
+    calls, models = [], []
+
+    class Model:  # (weakly referenced: a SimpleNamespace cannot be)
+        pass
+
+    def builder(label):
+        def build():
+            gc.collect()
+            calls.append(("build " + label, [r() is not None for r in models]))
+            model = Model()
+            model.name = label
+            models.append(weakref.ref(model))
+            return lambda: calls.append(model.name)
+        return label, build
+
+    rec = suite.Recorder(None, suite.COLUMNS["steps"])
+    modes = suite.compare(rec, "fake", [builder(x) for x in "ABC"], rounds=2)
+    # A: a step after its build, one more to measure its peak; then each mode alone: 1 untimed + 2 timed
+    assert calls == [("build A", []), "A", "A", "A", "A", "A", ("build B", [False]), "B", "B", "B", "B",
+                     ("build C", [False, False]), "C", "C", "C", "C"]
+    assert [len(m.times) for m in modes] == [2, 2, 2] and all(m.step is None for m in modes)
+    assert any("each built, timed and freed in turn" in n for n in rec.data["notes"])
+
+
+def test_modes_stay_allocated_together_only_when_they_fit():
+    gib = 2**30
+    # Llama-1B fp32 + AdamW: ~13.8 GiB kept per model, HF's step peaks at ~43.8 GiB
+    assert suite.fits_together(3, 13.8 * gib, 43.8 * gib, 139.8 * gib)  # H200
+    assert not suite.fits_together(3, 13.8 * gib, 43.8 * gib, 79.2 * gib)  # H100: one after another
+    assert suite.fits_together(1, 70 * gib, 79 * gib, 100 * gib) and not suite.fits_together(1, 0, 91 * gib, 100 * gib)
+
+
+def _head_case(monkeypatch, modes):
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setattr(suite, "head_modes", lambda rec: modes)
+    return suite.Recorder(None, suite.COLUMNS["head"])
+
+
+def test_an_oom_in_the_head_part_is_a_row_and_the_other_modes_keep_theirs(monkeypatch):
+    hm = suite._bench_module("head")
+
+    def oom(x, w, labels):
+        raise _oom()
+
+    def liger_bug(x, w, labels):
+        raise ValueError("not ours")
+
+    rec = _head_case(monkeypatch, [("HF ForCausalLMLoss", hm.hf_loss), ("leanact", hm.lean_loss(True)),
+                                   ("torch F.linear_cross_entropy", oom), ("Liger X", liger_bug)])
+    suite.part_head(rec, 60)  # Liger's (or torch's) errors are rows, not the part's failure
+    rows = {r[0]: r for r in rec.data["rows"]}
+    assert list(rows) == ["HF ForCausalLMLoss", "leanact", "torch F.linear_cross_entropy", "Liger X"]
+    assert rows["torch F.linear_cross_entropy"][1] == "OOM" and rows["Liger X"][1] == "error"
+    assert all(len(r) == len(suite.COLUMNS["head"]) for r in rows.values())
+    assert rows["HF ForCausalLMLoss"][2] == "1.000x" and float(rows["leanact"][1]) > 0
+    assert float(rows["leanact"][6]) < 1e-2 and rows["leanact"][7] == "2"  # matches HF; two timed runs
+    assert any(n.startswith("torch F.linear_cross_entropy: out of memory") for n in rec.data["notes"])
+
+    rec = _head_case(monkeypatch, [("HF ForCausalLMLoss", hm.hf_loss), ("leanact", liger_bug)])
+    with pytest.raises(RuntimeError, match="leanact"):  # leanact's own error fails the part, rows kept
+        suite.part_head(rec, 60)
+    assert [r[1] for r in rec.data["rows"]][1] == "error"
+
+
+def test_liger_head_row_takes_the_weight_first_and_shifted_labels(monkeypatch):
+    """Liger's loss is called as (W, x (N, h), labels shifted as HF shifts them): a fake Liger that
+    computes the plain cross-entropy from those matches HF's loss and gradients."""
+    import torch.nn.functional as F
+
+    class FakeLoss:
+        def __call__(self, w, x, target):
+            return F.cross_entropy(F.linear(x, w).float(), target, ignore_index=-100)
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.LigerFusedLinearCrossEntropyLoss = FakeLoss
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    rec = suite.Recorder(None, suite.COLUMNS["head"])
+    suite.part_head(rec, 60)
+    liger = next(r for r in rec.data["rows"] if r[0].startswith("Liger"))
+    assert float(liger[1]) > 0 and float(liger[6]) < 1e-2, liger
+    assert any("time vs Liger" in n for n in rec.data["notes"])
+
+
+def test_an_oom_in_the_steps_part_is_a_row_and_the_other_modes_keep_theirs(monkeypatch):
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+
+    def ok():
+        return lambda: None
+
+    def oom():
+        raise _oom()
+
+    monkeypatch.setattr(suite, "llama_builders", lambda rec, b, s: [("HF sdpa", ok), ("Liger", oom), ("leanact", ok)])
+    monkeypatch.setattr(suite, "bert_builders", lambda rec, b, s: [("HF sdpa", oom), ("leanact", ok)])
+    rec = suite.Recorder(None, suite.COLUMNS["steps"])
+    suite.part_steps(rec, 60)
+    rows = [r[:4] for r in rec.data["rows"]]
+    llama, bert = "Llama-3.2-1B geometry", "BERT-Large MLM"
+    assert [r[:3] for r in rows] == [[llama, "HF sdpa", "1x16"], [llama, "Liger", "OOM"], [llama, "leanact", "1x16"],
+                                     [bert, "HF sdpa", "OOM"], [bert, "leanact", "2x16"]]
+    assert all(len(r) == len(suite.COLUMNS["steps"]) for r in rec.data["rows"])
+    assert rec.data["rows"][4][4] == "n/a"  # no ratio without HF's row
+    assert any(n.startswith(f"{llama} Liger: out of memory") for n in rec.data["notes"])
+
+    def bug():
+        raise ValueError("bug")
+
+    monkeypatch.setattr(suite, "bert_builders", lambda rec, b, s: [("HF sdpa", ok), ("leanact", bug)])
+    with pytest.raises(RuntimeError, match="BERT-Large MLM leanact"):
+        suite.part_steps(suite.Recorder(None, suite.COLUMNS["steps"]), 60)
+
+
+def test_attribute_swap_keeps_a_global_patch_to_its_own_mode():
+    mod = types.ModuleType("fake_modeling")
+
+    def rope(x):
+        return x
+
+    class Model:
+        __module__ = "fake_modeling"
+
+        def forward(self):
+            return "hf"
+
+    mod.rope, mod.Model = rope, Model
+
+    def patch():
+        mod.rope = lambda x: -x
+        mod.Model.forward = lambda self: "liger"
+        mod.Extra = 1
+
+    swap = suite.AttributeSwap(mod)
+    swap.capture(patch)
+    assert mod.rope is rope and Model().forward() == "hf" and not hasattr(mod, "Extra")
+    with swap.active():
+        assert mod.rope(2) == -2 and Model().forward() == "liger" and mod.Extra == 1
+    assert mod.rope is rope and Model().forward() == "hf" and not hasattr(mod, "Extra")
+    assert set(swap.describe().split(", ")) == {"fake_modeling.rope", "fake_modeling.Extra", "Model.forward"}
+
+
+def _fake_liger(monkeypatch, apply):
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = apply
+    top = types.ModuleType("liger_kernel")
+    top.transformers = fake
+    monkeypatch.setitem(sys.modules, "liger_kernel", top)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+
+
+def test_liger_llama_patch_passes_only_the_options_its_version_takes(monkeypatch):
+    seen = {}
+
+    def apply(rope=True, rms_norm=True, swiglu=True, model=None):
+        seen.update(rope=rope, rms_norm=rms_norm, swiglu=swiglu)
+
+    _fake_liger(monkeypatch, apply)
+    (how, fn), what = suite.liger_llama_patch()
+    fn()
+    assert how == "before" and seen == dict(rope=True, rms_norm=True, swiglu=True)
+    assert "takes no fused_linear_cross_entropy" in what
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    patch, why = suite.liger_llama_patch()
+    assert patch is None and "does not import" in why
+
+
+def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
+    """A stand-in for Liger's apply_liger_kernel_to_llama that rebinds modeling_llama's RMSNorm class
+    and RoPE function process-wide: the Liger model is built with the one and steps with the other,
+    the HF and leanact models stepping in turns with it use neither, and modeling_llama is as it
+    was afterwards."""
+    from transformers.models.llama import modeling_llama
+
+    original_norm, original_rope = modeling_llama.LlamaRMSNorm, modeling_llama.apply_rotary_pos_emb
+    calls = []
+
+    class LigerRMSNorm(original_norm):
+        pass
+
+    def liger_rope(*args, **kwargs):
+        calls.append(1)
+        return original_rope(*args, **kwargs)
+
+    def apply(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
+        modeling_llama.LlamaRMSNorm = LigerRMSNorm
+        modeling_llama.apply_rotary_pos_emb = liger_rope
+
+    _fake_liger(monkeypatch, apply)
+    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setattr(suite, "bert_builders", lambda rec, b, s: [("HF sdpa", lambda: lambda: None),
+                                                                   ("leanact", lambda: lambda: None)])
+    rec = suite.Recorder(None, suite.COLUMNS["steps"])
+    suite.part_steps(rec, 60)
+    assert modeling_llama.LlamaRMSNorm is original_norm and modeling_llama.apply_rotary_pos_emb is original_rope
+    rows = {r[1]: r for r in rec.data["rows"] if r[0].startswith("Llama")}
+    assert list(rows) == ["HF sdpa", "Liger", "leanact"] and float(rows["Liger"][3]) > 0
+    layers = suite.SIZES["smoke"]["llama"]["num_hidden_layers"]
+    liger_steps = 1 + 1 + int(rows["Liger"][7])  # after its build, the untimed round, the timed ones
+    assert len(calls) == liger_steps * layers  # Liger's RoPE ran in Liger's forwards only
+    note = next(n for n in rec.data["notes"] if n.startswith("Liger: apply_liger_kernel_to_llama("))
+    assert "modeling_llama.LlamaRMSNorm" in note and "modeling_llama.apply_rotary_pos_emb" in note
+    assert f"{2 * layers + 1} LigerRMSNorm" in note  # two per layer and the final norm
