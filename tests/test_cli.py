@@ -88,7 +88,8 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
     budget = out["config"]["budget"]
     assert budget == 3 * 2**19
     assert all(m["step_max_batch"] == 0 for m in out["modes"])  # weights, grads and AdamW state alone exceed it
-    out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "24MiB"))
+    # 88 MiB: on CUDA the whole step also holds two 32 MiB cuBLAS workspaces (leanact.estimate.cuda_runtime)
+    out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "88MiB"))
     budget = out["config"]["budget"]
     for m in out["modes"]:
         b = m["max_batch"]

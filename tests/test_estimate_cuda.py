@@ -196,3 +196,122 @@ def test_estimate_of_the_patched_head_counts_no_logits():
     short, longer = peak_at(8192, 256), peak_at(8192, 512)
     logits = 256 * 8192 * 2  # the bf16 logits of the 256 tokens more
     assert longer.peak - short.peak < logits // 2
+
+
+# -- what the CUDA runtime holds across steps (leanact.estimate.cuda_runtime) ----------------------
+
+MIB = 2**20
+
+
+class _Linear(nn.Module):
+    """x @ W^T + b (cuBLASLt's bias epilogue on CUDA) in forward, two plain matmuls in backward."""
+
+    def __init__(self, bias=True):
+        super().__init__()
+        self.fc = nn.Linear(32, 32, bias=bias)
+
+    def forward(self, x):
+        return self.fc(x).float().sum()
+
+
+class _Scale(nn.Module):
+    """No matmul anywhere: no cuBLAS handle, no workspace."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(32))
+
+    def forward(self, x):
+        return (x * self.w).float().sum()
+
+
+def _step(module, device="cuda", **kw):
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    return leanact.estimate(module.to(torch.bfloat16), (x,), device=device, loss_fn=lambda out, _: out, **kw)
+
+
+def test_cublas_workspace_per_thread_that_runs_matmuls(monkeypatch):
+    """Forward (caller's thread) and backward (autograd's worker) each hold a cuBLAS workspace, 32 MiB
+    on Hopper; cuBLASLt's bias epilogue a separate 1 MiB one where torch does not share them; all
+    held from the first step on, so they add to the peak as they are."""
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    est = _step(_Linear())
+    assert est.workspace_items == {"cuBLAS workspace (backward thread)": 32 * MIB,
+                                   "cuBLAS workspace (forward thread)": 32 * MIB,
+                                   "cuBLASLt workspace (forward thread)": 1 * MIB}
+    assert est.workspaces == est.at_peak["Workspace"] == 65 * MIB
+    assert est.peak == est.at_peak["Total"] == sum(v for k, v in est.at_peak.items() if k != "Total")
+    cpu = _step(_Linear(), device="cpu")
+    assert cpu.workspaces == 0 and cpu.workspace_items == {} and "Workspace" not in cpu.at_peak
+    assert est.temporaries == est.peak - est.workspaces - sum(
+        est.at_peak.get(k, 0) for k in ("Parameter", "Buffer", "Optstate", "Activation", "Gradient"))
+    # no bias: a plain matmul, no cuBLASLt; shared workspaces (torch >= 2.12's default): none either
+    assert "cuBLASLt workspace (forward thread)" not in _step(_Linear(bias=False)).workspace_items
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    assert _step(_Linear()).workspaces == 64 * MIB
+    # no matmul at all: nothing
+    assert _step(_Scale()).workspaces == 0
+
+
+def test_cublas_workspace_size_follows_the_config_and_the_gpu(monkeypatch):
+    from leanact.estimate import cuda_runtime
+
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the deterministic setting: 8 x 16 KiB
+    assert _step(_Linear()).workspaces == 2 * 8 * 16 * 1024
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cuda_runtime.cublas_workspace_bytes() == 2 * 4096 * 1024 + 8 * 16 * 1024
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    ampere = cuda_runtime.GPU((8, 0), 108)
+    assert cuda_runtime.cublas_workspace_bytes(ampere) == 2 * 4096 * 1024 + 8 * 16 * 1024
+    assert cuda_runtime.cublas_workspace_bytes(cuda_runtime.GPU((9, 0), 132)) == 32 * MIB
+    monkeypatch.setattr(cuda_runtime, "target", lambda: ampere)
+    assert _step(_Linear()).workspaces == 2 * (2 * 4096 * 1024 + 8 * 16 * 1024)
+
+
+def test_gelu_tables_live_on_the_device(monkeypatch):
+    """A patched model's GELU reads its 16-bit lookup tables (forward: GELU of every bf16 pattern;
+    backward: the fp32 derivative of both branches) from device memory, built on its first step."""
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    model = leanact.patch(_bert(0.1))
+    est = leanact.estimate(model, _ids(), device="cuda")
+    tables = {k: v for k, v in est.workspace_items.items() if k.startswith("GELU")}
+    assert tables == {"GELU table y16 bfloat16 none": 2**16 * 2, "GELU table g16 bfloat16 none": 2**17 * 4}
+    assert est.workspaces == 64 * MIB + 2**17 + 2**19
+    assert not any(k.startswith("GELU") for k in leanact.estimate(_bert(0.1), _ids(), device="cuda").workspace_items)
+
+
+def test_norm_backward_partials_per_sm(monkeypatch):
+    """On CUDA the norms' backward spreads the rows over 4 programs per SM, each summing a float32
+    row of dγ and of dβ: (4·SMs, n) float32 each, for the modelled GPU (fake tensors sit on the CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leanact.estimate import cuda_runtime
+    from leanact.estimate.compat import triton_allocations
+    from leanact.ops.triton import dispatch
+
+    monkeypatch.setattr(cuda_runtime, "target", lambda: cuda_runtime.GPU((9, 0), 10))
+    with FakeTensorMode(), triton_allocations():
+        y = torch.empty(4, 300, 64, dtype=torch.bfloat16)
+        _, dw, db = dispatch._grad_outputs(y, y, 64, True, True, True)
+        assert dw.shape == db.shape == (40, 64) and dw.dtype == db.dtype == torch.float32
+        few = torch.empty(3, 64, dtype=torch.bfloat16)
+        assert dispatch._grad_outputs(few, few, 64, False, True, False)[1].shape == (3, 64)  # never more than rows
+    assert dispatch._programs(4096, torch.device("cpu")) == 4  # real CPU tensors: untouched (4 programs per "SM")
+
+
+def test_fused_loss_multiplies_as_on_the_gpu(monkeypatch):
+    """The fused loss picks its matmuls from the tensors' device: the estimate of a CUDA step does
+    not depend on the host CPU (16-bit GEMM or not) nor on what ran before in the process (a real
+    CPU call that found no fp32-output addmm)."""
+    import leanact.ops.linear_cross_entropy as lce
+
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    model = leanact.patch(_llama(torch.bfloat16))
+    base = leanact.estimate(model, _ids(), device="cuda")
+    monkeypatch.setattr(lce, "_native_16bit_gemm", lambda dtype: False)
+    monkeypatch.setattr(lce, "_NO_FP32_ADDMM", {"cpu"})
+    again = leanact.estimate(model, _ids(), device="cuda")
+    assert again.peak == base.peak and again.at_peak == base.at_peak

@@ -35,10 +35,13 @@ def test_longest_sequence_is_exact_and_measured():
 
 def test_largest_batch_and_errors():
     model = _llama()
-    plan = leanact.plan(model, _ids(2, 64), "4MiB", maximize="batch", device="cuda", strategies=["lean"])
-    b = plan.maximized.value
-    assert b > 0 and estimate(model, _ids(2, 64), None, "cuda", batch=b).peak <= 4 * 2**20
-    assert estimate(model, _ids(2, 64), None, "cuda", batch=b + 1).peak > 4 * 2**20
+    # on CUDA the step also holds two 32 MiB cuBLAS workspaces, and the search keeps a reserve free
+    plan = leanact.plan(model, _ids(2, 64), "80MiB", maximize="batch", device="cuda", strategies=["lean"])
+    found = plan.maximized
+    b, limit = found.value, found.limit
+    assert found.reserve == 10 * 2**20 and limit == 70 * 2**20  # an eighth of a budget this small
+    assert b > 0 and estimate(model, _ids(2, 64), None, "cuda", batch=b).peak <= limit
+    assert estimate(model, _ids(2, 64), None, "cuda", batch=b + 1).peak > limit
     with pytest.raises(ValueError, match="maximize='tokens'"):
         leanact.plan(model, _ids(2, 64), "4MiB", maximize="tokens")
     with pytest.raises(ValueError, match="unknown"):

@@ -10,8 +10,10 @@ from torch import nn
 from leanact.ops.amp import autocast_arg
 from leanact.strategies.cache import caches_off
 
-from .compat import causal_skip_on_fake, cpu_dropout_allocations, fewer_slices, triton_allocations, value_decisions, warm_lean_caches
+from .compat import (causal_skip_on_fake, cpu_dropout_allocations, device_matmuls, fewer_slices, triton_allocations,
+                     value_decisions, warm_lean_caches)
 from .cuda_kernels import cuda_kernels
+from .cuda_runtime import BlasUse, device_tables, runtime_bytes
 from .fake import build_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
@@ -28,10 +30,18 @@ CUDA_NOTES = [
     "SDPA runs flash (fp16/bf16, no attn_mask: keeps q, k, v, out, an fp32 logsumexp (b, heads, s) and the RNG "
     "state), else memory-efficient (masks, fp32: + the bias in q's dtype, logsumexp padded to 32 rows), else math; "
     "an Ampere or newer GPU assumed",
-    "leanact's dropout, GELU and norms allocate what their Triton kernels allocate on CUDA (outputs only; "
-    "with LEANACT_TRITON=0 set where the estimate runs: their PyTorch path's temporaries)",
+    "leanact's dropout, GELU and norms allocate what their Triton kernels allocate on CUDA (outputs, and the "
+    "norms' backward partial sums: (4 x SMs, n) float32; with LEANACT_TRITON=0 set where the estimate runs: "
+    "their PyTorch path's temporaries)",
+    "held across steps and counted in every step (workspaces): a cuBLAS workspace per thread that runs matmuls "
+    "(forward: the caller's thread; backward: autograd's; CUBLAS_WORKSPACE_CONFIG, default 32 MiB from Hopper "
+    "on), cuBLASLt's where its bias epilogue runs (1 MiB before torch 2.12, shared after), leanact's GELU "
+    "lookup tables on the device (leanact.estimate.cuda_runtime); GPU modelled: the current CUDA device, "
+    "else compute capability 9.0 with 132 SMs (H100 SXM / H200)",
     "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
-    "not modelled: cuBLAS/cuDNN workspaces, allocator fragmentation (reserved > allocated), CUDA context; "
+    "not modelled: cuDNN workspaces, the caching allocator's counting of a reused block that is up to 1 MiB "
+    "larger than asked as a whole (a few MiB to tens of MiB in max_memory_allocated), fragmentation "
+    "(reserved > allocated: leanact.estimate.maximize keeps a reserve for it), the CUDA context; "
     "with offload strategies the host copies are counted as device memory (over-predicts)",
 ]
 
@@ -127,10 +137,11 @@ def _layers(model: nn.Module) -> list[str]:
 
 
 def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, notes: list[str],
-            autocast: torch.dtype | None = None) -> Estimate:
+            autocast: torch.dtype | None = None, runtime: dict[str, int] | None = None) -> Estimate:
     layers = _layers(model)
     act = mem.after_forward.get("Activation", 0)
-    accounted = sum(mem.at_peak.get(k, 0) for k in ("Parameter", "Buffer", "Optstate", "Activation", "Gradient"))
+    accounted = sum(mem.at_peak.get(k, 0) for k in ("Parameter", "Buffer", "Optstate", "Activation", "Gradient",
+                                                    "Workspace"))
     return Estimate(
         device=kind, dtype=str(dtype).replace("torch.", ""),
         per_layer=group_by_layer(mem.saved_by_module, layers),
@@ -138,7 +149,8 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
         activations=act, saved=mem.saved, params=mem.params, buffers=mem.buffers, grads=mem.grads,
         optimizer_state=mem.optimizer_state, temporaries=mem.peak - accounted, peak=mem.peak,
         at_peak=mem.at_peak, notes=notes, weight_copies=mem.weight_copies,
-        autocast=None if autocast is None else str(autocast).replace("torch.", ""))
+        autocast=None if autocast is None else str(autocast).replace("torch.", ""),
+        workspaces=mem.at_peak.get("Workspace", 0), workspace_items=dict(runtime or {}))
 
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
@@ -151,18 +163,32 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         warm_lean_caches(fake_model, autocast)
     if plan is not None:
         plan.apply(fake_model)
+    cuda = kind == "cuda"
+    blas = BlasUse() if cuda else None
     try:
         emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
-        kernels = cuda_kernels() if kind == "cuda" else contextlib.nullcontext()
+        kernels = cuda_kernels() if cuda else contextlib.nullcontext()
+        tables = device_tables() if cuda else contextlib.nullcontext({})
         with value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
-                caches_off(fake_model, fake_in) as fake_in, mode:
+                device_matmuls(kind), tables as used_tables, caches_off(fake_model, fake_in) as fake_in, mode, \
+                (blas if cuda else contextlib.nullcontext()):
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
-                           block=CUDA_BLOCK if kind == "cuda" else 1, foreach=True if kind == "cuda" else None,
+                           block=CUDA_BLOCK if cuda else 1, foreach=True if cuda else None,
                            autocast=autocast, keep_output=keep_output)
     finally:
         if plan is not None:
             plan.remove(fake_model)
-    return _result(mem, fake_model, kind, dtype, notes, autocast)
+    runtime = runtime_bytes(blas, used_tables, CUDA_BLOCK).items if cuda else {}
+    _add_held(mem, sum(runtime.values()))
+    return _result(mem, fake_model, kind, dtype, notes, autocast, runtime)
+
+
+def _add_held(mem: StepMemory, held: int) -> None:
+    """Memory allocated before the step and kept through it (CUDA workspaces) adds to every moment of
+    the step: to the peak and to its breakdown, as "Workspace"."""
+    if held:
+        mem.peak += held
+        mem.at_peak = {**mem.at_peak, "Workspace": held, "Total": mem.at_peak.get("Total", 0) + held}
 
 
 def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None, device: Any = None, *,

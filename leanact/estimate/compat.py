@@ -26,6 +26,10 @@ manager and restored on exit; the owners' files are not modified):
   ones (no padding mask; it cannot rule out packed sequences): :func:`causal_skip_on_fake`.
 * On CUDA leanact's ops run Triton kernels (:mod:`leanact.ops.triton`) that allocate their outputs
   only: :func:`triton_allocations` makes the ops on fake tensors allocate exactly that.
+* The fused linear + cross-entropy reads the tensors' device (the CPU for fake ones) to choose its
+  matmuls: 16-bit tiles in fp32 on a CPU without native 16-bit GEMM, and the fp32 sum of 16-bit
+  products through ``addmm(..., out_dtype=)`` where the device has it (CUDA; not torch's CPU, where a
+  16-bit product is made and added); :func:`device_matmuls` makes it choose as on the modelled device.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["value_decisions", "warm_lean_caches", "fewer_slices", "cpu_dropout_allocations", "warm_cpu_dropout",
-           "triton_allocations", "causal_skip_on_fake"]
+           "triton_allocations", "causal_skip_on_fake", "device_matmuls"]
 
 
 @contextlib.contextmanager
@@ -203,17 +207,31 @@ def triton_allocations():
     """While active, leanact's ops (dropout, attention-core dropout blocks, GELU, LayerNorm and
     RMSNorm from output, the gated MLP's act(g)·u, few-bit activations, 8-bit compression) on fake
     tensors allocate what their Triton kernels allocate on CUDA -- outputs, the norms' per-program
-    partial sums -- instead of the temporaries of their PyTorch path (per-element int64 hash words,
-    the GELU rebuild's slices, the norms' float32 copies); the kept
+    partial sums (4 programs per SM of the modelled GPU, :func:`leanact.estimate.cuda_runtime.target`:
+    (4·SMs, n) float32 each for dγ and dβ) -- instead of the temporaries of their PyTorch path
+    (per-element int64 hash words, the GELU rebuild's slices, the norms' float32 copies); the kept
     tensors are the same either way. Nothing changes under ``LEANACT_TRITON=0`` (set it where the
     estimate runs when the GPU will run with it): the GPU then runs the PyTorch path too."""
     from leanact.ops.triton import dispatch
 
+    from .cuda_runtime import target
+
     if not dispatch.enabled():
         yield
         return
-    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=True):
-        yield
+    programs, sms = dispatch._programs, target().sms
+
+    def cuda_programs(rows: int, device: torch.device) -> int:
+        # fake tensors sit on the CPU: the norms' backward shares its rows among 4 programs per SM
+        # of the modelled GPU, each with one float32 partial row of dγ (and dβ), as on the device
+        return max(1, min(rows, 4 * sms)) if _faking() else programs(rows, device)
+
+    dispatch._programs = cuda_programs
+    try:
+        with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=True):
+            yield
+    finally:
+        dispatch._programs = programs
 
 
 @contextlib.contextmanager
@@ -243,3 +261,53 @@ def causal_skip_on_fake():
         yield
     finally:
         mu.find_packed_sequence_indices = original
+
+
+_CPU_FP32_ADDMM: list[bool] = []  # whether this torch's CPU addmm takes out_dtype (probed once)
+
+
+def _cpu_fp32_addmm() -> bool:
+    if not _CPU_FP32_ADDMM:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            a = torch.ones(2, 2, dtype=torch.bfloat16)
+            try:
+                torch.addmm(torch.zeros(2, 2), a, a, out_dtype=torch.float32, out=torch.zeros(2, 2))
+                _CPU_FP32_ADDMM.append(True)
+            except (RuntimeError, NotImplementedError, TypeError):
+                _CPU_FP32_ADDMM.append(False)
+    return _CPU_FP32_ADDMM[0]
+
+
+@contextlib.contextmanager
+def device_matmuls(kind: str):
+    """While a fake mode is active, the fused linear + cross-entropy multiplies as it does on device
+    ``kind``, not as the fake tensors' CPU device would: its tiles' matmul dtype ("cuda": the compute
+    dtype, whatever the host CPU; "cpu": this CPU's choice), and its fp32 accumulation of 16-bit
+    products (``addmm`` with ``out_dtype`` into the fp32 sum where the device has it -- CUDA; this
+    CPU if it does -- else a 16-bit product per call, added: a temporary of the sum's size). The
+    fused loss itself remembers a failed ``out_dtype`` call per device type, which would make the
+    estimate depend on what ran before it in the process."""
+    from leanact.ops import linear_cross_entropy as lce
+
+    saved = {name: getattr(lce, name) for name in ("_matmul_dtype", "_accumulate_mm_") if hasattr(lce, name)}
+
+    def matmul_dtype(cdtype, device):
+        return cdtype if _faking() and kind == "cuda" else saved["_matmul_dtype"](cdtype, device)
+
+    def accumulate_mm_(out, a, b):
+        if not (_faking() and is_fake(out)) or a.dtype == out.dtype:
+            return saved["_accumulate_mm_"](out, a, b)
+        if kind == "cuda" or _cpu_fp32_addmm():
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            out += a @ b
+
+    if "_matmul_dtype" in saved:
+        lce._matmul_dtype = matmul_dtype
+    if "_accumulate_mm_" in saved:
+        lce._accumulate_mm_ = accumulate_mm_
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(lce, name, fn)

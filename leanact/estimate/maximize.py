@@ -9,6 +9,19 @@ reaches the largest size wins; among equals, the cheapest in time (the order of
 :data:`CANDIDATES`). Offload strategies are not candidates: the estimate counts their host copies
 as device memory. What the head keeps (the fused linear + cross-entropy of a patched model, or
 the logits) is part of the estimate.
+
+**The reserve.** A step whose predicted peak (``torch.cuda.max_memory_allocated``: the bytes of
+live tensors and the runtime's workspaces) equals the budget still runs out of memory: the caching
+allocator holds memory it cannot hand out (free pieces of segments too small for the next large
+request: reserved > allocated). Measured on an H200 capped at 80 GiB, Llama-3.2-1B geometry,
+leanact.patch, 86,016 tokens: out of memory with 77.5 GiB allocated asking for 1.31 GiB more, so at
+least 80 − 78.81 = 1.19 GiB was held unusable (1.5% of the budget); capped at 16 GiB, BERT-Large
+after a batch search in the same process: 0.97 GiB reserved but unallocated at its out-of-memory
+(6%). On CUDA the search therefore fits ``budget − reserve``: :func:`reserve_for` is
+``max(RESERVE_FRACTION · budget, min(RESERVE_MIN, budget / 8))`` -- 2% of the budget, at least
+1 GiB (1.6 GiB at 80 GiB, 1 GiB at 16 GiB), and at most an eighth of budgets under 8 GiB.
+``reserve=`` overrides it (0: none). The budget is what PyTorch may reserve: on a GPU of its own,
+the card's memory less the CUDA context (several hundred MiB; ``torch.cuda.mem_get_info()`` tells).
 """
 from __future__ import annotations
 
@@ -21,18 +34,33 @@ from .api import _position_limit, estimate
 from .fit import largest_fitting
 from .result import Estimate
 
-__all__ = ["CANDIDATES", "Maximized", "maximize", "step_estimate", "strategy_plan"]
+__all__ = ["CANDIDATES", "Maximized", "maximize", "step_estimate", "strategy_plan", "reserve_for",
+           "RESERVE_FRACTION", "RESERVE_MIN"]
 
 #: Candidate strategies, cheapest in time first (ties go to the earlier).
 CANDIDATES = ("lean", "selective:attention", "tiled_mlp", "full")
 SEQ_MULTIPLE = 128  # sequences are searched in multiples of this many tokens
+RESERVE_FRACTION = 0.02  # of the budget, kept free for the caching allocator on CUDA (module doc)
+RESERVE_MIN = 1 << 30  # at least this much (an eighth of the budget below 8 GiB)
+
+
+def reserve_for(budget: int, device: Any = "cuda") -> int:
+    """Bytes of ``budget`` the search leaves free for the caching allocator (module doc): on CUDA
+    ``max(RESERVE_FRACTION · budget, min(RESERVE_MIN, budget // 8))``; 0 on the CPU (no caching
+    allocator)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return 0
+    return max(int(RESERVE_FRACTION * budget), min(RESERVE_MIN, budget // 8))
 
 
 @dataclass
 class Maximized:
     """What :func:`maximize` found: ``value`` (the longest sequence or largest batch, 0 if nothing
     fits) reached with ``strategy`` on every layer (``plan``), the estimate there, and the value
-    each candidate reached (``by_strategy``)."""
+    each candidate reached (``by_strategy``). ``reserve``: the bytes of ``budget`` left free for the
+    caching allocator; the estimate's peak is at most ``limit`` = ``budget - reserve``."""
 
     what: str
     value: int
@@ -41,10 +69,17 @@ class Maximized:
     estimate: Estimate | None
     budget: int
     by_strategy: dict[str, int] = field(default_factory=dict)
+    reserve: int = 0
+
+    @property
+    def limit(self) -> int:
+        """The most the predicted peak may be: ``budget - reserve``."""
+        return self.budget - self.reserve
 
     def __repr__(self) -> str:
         return (f"Maximized({self.what}={self.value}, strategy={self.strategy!r}, "
-                f"peak={self.estimate.peak if self.estimate else None}, budget={self.budget})")
+                f"peak={self.estimate.peak if self.estimate else None}, budget={self.budget}, "
+                f"reserve={self.reserve})")
 
 
 def _sizes(sample_inputs: Any) -> tuple[int, int]:
@@ -79,9 +114,11 @@ def step_estimate(model: nn.Module, sample_inputs: Any, strategy: str, what: str
 def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq", *,
              strategies: list[str] | None = None, device: Any = "cuda", dtype: Any = None, optimizer: Any = "adamw",
              loss_fn: Callable | None = None, multiple: int | None = None, limit: int | None = None,
-             keep_output: bool = False) -> Maximized:
+             keep_output: bool = False, reserve: int | None = None) -> Maximized:
     """The largest ``what`` ("seq": sequence length at the sample's batch; "batch": batch at the
-    sample's sequence length) whose whole step fits ``budget`` bytes on ``device`` (module doc).
+    sample's sequence length) whose whole step fits ``budget`` bytes on ``device`` (module doc),
+    less ``reserve`` bytes kept free for the caching allocator (None: :func:`reserve_for`, 2% of
+    the budget and at least 1 GiB on CUDA, 0 on the CPU).
     ``multiple``: search in multiples of this (default 128 tokens for "seq", 1 for "batch");
     ``limit``: the largest size considered (default: the model's learned positions for "seq").
     ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``: as :func:`leanact.estimate`."""
@@ -93,6 +130,11 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
         raise ValueError(f"maximize: strategies {unknown or names} unknown; choose among {list(STRATEGIES)}")
+    if reserve is None:
+        reserve = reserve_for(budget, device)
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve <= budget:
+        raise ValueError(f"maximize: reserve must be a number of bytes between 0 and the budget ({budget}), "
+                         f"got {reserve!r}")
     b0, s0 = _sizes(sample_inputs)
     multiple = multiple or (SEQ_MULTIPLE if what == "seq" else 1)
     if limit is None and what == "seq":
@@ -113,7 +155,7 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
             found_at[n] = peak(strategy, n)
             return found_at[n].peak
 
-        value, _ = largest_fitting(cost, budget, probes=(1, 8, 32) if what == "seq" else (1, 2, 4),
+        value, _ = largest_fitting(cost, budget - reserve, probes=(1, 8, 32) if what == "seq" else (1, 2, 4),
                                    multiple=multiple, limit=limit)
         reached[strategy] = value
         if value > best[0]:
@@ -121,4 +163,4 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     value, strategy, est = best
     plan = strategy_plan(model, strategy, value * (b0 if what == "seq" else s0))
     plan.budget = budget
-    return Maximized(what, value, strategy, plan, est, budget, reached)
+    return Maximized(what, value, strategy, plan, est, budget, reached, reserve)

@@ -25,6 +25,9 @@ class Estimate:
         without autocast, and for Linears patched by ``leanact.patch``, which recast in backward).
     autocast: the autocast dtype the forward ran under ("bfloat16", "float16"), or None.
     params (+ buffers), grads (all trainable parameters), optimizer_state: their full sizes.
+    workspaces: (CUDA) what the runtime keeps allocated across steps and so adds to every moment of
+        the step: cuBLAS / cuBLASLt workspaces of the threads that run matmuls, leanact's device
+        lookup tables (:mod:`leanact.estimate.cuda_runtime`); ``workspace_items``: by item. 0 on the CPU.
     temporaries: the rest of the peak (gradients of activations, op workspaces, the inputs).
     peak: largest total during forward, backward and optimizer step; at_peak: its breakdown.
     """
@@ -45,6 +48,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     weight_copies: int = 0
     autocast: str | None = None
+    workspaces: int = 0
+    workspace_items: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +69,7 @@ class Estimate:
                          ("optimizer state", self.optimizer_state), ("activations (end of forward)", self.activations),
                          ("  of which kept for backward", self.saved),
                          *((("    of which autocast weight copies", self.weight_copies),) if self.weight_copies else ()),
+                         *((("CUDA workspaces (held across steps)", self.workspaces),) if self.workspaces else ()),
                          ("temporaries at peak", self.temporaries)):
             tab.add_row(label, f"{n:,}", fmt_bytes(n))
         tab.add_row("peak", f"{self.peak:,}", fmt_bytes(self.peak), style="bold")

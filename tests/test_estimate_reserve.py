@@ -1,0 +1,47 @@
+"""leanact.estimate.maximize keeps a reserve of the budget free for CUDA's caching allocator: the
+largest size is the one whose predicted peak fits ``budget - reserve``."""
+import pytest
+import torch
+import transformers
+
+import leanact
+from leanact.estimate import estimate, maximize
+from leanact.estimate.maximize import RESERVE_FRACTION, RESERVE_MIN, reserve_for
+
+GIB, MIB = 2**30, 2**20
+
+
+def test_reserve_for():
+    assert (RESERVE_FRACTION, RESERVE_MIN) == (0.02, GIB)
+    assert reserve_for(80 * GIB) == int(0.02 * 80 * GIB)  # 1.6 GiB: 2% of the budget
+    assert reserve_for(16 * GIB) == GIB  # at least 1 GiB
+    assert reserve_for(4 * GIB) == GIB // 2  # at most an eighth of a small budget
+    assert reserve_for(80 * MIB) == 10 * MIB
+    assert reserve_for(80 * GIB, "cpu") == 0  # no caching allocator
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=172, vocab_size=256, max_position_embeddings=8192)
+    return leanact.patch(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16))
+
+
+def _ids(b, s):
+    ids = torch.randint(0, 256, (b, s))
+    return dict(input_ids=ids, labels=ids)
+
+
+def test_largest_batch_leaves_the_reserve():
+    model, x, budget = _llama(), _ids(2, 64), 80 * MIB
+    found = maximize(model, x, budget, "batch", strategies=["lean"])
+    assert found.reserve == reserve_for(budget) and found.limit == budget - found.reserve
+    assert "reserve=" in repr(found)
+    b = found.value
+    assert b > 0 and found.estimate.peak <= found.limit < estimate(model, x, None, "cuda", batch=b + 1).peak
+    none = maximize(model, x, budget, "batch", strategies=["lean"], reserve=0)
+    assert none.reserve == 0 and none.value > b and none.estimate.peak <= budget
+    with pytest.raises(ValueError, match="reserve"):
+        maximize(model, x, budget, "batch", strategies=["lean"], reserve=budget + 1)
+    with pytest.raises(ValueError, match="reserve"):
+        maximize(model, x, budget, "batch", strategies=["lean"], reserve=-1)
