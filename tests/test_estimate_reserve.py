@@ -1,10 +1,8 @@
 """leanact.estimate.maximize keeps a reserve of the budget free for CUDA's caching allocator: the
 largest size is the one whose predicted peak fits ``budget - reserve``."""
 import pytest
-import torch
-import transformers
+from test_plan_maximize import _ids, _llama
 
-import leanact
 from leanact.estimate import estimate, maximize
 from leanact.estimate.maximize import RESERVE_FRACTION, RESERVE_MIN, reserve_for
 
@@ -18,18 +16,6 @@ def test_reserve_for():
     assert reserve_for(4 * GIB) == GIB // 2  # at most an eighth of a small budget
     assert reserve_for(80 * MIB) == 10 * MIB
     assert reserve_for(80 * GIB, "cpu") == 0  # no caching allocator
-
-
-def _llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=172, vocab_size=256, max_position_embeddings=8192)
-    return leanact.patch(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16))
-
-
-def _ids(b, s):
-    ids = torch.randint(0, 256, (b, s))
-    return dict(input_ids=ids, labels=ids)
 
 
 def test_largest_batch_leaves_the_reserve():
