@@ -219,19 +219,27 @@ def triton_allocations():
     if not dispatch.enabled():
         yield
         return
-    programs, sms = dispatch._programs, target().sms
+    sms = target().sms
+    # every leanact.ops.triton module that has the norms' program count (defined or imported by name)
+    owners = [m for name, m in list(sys.modules.items()) if m is not None and name.startswith("leanact.ops.triton")
+              and callable(getattr(m, "_programs", None))]
+    saved = [(m, m._programs) for m in owners]
 
-    def cuda_programs(rows: int, device: torch.device) -> int:
-        # fake tensors sit on the CPU: the norms' backward shares its rows among 4 programs per SM
-        # of the modelled GPU, each with one float32 partial row of dγ (and dβ), as on the device
-        return max(1, min(rows, 4 * sms)) if _faking() else programs(rows, device)
+    def cuda_programs_of(programs):
+        def cuda_programs(rows: int, device: torch.device) -> int:
+            # fake tensors sit on the CPU: the norms' backward shares its rows among 4 programs per
+            # SM of the modelled GPU, each with one float32 partial row of dγ (and dβ), as on the device
+            return max(1, min(rows, 4 * sms)) if _faking() else programs(rows, device)
+        return cuda_programs
 
-    dispatch._programs = cuda_programs
+    for m, programs in saved:
+        m._programs = cuda_programs_of(programs)
     try:
         with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=True):
             yield
     finally:
-        dispatch._programs = programs
+        for m, programs in saved:
+            m._programs = programs
 
 
 @contextlib.contextmanager
