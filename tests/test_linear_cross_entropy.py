@@ -299,10 +299,12 @@ def test_chunk_plan():
     assert L.chunk_rows(4096, 32000, torch.bfloat16) == 136  # 0.05 * 4 * 4096 / (4 + 2) bytes per logit
     assert L.chunk_rows(4096, 32000, torch.float32) == 204  # 0.05 * 4096 (fp32 logits only)
     assert L.chunk_rows(100, v, torch.float32) == 100  # fewer tokens than a chunk: one chunk
-    # 16-bit weights: several chunks would sum dW in an fp32 buffer of W's size; one chunk while it fits
-    assert L.chunk_rows(256, v, torch.bfloat16, weight_dtype=torch.bfloat16) == 256
-    assert L.chunk_rows(256, v, torch.bfloat16, weight_dtype=torch.float32) == 128
-    assert L.chunk_rows(8192, v, torch.bfloat16, weight_dtype=torch.bfloat16) == 261
+    # 16-bit weights: several chunks would sum dW in an fp32 buffer of W's size (V·H·4 bytes); one
+    # chunk where all the logits' transient (N·V·6) is no larger and fits 2^25 logits
+    assert L.chunk_rows(256, v, torch.bfloat16, weight_dtype=torch.bfloat16, hidden=2048) == 256
+    assert L.chunk_rows(256, v, torch.bfloat16, weight_dtype=torch.float32, hidden=2048) == 128
+    assert L.chunk_rows(512, 8192, torch.bfloat16, weight_dtype=torch.bfloat16, hidden=64) == 128
+    assert L.chunk_rows(8192, v, torch.bfloat16, weight_dtype=torch.bfloat16, hidden=2048) == 261
     assert L.chunk_rows(8192, v, torch.float32, chunk_tokens=64) == 64
     assert L.chunk_rows(8192, 19, torch.float32, tile_elements=5 * 19) == 5
     for n, dtype in ((8192, torch.bfloat16), (65536, torch.float32)):  # transient <= 5% where not floored

@@ -102,24 +102,25 @@ def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
 
 
 def chunk_rows(n: int, v: int, cdtype: torch.dtype, chunk_tokens: int | None = None,
-               tile_elements: int | None = None, weight_dtype: torch.dtype | None = None) -> int:
+               tile_elements: int | None = None, weight_dtype: torch.dtype | None = None, hidden: int = 0) -> int:
     """Rows per chunk; every chunk spans the whole vocabulary (one plan on every device).
 
     Default: the chunk's transient (its logits in the accumulation dtype, plus their 16-bit
     matmul output / gradient copy for 16-bit inputs) is at most :data:`TRANSIENT_FRACTION` of the
     fp32 logits plain PyTorch would build (N·V·4 bytes), at least :data:`MIN_CHUNK_ROWS` rows (so
     the matmuls stay large enough to run at full speed), and never more than
-    :data:`DEFAULT_TILE_ELEMENTS` logits. A 16-bit ``weight_dtype`` whose logits fit in one chunk of
-    that size gets one chunk: several would sum dW in an fp32 buffer of W's size (V·H·4 bytes),
-    more than those logits. ``chunk_tokens`` / ``tile_elements``, when given, bound the rows / the
-    logits per chunk instead."""
+    :data:`DEFAULT_TILE_ELEMENTS` logits. With a 16-bit ``weight_dtype``, several chunks sum dW in
+    an fp32 buffer of W's size (V·``hidden``·4 bytes): one chunk instead where all the logits'
+    transient is no larger and fits that bound. ``chunk_tokens`` / ``tile_elements``, when given,
+    bound the rows / the logits per chunk instead."""
     if chunk_tokens is not None or tile_elements is not None:
         rows = min(chunk_tokens or n, (tile_elements or DEFAULT_TILE_ELEMENTS) // max(v, 1))
         return max(1, min(n, rows))
     acc = _acc_dtype(cdtype)
-    if weight_dtype is not None and weight_dtype.itemsize < 4 and n * v <= DEFAULT_TILE_ELEMENTS:
-        return max(1, n)
     per_logit = acc.itemsize + (cdtype.itemsize if cdtype != acc else 0)
+    if (weight_dtype is not None and weight_dtype.itemsize < 4 and n * per_logit <= 4 * hidden
+            and n * v <= DEFAULT_TILE_ELEMENTS):
+        return max(1, n)
     rows = int(TRANSIENT_FRACTION * 4 * n) // per_logit
     rows = min(max(rows, MIN_CHUNK_ROWS), DEFAULT_TILE_ELEMENTS // max(v, 1))
     return max(1, min(n, rows))
@@ -205,7 +206,7 @@ class _Chunks:
         self.wt = self.wc.t()
         self.bc = None if bias is None else bias.to(cdtype)
         self.y = ya.unsqueeze(1)
-        self.step = chunk_rows(self.na, self.v, cdtype, chunk_tokens, tile_elements, weight.dtype)
+        self.step = chunk_rows(self.na, self.v, cdtype, chunk_tokens, tile_elements, weight.dtype, self.h)
         self.one = self.step >= self.na
 
     def coef(self, per_row):
