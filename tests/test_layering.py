@@ -1,6 +1,7 @@
 """The package's layers: no module imports from a layer above its own, at import time or inside a
 function. Lowest first; a package may import from its own layer and the ones below."""
 import ast
+import json
 import pathlib
 import subprocess
 import sys
@@ -116,3 +117,125 @@ def test_patch_lossy_goes_through_the_option_lossy_registers(monkeypatch):
     else:
         raise AssertionError("patch(lossy=...) without the option registered must raise")
     assert leanact.summary(model) is None and type(model[1]) is torch.nn.GELU  # left unpatched
+
+
+# -- import circles inside leanact.ops ------------------------------------------------------------
+
+def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
+    """Every module of leanact: dotted name -> (file, whether it is a package's __init__)."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        is_package = rel.name == "__init__"
+        out[".".join(rel.parts[:-1] if is_package else rel.parts)] = (path, is_package)
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the leanact modules its import statements name, at module level or inside a
+    function (``from pkg import sub`` names ``pkg.sub`` when that is a module, else ``pkg``). The
+    parent packages Python runs first (``leanact/ops/__init__.py`` for ``leanact.ops.x``) are not
+    edges: every module of a package would otherwise be in a circle with its ``__init__``."""
+    modules = _modules()
+    graph = {}
+    for module, (path, is_package) in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".") if is_package else module.split(".")[:-1]
+                    base = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name not in modules and "." in name:  # import a.b.c where c is not a module
+                    name = name.rsplit(".", 1)[0]
+                if name in modules and name != module:
+                    edges.add(name)
+        graph[module] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]], nodes: set[str]) -> list[list[str]]:
+    """The strongly connected components of more than one module among ``nodes`` (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v] & nodes):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_among_the_ops():
+    """One op = its autograd Function, its launchers and its kernels; below them the dispatch layer.
+    No module of leanact.ops imports (at import time or inside a function) one that imports it back."""
+    graph = _import_graph()
+    ops = {m for m in graph if m == "leanact.ops" or m.startswith("leanact.ops.")}
+    circles = _circles(graph, ops)
+    detail = [f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for c in circles for m in c]
+    assert not circles, f"{len(circles)} import circle(s) in leanact.ops:\n" + "\n".join(detail)
+
+
+#: What leanact/ops/triton/dispatch.py may name in an import statement (module level or in a
+#: function): no leanact module at all. The kernels module it needs on the first kernel call it
+#: loads by name (importlib), and the launchers that moved to their op's module it forwards to by
+#: name on first attribute access (old import paths); :data:`DISPATCH_LOADS_BY_NAME` lists both.
+DISPATCH_MAY_IMPORT: set[str] = set()
+#: The leanact modules dispatch.py names as strings (loaded through importlib, never at import
+#: time): all in leanact/ops/triton/, none an op's module (leanact.ops.dropout, .gelu, ...).
+DISPATCH_LOADS_BY_NAME_UNDER = "leanact.ops.triton."
+
+
+def test_the_dispatch_layer_imports_no_op_and_no_kernel_module():
+    graph = _import_graph()
+    assert graph["leanact.ops.triton.dispatch"] <= DISPATCH_MAY_IMPORT, (
+        f"leanact/ops/triton/dispatch.py imports {sorted(graph['leanact.ops.triton.dispatch'] - DISPATCH_MAY_IMPORT)}")
+    tree = ast.parse((ROOT / "ops" / "triton" / "dispatch.py").read_text())
+    named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.startswith("leanact.")}
+    assert all(n.startswith(DISPATCH_LOADS_BY_NAME_UNDER) and n in graph for n in named), sorted(named)
+
+
+_IMPORT_DISPATCH = """
+import importlib.util, json, sys, types
+spec = importlib.util.find_spec("leanact")
+stub = types.ModuleType("leanact")  # without leanact/__init__.py, which imports every part
+stub.__path__, stub.__file__ = list(spec.submodule_search_locations), spec.origin
+sys.modules["leanact"] = stub
+import leanact.ops.triton.dispatch
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("leanact"))))
+"""
+
+
+def test_importing_the_dispatch_layer_loads_nothing_else_of_leanact():
+    out = subprocess.run([sys.executable, "-c", _IMPORT_DISPATCH], capture_output=True, text=True, cwd=ROOT.parent,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == ["leanact", "leanact.ops", "leanact.ops.triton", "leanact.ops.triton.dispatch"], loaded

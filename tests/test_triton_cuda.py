@@ -13,7 +13,7 @@ from leanact.ops.dropout import dropout_seeded  # noqa: E402
 from leanact.ops.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask_like  # noqa: E402
 from leanact.ops.rms_norm import rms_norm  # noqa: E402
-from leanact.ops.triton import dispatch  # noqa: E402
+from leanact.ops.triton import dispatch, norm  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -177,9 +177,6 @@ _CHECK_KEYS = [("dropout", torch.int64)] + [("dropout", dt) for dt in (torch.flo
 @pytest.mark.parametrize("name,key", _CHECK_KEYS, ids=str)
 def test_self_check_passes_on_this_gpu(name, key):
     """Every op's first-use self-check (compiled kernel vs PyTorch path on this device) passes."""
-    import leanact.lossy.compress  # noqa: F401  (registers the compression's check)
-    from leanact.ops.triton import selfcheck  # noqa: F401
-
     error = dispatch._isolated(dispatch._CHECKS[name], torch.device("cuda", torch.cuda.current_device()), key)
     assert error is None, f"{name} {key}: {error}"
 
@@ -215,8 +212,8 @@ def test_an_op_not_checked_yet_takes_the_pytorch_path_while_a_cuda_graph_is_capt
     with dispatch.use_kernels(dispatch._kernels(), strict=True, verify=True):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fused = dispatch.rms_norm_forward(x, (256,), w, None)
+            fused = norm.rms_norm_forward(x, (256,), w, None)
         assert fused is None
         assert not dispatch.verified() and "rms_norm" not in dispatch._BROKEN
-        assert dispatch.rms_norm_forward(x, (256,), w, None) is not None  # outside capture: checked, then run
+        assert norm.rms_norm_forward(x, (256,), w, None) is not None  # outside capture: checked, then run
         assert any(name == "rms_norm" for name, _, _ in dispatch.verified())

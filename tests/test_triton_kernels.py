@@ -26,7 +26,8 @@ from leanact.ops.gelu import gelu  # noqa: E402
 from leanact.ops.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask, keep_mask_like, keep_threshold  # noqa: E402
 from leanact.ops.rms_norm import rms_norm  # noqa: E402
-from leanact.ops.triton import dispatch  # noqa: E402
+from leanact.ops.triton import dispatch, gelu as TG, norm as TN  # noqa: E402
+from leanact.ops.triton import dropout as TD  # noqa: E402
 
 from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
 
@@ -93,7 +94,7 @@ def test_keep_mask_rows_bitwise(K):
     seed, p = torch.tensor(-99), 0.15
     starts = torch.tensor([0, 5000, 123456789, (1 << 32) - 7, 7 << 32])
     with dispatch.use_kernels(K):
-        out = dispatch.keep_mask_rows(seed, starts, 300, p)
+        out = TD.keep_mask_rows(seed, starts, 300, keep_threshold(p))
     assert torch.equal(out, keep_mask(seed, starts[:, None] + torch.arange(300), p))
 
 
@@ -277,9 +278,9 @@ def test_dispatch_declines_without_cuda_or_when_disabled(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, seed = torch.randn(2, 4), torch.tensor(1)
-    assert dispatch.dropout(x, seed, 0.5, False) is None  # CPU tensors: the PyTorch path
-    assert dispatch.gelu_forward(x, "none", True) is None
-    assert dispatch.layer_norm_forward(x, (4,), None, None, 1e-5) is None
+    assert TD.dropout(x, seed, keep_threshold(0.5), 2.0, False) is None  # CPU tensors: the PyTorch path
+    assert TG.gelu_forward(x, "none", True) is None
+    assert TN.layer_norm_forward(x, (4,), None, None, 1e-5) is None
 
     class Boom:
         def __getattr__(self, name):
@@ -288,14 +289,26 @@ def test_dispatch_declines_without_cuda_or_when_disabled(monkeypatch):
     with dispatch.use_kernels(Boom()):
         monkeypatch.setenv("LEANACT_TRITON", "0")
         assert not dispatch.enabled()
-        assert dispatch.dropout(x, seed, 0.5, False) is None
-        assert dispatch.rms_norm_forward(x, (4,), None, None) is None
+        assert TD.dropout(x, seed, keep_threshold(0.5), 2.0, False) is None
+        assert TN.rms_norm_forward(x, (4,), None, None) is None
         monkeypatch.setenv("LEANACT_TRITON", "1")
-        assert dispatch.gelu_forward(x.double(), "none", True) is None  # float64: the PyTorch path
-        assert dispatch.layer_norm_forward(torch.randn(2, 1 << 16), (1 << 16,), None, None, 1e-5) is None  # too wide
+        assert TG.gelu_forward(x.double(), "none", True) is None  # float64: the PyTorch path
+        assert TN.layer_norm_forward(torch.randn(2, 1 << 16), (1 << 16,), None, None, 1e-5) is None  # too wide
         with FakeTensorMode():
-            assert dispatch.dropout(torch.empty(8), torch.tensor(1), 0.5, False) is None
+            assert TD.dropout(torch.empty(8), torch.tensor(1), keep_threshold(0.5), 2.0, False) is None
         assert dropout_seeded(x.double(), seed, 0.5).shape == x.shape
+
+
+def test_launchers_that_moved_out_of_dispatch_are_still_found_there():
+    """Each op's launchers live in its own module (leanact.ops.triton.norm, .gelu, .dropout); the
+    names dispatch had are forwarded, except the dropout ones, which now take the keep threshold."""
+    assert dispatch.layer_norm_forward is TN.layer_norm_forward and dispatch.rms_norm_backward is TN.rms_norm_backward
+    assert dispatch.gelu_backward is TG.gelu_backward and dispatch.MAX_N == TN.MAX_N == 32768
+    for name in ("dropout", "keep_mask_like", "keep_mask_rows"):
+        with pytest.raises(AttributeError, match=f"leanact.ops.triton.dropout.{name}, which takes the keep threshold"):
+            getattr(dispatch, name)
+    with pytest.raises(AttributeError):
+        dispatch.no_such_name
 
 
 def test_a_failing_kernel_warns_once_and_its_op_takes_the_pytorch_path():

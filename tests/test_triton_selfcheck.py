@@ -1,9 +1,9 @@
-"""The kernels' self-check (leanact/ops/triton/selfcheck.py), run before an op's kernel first runs on
-a device: it passes for the real kernels, catches a kernel that computes something else (which then
-falls back to the PyTorch path with a warning, or raises when strict), and leaves the caller's
-state alone (saved-tensor hooks, autocast, random state). On CPU tensors under Triton's interpreter
-(same plumbing as test_triton_kernels.py: in process when Triton was not imported yet, else in a
-fresh process).
+"""The kernels' self-checks (each op registers its own, built from leanact/ops/triton/selfcheck.py),
+run before an op's kernel first runs on a device: each passes for the real kernels, catches a kernel
+that computes something else (which then falls back to the PyTorch path with a warning, or raises
+when strict), and leaves the caller's state alone (saved-tensor hooks, autocast, random state). On
+CPU tensors under Triton's interpreter (same plumbing as test_triton_kernels.py: in process when
+Triton was not imported yet, else in a fresh process).
 """
 import warnings
 
@@ -72,8 +72,6 @@ def test_every_op_passes_its_self_check(K, dtype):
 
 @interp
 def test_the_check_runs_once_per_op_and_key(K, monkeypatch):
-    from leanact.ops.triton import selfcheck  # noqa: F401  (registers the checks)
-
     calls = []
     real = dispatch._CHECKS["rms_norm"]
     monkeypatch.setitem(dispatch._CHECKS, "rms_norm", lambda device, key: (calls.append(key), real(device, key)))
@@ -95,8 +93,6 @@ _KEYS = [("dropout", torch.float32), ("dropout", torch.int64), ("gelu", (torch.b
 def test_checks_never_enter_autograds_engine(K, monkeypatch):
     """A check may start inside a backward pass (autograd's CUDA thread busy with the caller's
     graph): it must not call backward itself, or it would wait on that thread forever."""
-    from leanact.ops.triton import selfcheck  # noqa: F401  (registers the checks)
-
     def engine(*args, **kwargs):
         raise AssertionError("a self-check entered autograd's engine")
 
@@ -211,6 +207,16 @@ def test_the_check_leaves_the_callers_state_alone(K):
         assert ("rms_norm", "cpu", torch.float32) in dispatch.verified()
     assert first == packed and len(first) >= 1
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_each_op_registers_its_own_check():
+    """Every kernel name has its self-check, registered where the op's PyTorch path lives (the dispatch
+    layer and selfcheck.py import no op); importing any part of leanact imports them all."""
+    where = {name: check.__module__ for name, check in dispatch._CHECKS.items()}
+    assert where == {"dropout": "leanact.ops.dropout", "gelu": "leanact.ops.gelu.function",
+                     "layer_norm": "leanact.ops.layer_norm", "rms_norm": "leanact.ops.layer_norm",  # the norms' check
+                     "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
+                     "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy"}
 
 
 def test_setting(monkeypatch):

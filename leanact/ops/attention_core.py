@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .amp import no_autocast_backward
 from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
-from .triton import dispatch as _triton
+from .triton import dropout as _triton
 
 _INF = math.inf
 _COL: list[torch.Tensor] = []  # cached int32 arange for the eager CPU mask chunks
@@ -116,7 +116,7 @@ class _Dropper:
         else:
             starts, length = starts.view(-1), kend
         if not self.fast:
-            keep = _triton.keep_mask_rows(self.seed, starts, length, self.p)  # CUDA: one kernel
+            keep = _triton.keep_mask_rows(self.seed, starts, length, self.thr)  # CUDA: one kernel
             if keep is None:
                 keep = keep_mask(self.seed, starts.unsqueeze(1) + torch.arange(length, device=dev), self.p)
             return keep.view(torch.uint8).view(-1, rows, kend)

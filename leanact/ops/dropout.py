@@ -19,12 +19,14 @@ from .random import (
     _eager_chunks,
     _range_words,
     draw_seed,
+    keep_mask,
     keep_mask_like,
     keep_threshold,
     seed_keys,
 )
 from .transforms import functorch_active, unwrap
-from .triton import dispatch as _triton
+from .triton import dropout as _triton
+from .triton.dispatch import register_check
 
 __all__ = ["dropout", "dropout_seeded"]
 
@@ -36,10 +38,10 @@ def _check_p(p: float) -> None:
 
 def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
     """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into ``x`` when ``inplace``)."""
-    out = _triton.dropout(x, seed, p, inplace)  # CUDA: one Triton kernel (None: this path)
+    thr, scale = keep_threshold(p), 1.0 / (1.0 - p)
+    out = _triton.dropout(x, seed, thr, scale, inplace)  # CUDA: one Triton kernel (None: this path)
     if out is not None:
         return out
-    thr, scale = keep_threshold(p), 1.0 / (1.0 - p)
     n = x.numel()
     if not _eager_chunks(x.device, n, x, seed):
         keep = _at_least(_range_words(*seed_keys(seed), 0, n, x.device), thr).view(x.shape)
@@ -138,3 +140,39 @@ def dropout(
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
     return _run(x, draw_seed(x.device, generator), float(p), bool(inplace))
+
+
+# -- the self-check of the "dropout" kernels (float keys: the dropout kernel; int64: the mask kernels) -
+
+
+def _self_check(device: torch.device, key) -> None:
+    """Bitwise: this op's forward and backward (``key`` a float dtype), else :func:`keep_mask_like`
+    and attention's mask rows, through the kernels and the PyTorch path (see :mod:`.triton.selfcheck`)."""
+    from .triton.dispatch import forced
+    from .triton.selfcheck import FLOATS, both, forward_backward, generator, randn, same
+
+    gen = generator(device)
+    seed = torch.tensor(-4242424242, device=device)
+    if key in FLOATS:
+        x, dy = randn((3, 701), device, key, gen), randn((3, 701), device, key, gen)
+
+        def run():
+            y, (dx, *_) = forward_backward(_SeededDropout, (x, seed, 0.3, False), dy, (True, False, False, False))
+            return y, dx
+
+        (y, dx), (y0, dx0) = both(run)
+        same("dropout forward", y, y0)
+        same("dropout backward", dx, dx0)
+        return
+    for p, offset in ((0.1, 0), (0.5, (1 << 32) - 1000)):
+        got, ref = both(lambda: keep_mask_like(seed, (5, 333), p, device=device, offset=offset))
+        same(f"dropout keep-mask (p={p})", got, ref)
+    starts = torch.tensor([0, 97, 5000, (1 << 33) + 3], device=device)
+    with forced("on"):
+        rows = _triton.keep_mask_rows(seed, starts, 1100, keep_threshold(0.2))
+    assert rows is not None, "dropout keep-mask rows: the kernel did not run"
+    index = starts[:, None] + torch.arange(1100, device=device)
+    same("dropout keep-mask rows", rows, keep_mask(seed, index, 0.2))
+
+
+register_check("dropout", _self_check)

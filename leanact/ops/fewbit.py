@@ -40,6 +40,7 @@ from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .fewbit_tables import TABLES
 from .transforms import functorch_active
 from .triton import lossy as _triton
+from .triton.dispatch import register_check
 
 __all__ = ["FUNCTIONS", "FewBitFunction", "fewbit_activation", "fewbit_index", "fewbit_derivative",
            "fewbit_packed_nbytes", "table"]
@@ -189,3 +190,31 @@ def fewbit_activation(x: torch.Tensor, function: str = "gelu", bits: int = 2) ->
                 "(leanact.lossy.remove(model)) or call the model outside the transform")
         return FewBitFunction.apply(x, function, bits)
     return _forward(x, function)
+
+
+# -- the self-check of the "fewbit" kernels -------------------------------------------------------
+
+
+def _self_check(device: torch.device, key) -> None:
+    """This op's forward and backward for GELU and SiLU through the kernels and the PyTorch path for
+    ``key`` (dtype, bits): bitwise (16-bit y on a CPU: within one ulp; see
+    :mod:`leanact.ops.triton.selfcheck`)."""
+    from .triton.selfcheck import both, forward_backward, generator, randn, same, ulps_apart
+
+    dtype, bits = key
+    gen = generator(device)
+    x, dy = randn((3, 701), device, dtype, gen, 3.0), randn((3, 701), device, dtype, gen)
+    for function in ("gelu", "silu"):
+        def run(function=function):
+            y, (dx, *_) = forward_backward(FewBitFunction, (x, function, bits), dy, (True, False, False))
+            return y, dx
+
+        (y, dx), (y0, dx0) = both(run)
+        if device.type == "cuda" or dtype == torch.float32:
+            same(f"few-bit {function} ({bits} bits) forward", y, y0)
+        else:  # 16-bit y is a table of torch's activation, which on a CPU may round a tail element differently
+            ulps_apart(f"few-bit {function} ({bits} bits) forward", y, y0, 1)
+        same(f"few-bit {function} ({bits} bits) backward", dx, dx0)
+
+
+register_check("fewbit", _self_check)

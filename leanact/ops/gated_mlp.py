@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .transforms import functorch_active
 from .triton import gated as _triton
+from .triton.dispatch import register_check
 
 __all__ = ["GATED_ACTIVATIONS", "GatedDownFunction", "gated_down", "gated_act"]
 
@@ -187,3 +188,32 @@ def _gated_grad(ctx, dy):
 
 
 _gated_down_op.register_autograd(_gated_grad, setup_context=_gated_setup)
+
+
+# -- the self-check of the "gated_mlp" kernels ----------------------------------------------------
+
+
+def _self_check(device: torch.device, key) -> None:
+    """``act(g) * u`` and its backward through the kernels for ``key`` (dtype, kind): no further
+    from float64 than 4x torch's ops plus 2 ulp (see :mod:`leanact.ops.triton.selfcheck`)."""
+    from .triton.dispatch import forced
+    from .triton.selfcheck import both, generator, no_worse, randn
+
+    dtype, kind = key
+    gen = generator(device)
+    g, u, dh = (randn((2, 3, 600), device, dtype, gen, 3.0) for _ in range(3))
+    h, h0 = both(lambda: _act_mul(kind, g, u))
+    gd, ud, hd = (t.double() for t in (g, u, dh))
+    a64 = gated_act(kind, gd)
+    no_worse(f"gated MLP ({kind}) forward", h, h0, a64 * ud)
+    with forced("on"):
+        fused = _triton.glu_backward(g, u, dh, kind, True, True, True)
+    assert fused is not None, f"gated MLP ({kind}) backward: the kernel did not run"
+    a = gated_act(kind, g)
+    ref = (_act_grad(kind, dh * u, g), dh * a, a * u)
+    truth = (_act_grad(kind, hd * ud, gd), hd * a64, a64 * ud)
+    for what, x, r, t in zip(("dg", "du", "h"), fused, ref, truth):
+        no_worse(f"gated MLP ({kind}) backward {what}", x, r, t)
+
+
+register_check("gated_mlp", _self_check)

@@ -54,7 +54,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .amp import no_autocast_backward, norm_inputs
 from .transforms import functorch_active, is_wrapped, unwrap
-from .triton import dispatch as _triton
+from .triton import norm as _triton
+from .triton.dispatch import register_check
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO"]
 
@@ -224,3 +225,40 @@ def layer_norm(
     if not from_output:
         return F.layer_norm(x, shape, weight, bias, eps)
     return LayerNormFromOutput.apply(x, weight, bias, shape, eps)
+
+
+# -- the self-checks of the norm kernels ("layer_norm" here, "rms_norm" in leanact.ops.rms_norm) --
+
+
+def _norm_self_check(function, rms: bool):
+    """The check of the norm kernels run by ``function`` (:class:`LayerNormFromOutput`, or with
+    ``rms`` :class:`leanact.ops.rms_norm.RMSNormFunction`, from output and from input), its key a
+    dtype: y and the gradients through the kernels no further from the float64 PyTorch path than
+    4x the PyTorch path plus 2 ulp (see :mod:`leanact.ops.triton.selfcheck`)."""
+    def check(device: torch.device, key) -> None:
+        from .triton.selfcheck import both, forward_backward, generator, no_worse, randn
+
+        dtype, n = key, 600
+        gen = generator(device)
+        x = randn((2, 7, n), device, dtype, gen, 2.0)
+        w = (torch.rand(n, generator=gen, device=device) + 0.5).to(dtype)
+        b = randn(n, device, dtype, gen, 0.1)
+        dy = randn((2, 7, n), device, dtype, gen)
+        for from_output in ((True, False) if rms else (True,)):
+            def run(x=x, w=w, b=b, dy=dy):
+                if rms:
+                    y, grads = forward_backward(function, (x, w, (n,), None, from_output), dy,
+                                                (True, True, False, False, False))
+                else:
+                    y, grads = forward_backward(function, (x, w, b, (n,), 1e-5), dy, (True, True, True, False, False))
+                return [y, *grads[: 2 if rms else 3]]
+
+            got, ref = both(run)
+            truth = run(*(t.double() for t in (x, w, b, dy)))  # float64: the PyTorch path
+            name = "RMSNorm" if rms else "LayerNorm"
+            for what, a, r, t in zip(("y", "dx", "dweight", "dbias"), got, ref, truth):
+                no_worse(f"{name} (from output: {from_output}) {what}", a, r, t)
+    return check
+
+
+register_check("layer_norm", _norm_self_check(LayerNormFromOutput, rms=False))

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .amp import no_autocast_backward, norm_inputs
-from .layer_norm import compute_dtype, from_output_ok
+from .layer_norm import _norm_self_check, compute_dtype, from_output_ok
 from .transforms import functorch_active
-from .triton import dispatch as _triton
+from .triton import norm as _triton
+from .triton.dispatch import register_check
 
 __all__ = ["RMSNormFunction", "rms_norm"]
 
@@ -113,3 +114,6 @@ def rms_norm(
     if from_output is None:
         from_output = from_output_ok(weight, None, math.prod(shape), x.dtype, math.inf)
     return RMSNormFunction.apply(x, weight, shape, eps, bool(from_output))
+
+
+register_check("rms_norm", _norm_self_check(RMSNormFunction, rms=True))  # from output and from input

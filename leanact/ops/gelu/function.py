@@ -1,13 +1,15 @@
 """The autograd Function: forward keeps ``y`` and the packed branch bits; backward dispatches by
 storage dtype (16-bit: :mod:`.tables`; float32: :mod:`.rebuild32`; float64: :mod:`.rebuild64`), or
-to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.triton`)."""
+to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.triton.gelu`), whose self-check
+is registered here."""
 from __future__ import annotations
 
 import torch
 
 from ..bitpack import pack_bits, unpack_bits
 from ..transforms import functorch_active
-from ..triton import dispatch as _triton
+from ..triton import gelu as _triton
+from ..triton.dispatch import register_check
 from .buffers import _pack, _slices
 from .minimum import _CONSTS, _check, _work_dtype
 from .rebuild32 import _backward32, _forward32
@@ -132,3 +134,34 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return GeluFunction.apply(x, approximate)
     return _forward(x, approximate, with_bits=False)[0]
+
+
+# -- the self-check of the "gelu" kernels ---------------------------------------------------------
+
+
+def _self_check(device: torch.device, key) -> None:
+    """:func:`_forward` and :func:`_backward` through the kernels and the PyTorch path for ``key``
+    (dtype, approximation): bitwise in 16 bits (the same tables), within one ulp in float32 (see
+    :mod:`leanact.ops.triton.selfcheck`)."""
+    from ..triton.selfcheck import both, generator, randn, same, ulps_apart
+
+    dtype, mode = key
+    gen = generator(device)
+    if dtype == torch.float32:
+        near = _CONSTS[mode].xs + torch.randn(512, generator=gen, device=device) * 1e-3
+        x = torch.cat([torch.randn(4096, generator=gen, device=device) * 4, near])
+    else:  # every 16-bit pattern
+        x = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+    (y, bits), (y0, bits0) = both(lambda: _forward(x, mode, True))
+    same(f"GELU ({mode}) branch bits", bits, bits0)
+    dy = randn(x.shape, device, dtype, gen)
+    dx, dx0 = both(lambda: _backward(y0, bits0, dy, mode))
+    if dtype == torch.float32:  # float64 erfc implementations differ by ~1e-16: one float32 rounding, rarely
+        ulps_apart(f"GELU ({mode}) forward", y, y0, 1)
+        ulps_apart(f"GELU ({mode}) backward", dx, dx0, 1)
+    else:  # the same tables
+        same(f"GELU ({mode}) forward", y, y0)
+        same(f"GELU ({mode}) backward", dx, dx0)
+
+
+register_check("gelu", _self_check)

@@ -1,31 +1,36 @@
-"""Kernel or PyTorch path: one function per op and direction.
+"""Kernel or PyTorch path: the dispatch layer under every op's launchers.
 
-Each function returns what the op's PyTorch path would return (same dtypes, shapes and, where
-the op keeps tensors for backward, the same tensors to keep), computed by a Triton kernel, or
-``None``: the caller then runs its PyTorch path. The kernels run when
+Each op's launchers (one function per op and direction, in the op's own module: :mod:`.dropout`,
+:mod:`.norm`, :mod:`.gelu`, :mod:`.gated`, :mod:`.lossy`, :mod:`.cross_entropy`) return what the
+op's PyTorch path would return (same dtypes, shapes and, where the op keeps tensors for backward,
+the same tensors to keep), computed by a Triton kernel, or ``None``: the caller then runs its
+PyTorch path. They ask :func:`_usable` and launch through :func:`_launch`. The kernels run when
 
 - ``LEANACT_TRITON`` is unset, ``1`` or ``strict`` (read at every call; ``0`` turns them off),
 - every tensor is a plain CUDA tensor (not fake, not a subclass, not a functorch wrapper),
 - no ``torch.compile`` trace is running (the PyTorch path is what inductor fuses),
-- Triton imports (checked once), and the op's dtype and sizes are covered (float16, bfloat16,
-  float32; normalized size up to :data:`MAX_N`); otherwise the PyTorch path.
+- Triton imports (checked once, by loading :mod:`.kernels`), and the op's dtype and sizes are
+  covered (float16, bfloat16, float32; each launcher says its sizes); otherwise the PyTorch path.
 
-Before an op's kernel first runs on a device (per op, dtype and variant), a **self-check** runs
-the op on small inputs through the kernel and through its PyTorch path on that device and compares
-them (bitwise where the math is the same, within the op's documented bound elsewhere; checks are
-registered with :func:`register_check`, those of the ops in :mod:`.selfcheck`). It runs in a
-thread of its own, so that no saved-tensor hook, autocast, grad mode or compile state of the
-caller's sees it, with its own random generators (the caller's RNG is not advanced). A kernel that
-fails to compile or launch, or whose self-check disagrees (e.g. an untested Triton version or GPU),
-warns once and leaves its op on the PyTorch path for the rest of the process;
-``LEANACT_TRITON=strict`` raises instead (the tests and the GPU suite set it). While a CUDA graph
-is being captured an op not yet checked takes the PyTorch path. Tests run the kernels on CPU
-tensors under Triton's interpreter through :func:`use_kernels`.
+This module imports no op and no kernel module: :mod:`.kernels` is loaded by name on the first
+kernel call, and each op registers its self-check here (:func:`register_check`).
+
+Before an op's kernel first runs on a device (per op, dtype and variant), a **self-check** runs the
+op on small inputs through the kernel and through its PyTorch path on that device and compares them
+(bitwise where the math is the same, within the op's documented bound elsewhere; each op registers
+its check with :func:`register_check` when its module is imported, with the helpers of
+:mod:`.selfcheck`). It runs in a thread of its own, so that no saved-tensor hook, autocast, grad
+mode or compile state of the caller's sees it, with its own random generators (the caller's RNG is
+not advanced). A kernel that fails to compile or launch, or whose self-check disagrees (e.g. an
+untested Triton version or GPU), warns once and leaves its op on the PyTorch path for the rest of
+the process; ``LEANACT_TRITON=strict`` raises instead (the tests and the GPU suite set it). While a
+CUDA graph is being captured an op not yet checked takes the PyTorch path. Tests run the kernels on
+CPU tensors under Triton's interpreter through :func:`use_kernels`.
 """
 from __future__ import annotations
 
 import contextlib
-import math
+import importlib
 import os
 import threading
 import warnings
@@ -34,14 +39,14 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["available", "enabled", "use_kernels", "register_check", "verified", "dropout", "keep_mask_like", "keep_mask_rows", "layer_norm_forward",
-           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "gelu_forward", "gelu_backward"]
+__all__ = ["available", "enabled", "forced", "register_check", "use_kernels", "verified"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Elements per program of the elementwise kernels (a multiple of 8: a program packs whole bytes).
 BLOCK = 1024
-#: Largest normalized size handled by the one-block-per-row norm kernels (larger: the PyTorch path).
-MAX_N = 32768
+#: The kernels module (dropout, norms, GELU; the other ops' kernel modules build on it), loaded by
+#: name on the first kernel call: whether it imports is whether Triton works here.
+_KERNELS = "leanact.ops.triton.kernels"
 _STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False, "fake": False, "verify": True}
 _BROKEN: set[str] = set()  # kernels that raised or failed their self-check: the PyTorch path from then on
 _VERIFIED: set[tuple] = set()  # (op, device, key) whose self-check passed
@@ -54,7 +59,7 @@ def _kernels():
     """The kernels module (imported once), or None when Triton is missing or fails to import."""
     if _STATE["kernels"] is None and not _STATE["failed"]:
         try:
-            from . import kernels
+            kernels = importlib.import_module(_KERNELS)
         except Exception:  # ImportError, or a Triton that cannot initialize on this machine
             _STATE["failed"] = True
         else:
@@ -208,8 +213,6 @@ def _checked(name: str, t: torch.Tensor, key) -> bool:
     with _CHECK_LOCK:
         if entry in _VERIFIED:
             return True
-        if name not in _CHECKS:
-            from . import selfcheck  # noqa: F401  (registers the ops' checks)
         check = _CHECKS.get(name)
         error = (AssertionError(f"no self-check is registered for {name!r}") if check is None
                  else _isolated(check, t.device, key))
@@ -227,7 +230,7 @@ def _checked(name: str, t: torch.Tensor, key) -> bool:
 
 
 def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
-    """``fn(*args, **kwargs)`` (a launcher of :mod:`.kernels`) on ``t``'s device (Triton launches
+    """``fn(*args, **kwargs)`` (a launcher of a kernels module) on ``t``'s device (Triton launches
     on the current CUDA device), or :data:`_FAILED` when the kernel raised (compilation or launch:
     nothing written then) or failed its self-check (for ``check_key``, by default ``t.dtype``):
     warned once, and ``name`` takes the PyTorch path from then on. Under ``LEANACT_TRITON=strict``
@@ -247,80 +250,7 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
         return _FAILED
 
 
-# -- dropout ---------------------------------------------------------------------------------------
-
-
-def dropout(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool):
-    """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into x when ``inplace``), or None."""
-    k = _usable(x, seed)
-    if k is None or x.dtype not in _DTYPES:
-        return None
-    from ..random import keep_threshold
-
-    thr = keep_threshold(p)
-    if thr >= 1 << 32:
-        return None
-    scale = 1.0 / (1.0 - p)
-    src = x if x.is_contiguous() else x.contiguous()
-    out = src if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if _launch("dropout", x, k.dropout_apply, src, out, seed.reshape(()), thr, scale) is _FAILED:
-        return None
-    return x.copy_(out) if inplace and out is not x else out
-
-
-def keep_mask_like(seed: torch.Tensor, shape, p: float, device: torch.device, offset: int):
-    """The bool keep-mask of a ``shape`` tensor whose element j has index ``offset + j``, or None."""
-    k = _usable(seed)
-    if k is None or seed.device != device:
-        return None
-    from ..random import keep_threshold
-
-    thr = keep_threshold(p)
-    if thr >= 1 << 32:
-        return None
-    out = torch.empty(tuple(shape), dtype=torch.bool, device=device)
-    if out.numel() and _launch("dropout", seed, k.keep_mask_range, seed.reshape(()), out, thr, offset) is _FAILED:
-        return None
-    return out
-
-
-def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, length: int, p: float):
-    """``keep_mask(seed, starts[:, None] + arange(length), p)`` (bool (rows, length)), or None."""
-    k = _usable(seed, starts)
-    if k is None or starts.dim() != 1 or starts.device != seed.device or length >= 65535 * BLOCK:
-        return None
-    from ..random import keep_threshold
-
-    thr = keep_threshold(p)
-    if thr >= 1 << 32:
-        return None
-    out = torch.empty((starts.numel(), length), dtype=torch.bool, device=seed.device)
-    if out.numel() and _launch("dropout", seed, k.keep_mask_rows, seed.reshape(()), starts.to(torch.int64).contiguous(),
-                               out, thr) is _FAILED:
-        return None
-    return out
-
-
-# -- LayerNorm / RMSNorm ---------------------------------------------------------------------------
-
-
-def _norm_ok(k, x: torch.Tensor, n: int, *params) -> bool:
-    return (k is not None and 0 < n <= MAX_N and x.dtype in _DTYPES
-            and all(t is None or t.dtype in _DTYPES for t in params))
-
-
-def _flat(t):
-    return None if t is None else t.contiguous().reshape(-1)
-
-
-def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
-    return tuple(x.shape[: x.dim() - k]) + (1,) * k
-
-
-def _norm_outputs(x: torch.Tensor, n: int):
-    """y (x's shape and dtype, contiguous) and rstd (float32, one per row)."""
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty(x.numel() // n, dtype=torch.float32, device=x.device))
+# -- helpers of the row-wise kernels --------------------------------------------------------------
 
 
 def _programs(rows: int, device: torch.device) -> int:
@@ -338,108 +268,22 @@ def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: b
             torch.zeros((p, n), dtype=torch.float32, device=dev) if need_db else None)
 
 
-def layer_norm_forward(x, shape, weight, bias, eps: float):
-    """``(y, rstd)`` as ``torch.native_layer_norm`` returns them (rstd float32 on CUDA; torch's
-    CPU op returns x's dtype, mirrored for the interpreter tests), or None."""
-    k = _usable(x, weight, bias)
-    n = math.prod(shape)
-    if not _norm_ok(k, x, n, weight, bias):
-        return None
-    y, rstd = _norm_outputs(x, n)
-    if _launch("layer_norm", x, k.norm_forward, x.contiguous(), y, rstd, n, _flat(weight), _flat(bias), float(eps),
-               rms=False) is _FAILED:
-        return None
-    rstd = rstd.view(_stat_shape(x, len(shape)))
-    return y, (rstd.to(x.dtype) if x.device.type == "cpu" and not _STATE["fake"] else rstd)
+# -- names that moved to their op's launchers -------------------------------------------------------
+
+#: name -> the module that holds it now (old imports from here keep working: it is loaded by name
+#: on first use, never when this module is imported).
+_MOVED = {**dict.fromkeys(("layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
+                           "MAX_N"), "leanact.ops.triton.norm"),
+          **dict.fromkeys(("gelu_forward", "gelu_backward"), "leanact.ops.triton.gelu")}
+#: The dropout launchers now take the keep threshold in place of p: a call written for the old ones
+#: would run with a wrong threshold, so these names raise and say where they went.
+_RETHRESHOLDED = ("dropout", "keep_mask_like", "keep_mask_rows")
 
 
-def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
-    """``(dx, dγ, dβ)`` of LayerNorm from its output (None where not needed), or None."""
-    k = _usable(dy, y, rstd, weight, bias)
-    n = math.prod(shape)
-    if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _DTYPES:
-        return None
-    dx, dw, db = _grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
-    if _launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight),
-               _flat(bias), dx, dw, db, n, rms=False, from_output=True) is _FAILED:
-        return None
-    dw = None if dw is None else dw.sum(0).to(weight.dtype).view(weight.shape)
-    db = None if db is None else db.sum(0).to(bias.dtype).view(bias.shape)
-    return dx, dw, db
-
-
-def rms_norm_forward(x, shape, weight, eps):
-    """``(y, rstd)`` as ``torch.ops.aten._fused_rms_norm`` returns them (rstd float32), or None."""
-    k = _usable(x, weight)
-    n = math.prod(shape)
-    if not _norm_ok(k, x, n, weight):
-        return None
-    if eps is None:
-        eps = torch.finfo(torch.float32).eps  # the compute dtype's (float32 for 16-bit and float32)
-    y, rstd = _norm_outputs(x, n)
-    if _launch("rms_norm", x, k.norm_forward, x.contiguous(), y, rstd, n, _flat(weight), None, float(eps),
-               rms=True) is _FAILED:
-        return None
-    return y, rstd.view(_stat_shape(x, len(shape)))
-
-
-def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: bool, need_dw: bool):
-    """``(dx, dγ)`` of RMSNorm (``t`` = y when ``from_output`` else x), or None."""
-    k = _usable(dy, t, rstd, weight)
-    if not _norm_ok(k, t, n, weight) or dy.dtype not in _DTYPES:
-        return None
-    dx, dw, _ = _grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False)
-    if _launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
-               dx, dw, None, n, rms=True, from_output=from_output) is _FAILED:
-        return None
-    if dw is not None:
-        dw = dw.sum(0)
-        if from_output:
-            dw = dw / _flat(weight).to(torch.float32)
-        dw = dw.to(weight.dtype).view(weight.shape)
-    return dx, dw
-
-
-# -- GELU ------------------------------------------------------------------------------------------
-
-
-def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
-    """``(y, packed bits of x > x* or None)`` as ``leanact.ops.gelu.function._forward``, or None."""
-    k = _usable(x)
-    if k is None or x.dtype not in _DTYPES:
-        return None
-    from ..gelu import minimum, tables
-
-    n = x.numel()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
-    if x.dtype == torch.float32:
-        r = _launch("gelu", x, k.gelu_forward32, x.contiguous(), y, bits, minimum._THRESHOLDS[torch.float32][approximate][0],
-                    approximate == "tanh", check_key=(x.dtype, approximate))
-    else:
-        table = tables._ACCESSORS["y16", tables._dtype_name(x.dtype), approximate](str(x.device))
-        r = _launch("gelu", x, k.gelu_forward16, x.contiguous(), y, bits, table,
-                    minimum._THRESHOLDS[x.dtype][approximate][1], check_key=(x.dtype, approximate))
-    return None if r is _FAILED else (y, bits)
-
-
-def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approximate: str):
-    """``dy * GELU'(x)`` rebuilt from y and the packed bits, as ``leanact.ops.gelu.function._backward``, or None."""
-    k = _usable(y, bits, dy)
-    if k is None or y.dtype not in _DTYPES or dy.dtype != y.dtype:
-        return None
-    from ..gelu import rebuild32, tables
-
-    dev = str(y.device)
-    out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    if y.dtype == torch.float32:
-        ab = tables._ACCESSORS["ab32", "float32", approximate](dev)
-        h = tables._ACCESSORS["h32", "float32", approximate](dev)
-        r = _launch("gelu", y, k.gelu_backward32, y.contiguous(), bits, dy.contiguous(), out, ab, h,
-                    rebuild32._C32[approximate],
-                    approximate == "tanh", check_key=(y.dtype, approximate))
-    else:
-        table = tables._ACCESSORS["g16", tables._dtype_name(y.dtype), approximate](dev)
-        r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table,
-                    check_key=(y.dtype, approximate))
-    return None if r is _FAILED else out
+def __getattr__(name: str):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    if name in _RETHRESHOLDED:
+        raise AttributeError(f"{__name__}.{name} moved to leanact.ops.triton.dropout.{name}, which takes the keep "
+                             "threshold (leanact.ops.random.keep_threshold(p)) in place of p")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

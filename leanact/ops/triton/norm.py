@@ -1,0 +1,103 @@
+"""Kernel or PyTorch path for LayerNorm and RMSNorm (:mod:`leanact.ops.layer_norm`,
+:mod:`leanact.ops.rms_norm`): the launchers of :mod:`.kernels`' one-block-per-row norm kernels.
+
+Same contract as :mod:`.dispatch`: each function returns what the op's PyTorch path returns, from
+one kernel, or ``None`` (the caller then runs its PyTorch path): float16/bfloat16/float32 with a
+normalized size up to :data:`MAX_N`. The backward's partial sums per program come from
+:func:`.dispatch._grad_outputs` (leanact.estimate sizes them for the CUDA device it models). The
+kernels launch under the names ``"layer_norm"`` and ``"rms_norm"``, whose self-checks
+:mod:`leanact.ops.layer_norm` and :mod:`leanact.ops.rms_norm` register.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dispatch as _d
+
+__all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward"]
+
+#: Largest normalized size handled by the one-block-per-row norm kernels (larger: the PyTorch path).
+MAX_N = 32768
+
+
+def _norm_ok(k, x: torch.Tensor, n: int, *params) -> bool:
+    return (k is not None and 0 < n <= MAX_N and x.dtype in _d._DTYPES
+            and all(t is None or t.dtype in _d._DTYPES for t in params))
+
+
+def _flat(t):
+    return None if t is None else t.contiguous().reshape(-1)
+
+
+def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
+    return tuple(x.shape[: x.dim() - k]) + (1,) * k
+
+
+def _norm_outputs(x: torch.Tensor, n: int):
+    """y (x's shape and dtype, contiguous) and rstd (float32, one per row)."""
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.numel() // n, dtype=torch.float32, device=x.device))
+
+
+def layer_norm_forward(x, shape, weight, bias, eps: float):
+    """``(y, rstd)`` as ``torch.native_layer_norm`` returns them (rstd float32 on CUDA; torch's
+    CPU op returns x's dtype, mirrored for the interpreter tests), or None."""
+    k = _d._usable(x, weight, bias)
+    n = math.prod(shape)
+    if not _norm_ok(k, x, n, weight, bias):
+        return None
+    y, rstd = _norm_outputs(x, n)
+    if _d._launch("layer_norm", x, k.norm_forward, x.contiguous(), y, rstd, n, _flat(weight), _flat(bias), float(eps),
+                  rms=False) is _d._FAILED:
+        return None
+    rstd = rstd.view(_stat_shape(x, len(shape)))
+    return y, (rstd.to(x.dtype) if x.device.type == "cpu" and not _d._STATE["fake"] else rstd)
+
+
+def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
+    """``(dx, dγ, dβ)`` of LayerNorm from its output (None where not needed), or None."""
+    k = _d._usable(dy, y, rstd, weight, bias)
+    n = math.prod(shape)
+    if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _d._DTYPES:
+        return None
+    dx, dw, db = _d._grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
+    if _d._launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight),
+                  _flat(bias), dx, dw, db, n, rms=False, from_output=True) is _d._FAILED:
+        return None
+    dw = None if dw is None else dw.sum(0).to(weight.dtype).view(weight.shape)
+    db = None if db is None else db.sum(0).to(bias.dtype).view(bias.shape)
+    return dx, dw, db
+
+
+def rms_norm_forward(x, shape, weight, eps):
+    """``(y, rstd)`` as ``torch.ops.aten._fused_rms_norm`` returns them (rstd float32), or None."""
+    k = _d._usable(x, weight)
+    n = math.prod(shape)
+    if not _norm_ok(k, x, n, weight):
+        return None
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps  # the compute dtype's (float32 for 16-bit and float32)
+    y, rstd = _norm_outputs(x, n)
+    if _d._launch("rms_norm", x, k.norm_forward, x.contiguous(), y, rstd, n, _flat(weight), None, float(eps),
+                  rms=True) is _d._FAILED:
+        return None
+    return y, rstd.view(_stat_shape(x, len(shape)))
+
+
+def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: bool, need_dw: bool):
+    """``(dx, dγ)`` of RMSNorm (``t`` = y when ``from_output`` else x), or None."""
+    k = _d._usable(dy, t, rstd, weight)
+    if not _norm_ok(k, t, n, weight) or dy.dtype not in _d._DTYPES:
+        return None
+    dx, dw, _ = _d._grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False)
+    if _d._launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
+                  dx, dw, None, n, rms=True, from_output=from_output) is _d._FAILED:
+        return None
+    if dw is not None:
+        dw = dw.sum(0)
+        if from_output:
+            dw = dw / _flat(weight).to(torch.float32)
+        dw = dw.to(weight.dtype).view(weight.shape)
+    return dx, dw
