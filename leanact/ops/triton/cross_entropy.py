@@ -10,23 +10,15 @@ approximations; torch's row-wise softmax sums in another order).
 """
 from __future__ import annotations
 
-import types
-
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable, forced, register_check
+from .dispatch import _DTYPES, _FAILED, _launch, _usable, forced, launchers, register_check
 
 __all__ = ["chunk_"]
 
 
 def _module(k):
-    if isinstance(k, types.ModuleType) and not hasattr(k, "chunk_"):
-        try:
-            from . import cross_entropy_kernels
-        except Exception:  # a Triton that cannot build it: the PyTorch path
-            return None
-        return cross_entropy_kernels
-    return k
+    return launchers(k, "cross_entropy_kernels", "chunk_")
 
 
 def chunk_(z, y, coef, lse, zy, zsum, scale: float, softcap, eps: float, stats: bool, grad: bool) -> bool:

@@ -33,6 +33,7 @@ import contextlib
 import importlib
 import os
 import threading
+import types
 import warnings
 from typing import Callable
 
@@ -53,6 +54,19 @@ _VERIFIED: set[tuple] = set()  # (op, device, key) whose self-check passed
 _CHECKS: dict[str, Callable] = {}  # op name -> check(device, key), raising AssertionError on a mismatch
 _CHECK_LOCK = threading.RLock()
 _LOCAL = threading.local()  # .force: "on" / "off" inside a self-check's thread
+
+
+def launchers(k, module: str, attr: str):
+    """The launchers standing for ``k`` (what :func:`_usable` returned) for an op whose kernels live
+    in ``leanact.ops.triton.<module>``: that module when ``k`` is the shared kernels module (``k``
+    has no ``attr``), None when it fails to import (the PyTorch path); anything else
+    (``SHAPES_ONLY``, a test's module or double) as is."""
+    if isinstance(k, types.ModuleType) and not hasattr(k, attr):
+        try:
+            return importlib.import_module(f"{__package__}.{module}")
+        except Exception:  # a Triton that cannot build these: the PyTorch path
+            return None
+    return k
 
 
 def _kernels():

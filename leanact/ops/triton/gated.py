@@ -8,11 +8,9 @@ column stride -- the two halves of a fused gate_up projection are -- and copied 
 """
 from __future__ import annotations
 
-import types
-
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable
+from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
 
 __all__ = ["glu_forward", "glu_backward"]
 
@@ -21,15 +19,9 @@ _MAX_COLS = 65535 * 1024  # the column blocks go on the grid's second axis (at m
 
 
 def _gated(k):
-    """The launchers standing for ``k`` (what ``dispatch._usable`` returned): :mod:`.gated_kernels`
-    for the kernels module, anything else (``SHAPES_ONLY``, a test's module or double) as is."""
-    if isinstance(k, types.ModuleType) and not hasattr(k, "glu_forward"):
-        try:
-            from . import gated_kernels
-        except Exception:  # a Triton that cannot build these: the PyTorch path
-            return None
-        return gated_kernels
-    return k
+    """The launchers standing for ``k``: :mod:`.gated_kernels` for the kernels module (see
+    :func:`.dispatch.launchers`)."""
+    return launchers(k, "gated_kernels", "glu_forward")
 
 
 def _ok(kind: str, g: torch.Tensor, *ts) -> bool:
