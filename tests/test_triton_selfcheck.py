@@ -79,7 +79,7 @@ def test_the_check_runs_once_per_op_and_key(K, monkeypatch):
     with dispatch.use_kernels(K, strict=True, verify=True):
         for _ in range(3):
             rms_norm(x, (64,), from_output=False).sum().backward()
-        rms_norm(x.detach().bfloat16().requires_grad_(), (64,))
+        rms_norm(x.detach().bfloat16().requires_grad_(), (64,)).sum().backward()  # (the kernel is the backward's)
     assert calls == [torch.float32, torch.bfloat16]
 
 
@@ -149,12 +149,18 @@ def _lossy_module():
     return lossy_kernels
 
 
+def _layer_norm_dx():
+    x = torch.randn(5, 128, requires_grad=True)
+    y = layer_norm(x, (128,), torch.ones(128), torch.zeros(128), from_output=True)
+    (dx,) = torch.autograd.grad(y, x, torch.randn(5, 128))
+    return dx
+
+
 _CASES = {  # op: (module, launcher, output argument, perturbation, call)
     "dropout": (None, "dropout_apply", 1, lambda v: -v + 1,
                 lambda: dropout_seeded(torch.randn(2000), torch.tensor(9), 0.3)),
-    "layer_norm": (None, "norm_forward", 1, lambda v: v * 1.01 + 0.01,
-                   lambda: layer_norm(torch.randn(5, 128, requires_grad=True), (128,), torch.ones(128), torch.zeros(128),
-                                      from_output=True).detach()),
+    "layer_norm": (None, "norm_backward", 5, lambda v: v * 1.01 + 0.01,  # dx (the forward is torch's kernel)
+                   lambda: _layer_norm_dx()),
     "gelu": (None, "gelu_forward16", 1, lambda v: v + 1,
              lambda: G._forward(torch.randn(3000).bfloat16(), "none", True)),
     "gated_mlp": ("gated", "glu_forward", 2, lambda v: v * 1.05,
@@ -200,10 +206,11 @@ def test_the_check_leaves_the_callers_state_alone(K):
     rng = torch.get_rng_state()
     with dispatch.use_kernels(K, strict=True, verify=True):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-            rms_norm(x, (96,), w, from_output=True)  # the first call: the check runs (in its own thread)
+            # the first call: the check runs (in its own thread) when the backward's kernel first launches
+            rms_norm(x, (96,), w, from_output=True).sum().backward()
             first = list(packed)
             packed.clear()
-            rms_norm(x, (96,), w, from_output=True)
+            rms_norm(x, (96,), w, from_output=True).sum().backward()
         assert ("rms_norm", "cpu", torch.float32) in dispatch.verified()
     assert first == packed and len(first) >= 1
     assert torch.equal(torch.get_rng_state(), rng)

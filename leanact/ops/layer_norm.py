@@ -160,11 +160,9 @@ class LayerNormFromOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps):
-        fused = _triton.layer_norm_forward(x, normalized_shape, weight, bias, eps)  # CUDA: one kernel
-        if fused is None:
-            y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        else:
-            y, rstd = fused
+        # torch's own kernel: it returns what this op keeps (y and rstd; the mean is dropped). Only the
+        # backward, from the output, is leanact's (one Triton kernel on CUDA)
+        y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape = normalized_shape
         ctx.save_for_backward(y, rstd, weight, bias)
         ctx.keeps_output = True  # (leanact.ops.amp.keeps_output)

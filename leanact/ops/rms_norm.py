@@ -53,7 +53,10 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps, from_output):
-        fused = _triton.rms_norm_forward(x, normalized_shape, weight, eps)  # CUDA: one kernel
+        # torch's own fused kernel where it has one (it returns what this op keeps); leanact's Triton
+        # forward only for torch builds without it (the composite reads x twice more)
+        fused = None if hasattr(torch.ops.aten, "_fused_rms_norm") else _triton.rms_norm_forward(
+            x, normalized_shape, weight, eps)
         y, rstd = _fused(x, normalized_shape, weight, eps) if fused is None else fused
         ctx.n = math.prod(normalized_shape)
         ctx.from_output = ctx.keeps_output = from_output
