@@ -239,14 +239,16 @@ def test_upcast_copy_of_x_is_one_chunk():
 
 
 def test_kept_bytes_grad_in_forward():
-    """grad_in_forward keeps the gradients themselves: dx (x's dtype), dW (W's), db (b's)."""
+    """grad_in_forward keeps the gradients themselves: dx (x's dtype), dW (W's), db (b's); the meter
+    files them as gradients, not activations."""
     x, _, _, y = _data(n=40, h=8, v=50)
     lin = torch.nn.Linear(8, 50)
     x.requires_grad_()
     meter = SavedTensorMeter(lin, exclude=[x])
     with meter:
         loss = linear_cross_entropy(x, lin.weight, y, lin.bias, grad_in_forward=True, tile_elements=50 * 7)
-    assert meter.total_bytes == (40 * 8 + 50 * 8 + 50) * 4
+    assert meter.total_bytes == 0  # gradients, filed apart from activations
+    assert sum(r.storage_nbytes for r in meter.records if r.excluded == "gradient") == (40 * 8 + 50 * 8 + 50) * 4
     loss.backward()
     ref = _run(REF, x.detach(), lin.weight.detach(), lin.bias.detach(), y)[1]
     assert all(_rel(a, c) < 1e-5 for a, c in zip((x.grad, lin.weight.grad, lin.bias.grad), ref))

@@ -41,7 +41,7 @@ class SavedRecord:
     device: str
     module: str
     op: str = "?"
-    excluded: str | None = None  # "parameter" / "buffer" / "excluded" when not counted
+    excluded: str | None = None  # "parameter" / "buffer" / "excluded" / "gradient" when not counted
     duplicate_of: int | None = None  # index of the record that already counted this storage
     weight_copy: str | None = None  # the parameter this is a 16-bit cast of (autocast's weight copy)
 
@@ -93,7 +93,10 @@ class SavedTensorMeter(SavedTensorObserver):
 
     ``model`` (one module or several) supplies module names and the parameters/buffers to exclude;
     ``exclude`` adds tensors whose storages are not counted (e.g. inputs you do not own). Any
-    ``nn.Parameter`` (or view of one) is excluded even when no model is given.
+    ``nn.Parameter`` (or view of one) is excluded even when no model is given, and so are gradients
+    a fused op computed in its forward and keeps until backward scales them (the fused loss's dx,
+    dW, db: every training step allocates them, unfused ones at the backward's start; their
+    records say ``excluded="gradient"``, and ``leanact.estimate`` counts them in the step's peak).
 
     The meter is an observer of :mod:`leanact.saved`'s pipeline: when leanact replaces a tensor by
     something smaller (a recipe to recompute it, a compressed or offloaded copy), the meter counts
@@ -147,6 +150,8 @@ class SavedTensorMeter(SavedTensorObserver):
         excluded = self._excluded.get(key)
         if excluded is None and (isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)):
             excluded = "parameter"
+        if excluded is None and getattr(t, "_leanact_gradient", False):
+            excluded = "gradient"  # computed in the forward by a fused op (every step allocates its gradients)
         rec = SavedRecord(
             index=index,
             storage_key=key,

@@ -363,7 +363,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.reduction, ctx.eps, ctx.scale, ctx.softcap, ctx.cdtype = reduction, eps, scale, softcap, cdtype
         ctx.chunk_tokens, ctx.tile_elements, ctx.eager = chunk_tokens, tile_elements, eager
         if eager:
-            ctx.save_for_backward(dx, dw, db)  # gradients, scaled in backward by the incoming one
+            for t in (dx, dw, db):  # gradients, not activations: leanact's meter files them apart
+                if t is not None:
+                    t._leanact_gradient = True
+            ctx.save_for_backward(dx, dw, db)  # scaled in backward by the incoming gradient
         else:
             t32 = torch.where(ch.valid, target, -1).to(torch.int32 if v < 2**31 else torch.int64)
             ctx.save_for_backward(x, weight, bias, ch.scatter(lse), t32)
