@@ -364,3 +364,31 @@ def test_grad_output_other_than_one(dtype, grad_in_forward):
             assert _rel(g, r) < 1e-5
         else:
             assert _rel(g, t) <= 2 * max(_rel(r, t), 2**-9), (_rel(g, t), _rel(r, t))
+
+
+def test_fp32_accumulation_probe_falls_back(monkeypatch):
+    """dW of 16-bit chunks sums in fp32: through addmm's out_dtype only where a probe on the device
+    shows it adds in place correctly; an addmm that raises or aliases wrongly takes the fallback."""
+    out, a, b = torch.zeros(6, 5), torch.randn(6, 4).bfloat16(), torch.randn(4, 5).bfloat16()
+    want = a.float() @ b.float()
+    real = torch.addmm
+
+    def wrong(c, x, y, *args, out_dtype=None, out=None, **kw):
+        if out_dtype is None:
+            return real(c, x, y, *args, out=out, **kw) if out is not None else real(c, x, y, *args, **kw)
+        result = x.to(out_dtype) @ y.to(out_dtype)  # forgets c: a wrong in-place accumulation
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    for fake_addmm in (wrong, None):
+        monkeypatch.setattr(L, "_FP32_ADDMM", {})
+        if fake_addmm is not None:
+            monkeypatch.setattr(torch, "addmm", fake_addmm)
+        acc = out.clone()
+        L._accumulate_mm_(acc, a, b)
+        L._accumulate_mm_(acc, a, b)
+        assert L._FP32_ADDMM == {"cpu": False}
+        torch.testing.assert_close(acc, 2 * want, rtol=1e-6, atol=1e-6)
+        monkeypatch.setattr(torch, "addmm", real)

@@ -155,7 +155,28 @@ def _softmax_(z):
     return torch._softmax(z, 1, False, out=z)
 
 
-_NO_FP32_ADDMM: set[str] = set()  # device types whose addmm lacks out_dtype (16-bit -> fp32)
+_FP32_ADDMM: dict[str, bool] = {}  # device type -> addmm with out_dtype accumulates in place correctly
+
+
+def _fp32_addmm_works(out, a) -> bool:
+    """Whether ``torch.addmm(out, a, b, out_dtype=fp32, out=out)`` exists on this device type and adds
+    in place correctly, probed once on small tensors (a device whose kernel lacks it, or handles the
+    aliasing wrongly, takes the fallback: never a silently wrong dW)."""
+    dev = out.device.type
+    if dev not in _FP32_ADDMM:
+        if is_fake(out):
+            return True  # leanact.estimate: the allocation of the CUDA path (none)
+        try:
+            g = torch.Generator(device=out.device).manual_seed(0)
+            c = torch.randn(8, 16, generator=g, device=out.device, dtype=out.dtype)
+            x = torch.randn(8, 32, generator=g, device=out.device).to(a.dtype)
+            y = torch.randn(32, 16, generator=g, device=out.device).to(a.dtype)
+            want = c + x.to(out.dtype) @ y.to(out.dtype)
+            torch.addmm(c, x, y, out_dtype=out.dtype, out=c)
+            _FP32_ADDMM[dev] = bool(torch.allclose(c, want, rtol=1e-5, atol=1e-5))
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FP32_ADDMM[dev] = False
+    return _FP32_ADDMM[dev]
 
 
 def _accumulate_mm_(out, a, b):
@@ -164,14 +185,10 @@ def _accumulate_mm_(out, a, b):
     a chunk's gradient, b its rows of x, both far smaller than out)."""
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-        return
-    if out.device.type not in _NO_FP32_ADDMM:
-        try:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            return
-        except (RuntimeError, NotImplementedError, TypeError):
-            _NO_FP32_ADDMM.add(out.device.type)
-    out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    elif _fp32_addmm_works(out, a):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
 def _active(x, target, ignore_index, v):
