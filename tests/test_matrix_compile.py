@@ -13,7 +13,6 @@ patched model with the same weights.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
