@@ -91,4 +91,5 @@ def chunk_(z: torch.Tensor, y: torch.Tensor, coef: torch.Tensor | None, lse: tor
     _ce_chunk_kernel[(rows,)](z, z.stride(0), y, coef if coef is not None else lse, lse, zy,
                               zsum if zsum is not None else lse, v, float(scale),
                               float(softcap) if softcap is not None else 1.0, float(eps), STATS=stats, GRAD=grad,
-                              SOFTCAP=softcap is not None, EPS=bool(eps), BLOCK=b)
+                              SOFTCAP=softcap is not None, EPS=bool(eps), BLOCK=b,
+                              num_warps=8 if b >= 2048 else 4)  # one program streams a whole row (V logits)
