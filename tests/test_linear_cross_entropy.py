@@ -392,3 +392,16 @@ def test_fp32_accumulation_probe_falls_back(monkeypatch):
         assert L._FP32_ADDMM == {"cpu": False}
         torch.testing.assert_close(acc, 2 * want, rtol=1e-6, atol=1e-6)
         monkeypatch.setattr(torch, "addmm", real)
+
+
+def test_lossy_compression_leaves_the_kept_gradients_exact():
+    """Opt-in lossy compression of saved activations (fp8) must not touch the gradients the fused
+    loss computed in its forward: they come back bitwise."""
+    from leanact.lossy.compress import CompressTransform
+
+    x, w, b, y = _data(n=64, h=32, v=50, dtype=torch.bfloat16)  # (compression takes 16-bit tensors)
+    plain = _run(lambda *a: linear_cross_entropy(*a, grad_in_forward=True), x, w, b, y)
+    with CompressTransform("fp8", min_numel=1) as tr:
+        squeezed = _run(lambda *a: linear_cross_entropy(*a, grad_in_forward=True), x, w, b, y)
+    assert tr.compressed == 0
+    assert all(torch.equal(p, q) for p, q in zip([plain[0]] + plain[1], [squeezed[0]] + squeezed[1]))

@@ -380,9 +380,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.reduction, ctx.eps, ctx.scale, ctx.softcap, ctx.cdtype = reduction, eps, scale, softcap, cdtype
         ctx.chunk_tokens, ctx.tile_elements, ctx.eager = chunk_tokens, tile_elements, eager
         if eager:
-            for t in (dx, dw, db):  # gradients, not activations: leanact's meter files them apart
-                if t is not None:
-                    t._leanact_gradient = True
+            for t in (dx, dw, db):  # gradients, not activations: the meter files them apart, and
+                if t is not None:  # lossy compression leaves them exact
+                    t._leanact_gradient = t._leanact_exact = True
             ctx.save_for_backward(dx, dw, db)  # scaled in backward by the incoming gradient
         else:
             t32 = torch.where(ch.valid, target, -1).to(torch.int32 if v < 2**31 else torch.int64)
