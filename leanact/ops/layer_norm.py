@@ -129,14 +129,19 @@ def _identity(t: torch.Tensor):
         return None
 
 
-@torch.compiler.disable
 def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = DEFAULT_MAX_RATIO) -> bool:
     """True when x̂ can be recovered from a ``dtype`` output y = γ·x̂ + β accurately (see module doc).
 
     ``n`` is the number of normalized elements per row. Cached per weight on (data_ptr, _version)
     and the optimizer step count; functorch-wrapped γ, β (``torch.func``) are checked by value
-    (under ``vmap``: every batch entry must pass), uncached.
+    (under ``vmap``: every batch entry must pass), uncached. Under torch.compile it graph-breaks.
     """
+    if torch.compiler.is_compiling():
+        return _decide_eagerly(weight, bias, n, dtype, max_ratio)
+    return _decide(weight, bias, n, dtype, max_ratio)  # eager: no torch.compiler.disable wrapper per call
+
+
+def _decide(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
     if weight is None and bias is None:
         return True
     if any(t is not None and is_wrapped(t) for t in (weight, bias)):
@@ -153,6 +158,9 @@ def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = 
     ok = _check(weight, bias, n, dtype, max_ratio)
     _DECISIONS[ref] = (key, ok)
     return ok
+
+
+_decide_eagerly = torch.compiler.disable(_decide)  # reads values on the host: outside any compiled graph
 
 
 class LayerNormFromOutput(torch.autograd.Function):

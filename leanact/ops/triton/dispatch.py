@@ -89,12 +89,19 @@ def available() -> bool:
 _ON, _OFF = ("", "1", "on", "true", "strict"), ("0", "off", "false")
 
 
+_SETTINGS: dict[str, str] = {}  # raw LEANACT_TRITON value -> its setting (read at every call, parsed once)
+
+
 def _setting() -> str:
-    value = os.environ.get("LEANACT_TRITON", "").strip().lower()
-    if value not in _ON + _OFF:
-        raise ValueError(f"LEANACT_TRITON={value!r} is not a setting: use 1 (the default: Triton kernels on CUDA), "
-                         "0 (the PyTorch path everywhere) or strict (a kernel that fails raises instead of falling "
-                         "back)")
+    raw = os.environ.get("LEANACT_TRITON", "")
+    value = _SETTINGS.get(raw)
+    if value is None:
+        value = raw.strip().lower()
+        if value not in _ON + _OFF:
+            raise ValueError(f"LEANACT_TRITON={value!r} is not a setting: use 1 (the default: Triton kernels on CUDA), "
+                             "0 (the PyTorch path everywhere) or strict (a kernel that fails raises instead of falling "
+                             "back)")
+        _SETTINGS[raw] = value
     return value
 
 
@@ -157,13 +164,20 @@ def use_kernels(module, strict: bool = True, fake: bool = False, verify: bool = 
         _VERIFIED.update(done)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _plain(t: torch.Tensor) -> bool:
-    if is_fake(t):
-        return _STATE["fake"]
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or _STATE["fake"]:
-        return False
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return False
+    if type(t) in _PLAIN and not _is_functorch_wrapped(t) and not torch._is_functional_tensor(t):
+        # not fake: is_fake looks through exactly these wrappers (the per-call common case, kept cheap)
+        if _STATE["fake"]:
+            return False
+    else:
+        if is_fake(t):
+            return _STATE["fake"]
+        if type(t) not in _PLAIN or _STATE["fake"] or _is_functorch_wrapped(t):
+            return False
     dev = t.device.type
     return dev == "cuda" or (dev == "cpu" and _STATE["cpu"])
 
@@ -252,7 +266,9 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
     if name in _BROKEN or not _checked(name, t, t.dtype if check_key is None else check_key):
         return _FAILED
     try:
-        with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
+        if t.device.type != "cuda" or t.device.index == torch.cuda.current_device():
+            return fn(*args, **kwargs)
+        with torch.cuda.device(t.device):
             return fn(*args, **kwargs)
     except Exception as e:
         if _strict():
@@ -267,19 +283,28 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
 # -- helpers of the row-wise kernels --------------------------------------------------------------
 
 
+_SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
+
+
 def _programs(rows: int, device: torch.device) -> int:
     """Backward programs sharing the rows: 4 per SM on CUDA (each keeps one partial dγ, dβ row)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = 1
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        sms = _SMS.get(index)
+        if sms is None:
+            sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, min(rows, 4 * sms))
 
 
 def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool):
-    """dx (dy's dtype) and the zeroed float32 partial sums of dγ, dβ, each None where not needed."""
+    """dx (dy's dtype) and the float32 partial sums of dγ, dβ (uninitialized: every program writes
+    its whole row, zeros where it has no rows), each None where not needed."""
     p = _programs(t.numel() // n, t.device)
     dev = t.device
     return (torch.empty(t.shape, dtype=dy.dtype, device=dev) if need_dx else None,
-            torch.zeros((p, n), dtype=torch.float32, device=dev) if need_dw else None,
-            torch.zeros((p, n), dtype=torch.float32, device=dev) if need_db else None)
+            torch.empty((p, n), dtype=torch.float32, device=dev) if need_dw else None,
+            torch.empty((p, n), dtype=torch.float32, device=dev) if need_db else None)
 
 
 # -- names that moved to their op's launchers -------------------------------------------------------

@@ -18,8 +18,9 @@ path computes (:mod:`leanact.ops.dropout`, ``.layer_norm``, ``.rms_norm``, ``.ge
 
 Everything here runs under ``TRITON_INTERPRET=1`` on CPU tensors too (the tests do that), so it
 uses only what both the interpreter and the compiler support: no libdevice, no inline asm. The
-interpreter converts float32 to bfloat16 by truncation, so bfloat16 results are rounded to
-nearest even with integer operations (:func:`_store`), the same on every backend. Float64
+interpreter converts float32 to bfloat16 by truncation, so there bfloat16 results are rounded to
+nearest even with integer operations (:func:`_store`); compiled, by the hardware's round-to-nearest-
+even conversion: the same values. Float64
 constants are built with ``tl.full`` (:func:`_f64`): a bare Python float may become a float32
 constant in older Triton versions.
 
@@ -49,10 +50,17 @@ def _f64(v: tl.constexpr):
     return tl.full((), v, tl.float64)
 
 
+#: Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
+#: imported: ``triton.jit`` made interpreted functions then).
+_INTERPRETED = tl.constexpr(type(_f64).__name__ == "InterpretedFunction")
+
+
 @triton.jit
 def _store(ptr, v, mask):
-    """Store the float32 ``v`` into ``ptr``'s dtype, rounded once to nearest even."""
-    if ptr.dtype.element_ty == tl.bfloat16:
+    """Store the float32 ``v`` into ``ptr``'s dtype, rounded once to nearest even (compiled: the
+    hardware conversion, ``cvt.rn``; interpreted: integer operations, as the interpreter truncates
+    to bfloat16)."""
+    if ptr.dtype.element_ty == tl.bfloat16 and _INTERPRETED:
         u = v.to(tl.float32).to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         r = tl.where(v != v, 0x7FC0, r)
@@ -117,7 +125,7 @@ def _keep(idx, k0, k1, thr):
     return x >= thr.to(tl.uint32)
 
 
-@triton.jit(do_not_specialize=["n", "offset", "thr"])
+@triton.jit(do_not_specialize=["offset", "thr"])  # n specialized: a mask of 16-element runs lets loads vectorize
 def _dropout_kernel(x_ptr, out_ptr, seed_ptr, n, offset, thr, scale, APPLY: tl.constexpr, BLOCK: tl.constexpr):
     """APPLY: ``out = x * keep * scale`` (float32, rounded once); else ``out`` = keep (uint8)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -150,7 +158,7 @@ def keep_mask_range(seed: torch.Tensor, out: torch.Tensor, thr: int, offset: int
     return out
 
 
-@triton.jit(do_not_specialize=["length", "thr"])
+@triton.jit(do_not_specialize=["thr"])
 def _keep_rows_kernel(starts_ptr, out_ptr, seed_ptr, length, thr, BLOCK: tl.constexpr):
     """out[r, j] = keep(starts[r] + j) for j < length (uint8): attention's dropout blocks."""
     r = tl.program_id(0).to(tl.int64)
@@ -205,6 +213,10 @@ def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
     LayerNorm from output: x̂ = (y − β)/γ, g = dy·γ, dx = rstd·(g − mean(g) − x̂·mean(g·x̂)),
     dγ += dy·x̂, dβ += dy. RMSNorm: no mean(g) term; from output x̂ = y/γ and the dγ partial is
     Σ dy·y (the launcher divides by γ, as the PyTorch path); from the input x̂ = x·rstd.
+
+    The next row's t, dy and rstd are loaded before this row is reduced (their memory latency
+    overlaps this row's reductions); every program stores its whole partial rows (zeros when it
+    has no rows), so the partials need no initialization.
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -218,10 +230,18 @@ def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
     start = pid * rows_per_prog
     end = tl.minimum(start + rows_per_prog, M)
     base = start.to(tl.int64) * N
+    mn = m & (cols * 0 + start < end)
+    t_next = tl.load(t_ptr + base + cols, mask=mn, other=0.0)
+    dy_next = tl.load(dy_ptr + base + cols, mask=mn, other=0.0)
+    rstd_next = tl.load(rstd_ptr + tl.minimum(start, M - 1))  # rows M >= 1: an index in bounds
     for r in range(start, end):
-        t = tl.load(t_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + r).to(tl.float32)
+        t = t_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        rstd = rstd_next.to(tl.float32)
+        mn = m & (cols * 0 + r + 1 < end)
+        t_next = tl.load(t_ptr + base + N + cols, mask=mn, other=0.0)
+        dy_next = tl.load(dy_ptr + base + N + cols, mask=mn, other=0.0)
+        rstd_next = tl.load(rstd_ptr + tl.minimum(r + 1, M - 1))
         if FROM_OUTPUT:
             xh = t
             if HAS_B:
@@ -274,7 +294,7 @@ def norm_forward(x: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, n: int, w
 
 def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight, bias, dx, dw, db, n: int, rms: bool,
                   from_output: bool):
-    """dx (or None) and the per-program partial sums of dγ, dβ (zeroed float32 (programs, n), or
+    """dx (or None) and the per-program partial sums of dγ, dβ (float32 (programs, n), or
     None); ``dw.shape[0]`` (or ``db``'s) programs share the rows; one program without partials."""
     rows = rstd.numel()
     parts = dw if dw is not None else db
