@@ -162,12 +162,13 @@ def test_an_oom_in_the_bert_part_is_a_row_and_the_part_goes_on(monkeypatch):
     monkeypatch.setattr(suite, "_bert_mode", mode)
     rec = suite.Recorder(None, suite.COLUMNS["bert"])
     suite.part_bert(rec, 60)
-    rows = {r[0]: r for r in rec.data["rows"]}
-    assert list(rows) == [m[0] for m in suite.BERT_MODES]
-    for label in ("leanact", "HF sdpa + checkpointing"):
-        assert rows[label][1] == "OOM" and len(rows[label]) == len(suite.COLUMNS["bert"])
-        assert any(n.startswith(label + ": out of memory") for n in rec.data["notes"])
-    assert rows["HF eager"][1:3] == ["4", "1.00x"]
+    rows = {(r[0], r[1]): r for r in rec.data["rows"]}
+    assert list(rows) == [("8", "HF sdpa"), ("8", "leanact"), ("16", "HF sdpa"), ("16", "leanact"), ("16", "HF eager"),
+                          ("16", "HF sdpa + checkpointing")]
+    for key in (("8", "leanact"), ("16", "leanact"), ("16", "HF sdpa + checkpointing")):
+        assert rows[key][2] == "OOM" and len(rows[key]) == len(suite.COLUMNS["bert"])
+        assert any(n.startswith(" ".join(key) + ": out of memory") for n in rec.data["notes"])
+    assert rows[("16", "HF eager")][2:4] == ["4", "1.00x"]
 
     def broken(gb, attn, how):
         raise ValueError("not an OOM")
@@ -175,6 +176,54 @@ def test_an_oom_in_the_bert_part_is_a_row_and_the_part_goes_on(monkeypatch):
     monkeypatch.setattr(suite, "_bert_mode", broken)
     with pytest.raises(ValueError):
         suite.part_bert(suite.Recorder(None, suite.COLUMNS["bert"]), 60)
+
+
+def test_bert_part_runs_tempos_comparison_under_each_cap_and_checks_its_targets(monkeypatch):
+    """Tempo's comparison: HF sdpa and leanact at their own largest batches under 8 and 16 GiB (the
+    others under 16 GiB only, last), each cap set before its modes, ratios to HF sdpa under the same
+    cap, leanact's targets (8 GiB: batch ≥ 1.6x, throughput ≥ 1.16x; 16 GiB: ≥ 1.6x, ≥ 1.0x)."""
+    monkeypatch.setenv(suite.SMOKE_ENV, "0")
+    caps, measured = [], {("sdpa", None): [(2, 10.0, 7.9), (5, 11.0, 15.9)], ("sdpa", "patch"): [(4, 12.0, 7.5),
+                                                                                               (8, 10.5, 15.0)],
+                          ("eager", None): [(3, 9.0, 15.0)], ("sdpa", "checkpointing"): [(9, 7.0, 14.0)]}
+
+    class Props:
+        total_memory = 64 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f: caps.append(f * 64))
+    monkeypatch.setattr(suite, "_bert_mode", lambda gb, attn, how: measured[attn, how].pop(0))
+    monkeypatch.setattr(suite, "_bert_module", lambda: type("GB", (), {"_free": staticmethod(lambda: None)}))
+    rec = suite.Recorder(None, suite.COLUMNS["bert"])
+    suite.part_bert(rec, 60)
+    rows = {(r[0], r[1]): r for r in rec.data["rows"]}
+    assert caps == [8, 8, 16, 16, 16, 16]
+    assert rows[("8", "leanact")][2:4] == ["4", "2.00x"] and rows[("8", "leanact")][5] == "1.20x"
+    assert rows[("8", "leanact")][7] == "batch ok (≥ 1.6x), throughput ok (≥ 1.16x)"
+    assert rows[("16", "leanact")][7] == "batch ok (≥ 1.6x), throughput no (≥ 1x)"  # 10.5 / 11 seq/s
+    assert rows[("16", "HF eager")][3] == "0.60x" and rows[("16", "HF eager")][7] == ""
+    assert len(rows) == 6 and all(len(r) == len(suite.COLUMNS["bert"]) for r in rows.values())
+
+
+def test_ops_part_gives_the_bytes_moved_and_the_peak_bandwidth():
+    """GB/s = the bytes leanact's kernels must move (docs/triton.md) / its time; the peak from the memory
+    clock and bus width where torch reports them, else the datasheet value by name."""
+    n = 16384 * 4096
+    assert suite.moved_bytes("GELU none", "bfloat16", (16384, 4096)) == (5 * 2 + 0.25) * n
+    assert suite.moved_bytes("dropout p=0.1", "float32", (16384, 4096)) == 16 * n
+    assert suite.moved_bytes("RMSNorm", "bfloat16", (16384, 2048)) == 10 * 16384 * 2048
+    assert suite.moved_bytes("SwiGLU + down", "bfloat16", (4096, 16384)) is None
+
+    class Props:
+        name, memory_clock_rate, memory_bus_width = "NVIDIA H100 80GB HBM3", 2_619_000, 5120
+
+    assert round(suite.peak_gbs(Props())[0]) == 3352
+    Props.memory_clock_rate = None
+    assert suite.peak_gbs(Props()) == (3350, "datasheet value for H100")
+    Props.name = "NVIDIA H100 NVL"
+    assert suite.peak_gbs(Props())[0] == 3900
+    Props.name = "Some GPU"
+    assert suite.peak_gbs(Props())[0] is None
 
 
 def test_an_oom_in_the_ops_part_is_a_row_not_a_failure(monkeypatch):
