@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from leanact._local import setting
+
 __all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms"]
 
 _state = threading.local()
@@ -118,12 +120,8 @@ def _unpack(p: _Packed) -> torch.Tensor:
 def introspecting():
     """While active, unpacking a transformed tensor returns an empty placeholder instead of
     rebuilding it (the meter walks the graph this way without triggering recomputation)."""
-    before = getattr(_state, "introspecting", False)
-    _state.introspecting = True
-    try:
+    with setting(_state, "introspecting", True):
         yield
-    finally:
-        _state.introspecting = before
 
 
 class _PipelineMember:

@@ -9,7 +9,7 @@ import sys
 import leanact
 
 LAYERS = [
-    ["_format", "_version", "saved"],
+    ["_format", "_local", "_version", "saved"],
     ["ops"],
     ["recompute", "functional"],
     ["nn", "memory"],

@@ -9,6 +9,7 @@ from torch import nn
 
 from leanact.ops.amp import autocast_arg
 from leanact.strategies.cache import caches_off
+from leanact.strategies.offload import prefetch_as_cuda
 
 from .compat import (causal_skip_on_fake, cpu_dropout_allocations, device_matmuls, fewer_slices, triton_allocations,
                      value_decisions, warm_lean_caches)
@@ -39,10 +40,12 @@ CUDA_NOTES = [
     "lookup tables on the device (leanact.estimate.cuda_runtime); GPU modelled: the current CUDA device, "
     "else compute capability 9.0 with 132 SMs (H100 SXM / H200)",
     "per_layer and saved are the meter's exact storage bytes (not rounded); peak and totals are rounded",
+    "offload strategies: their host buffers are counted apart (Estimate.host), the copies back to the device "
+    "as device memory; in backward each offloaded layer's copies are prefetched while the layer after it runs "
+    "(leanact.strategies.offload, as on CUDA)",
     "not modelled: cuDNN workspaces, the caching allocator's counting of a reused block that is up to 1 MiB "
     "larger than asked as a whole (a few MiB to tens of MiB in max_memory_allocated), fragmentation "
-    "(reserved > allocated: leanact.estimate.maximize keeps a reserve for it), the CUDA context; "
-    "with offload strategies the host copies are counted as device memory (over-predicts)",
+    "(reserved > allocated: leanact.estimate.maximize keeps a reserve for it), the CUDA context",
 ]
 
 
@@ -150,7 +153,7 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
         optimizer_state=mem.optimizer_state, temporaries=mem.peak - accounted, peak=mem.peak,
         at_peak=mem.at_peak, notes=notes, weight_copies=mem.weight_copies,
         autocast=None if autocast is None else str(autocast).replace("torch.", ""),
-        workspaces=mem.at_peak.get("Workspace", 0), workspace_items=dict(runtime or {}))
+        workspaces=mem.at_peak.get("Workspace", 0), workspace_items=dict(runtime or {}), host=mem.host)
 
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
@@ -169,7 +172,8 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
         kernels = cuda_kernels() if cuda else contextlib.nullcontext()
         tables = device_tables() if cuda else contextlib.nullcontext({})
-        with value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
+        prefetch = prefetch_as_cuda() if cuda else contextlib.nullcontext()
+        with prefetch, value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
                 device_matmuls(kind), tables as used_tables, caches_off(fake_model, fake_in) as fake_in, mode, \
                 (blas if cuda else contextlib.nullcontext()):
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,

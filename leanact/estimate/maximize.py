@@ -98,7 +98,7 @@ def strategy_plan(model: nn.Module, strategy: str, tokens: int):
     from leanact.strategies import uniform
     from leanact.strategies.tiled import DEFAULT_MLP_CHUNK
 
-    chunk = max(DEFAULT_MLP_CHUNK, -(-tokens // 16)) if strategy == "tiled_mlp" else None
+    chunk = max(DEFAULT_MLP_CHUNK, -(-tokens // 16)) if strategy.endswith("tiled_mlp") else None
     return uniform(model, strategy, mlp_chunk=chunk)
 
 

@@ -29,7 +29,10 @@ class Estimate:
         the step: cuBLAS / cuBLASLt workspaces of the threads that run matmuls, leanact's device
         lookup tables (:mod:`leanact.estimate.cuda_runtime`); ``workspace_items``: by item. 0 on the CPU.
     temporaries: the rest of the peak (gradients of activations, op workspaces, the inputs).
-    peak: largest total during forward, backward and optimizer step; at_peak: its breakdown.
+    peak: largest total on the compute device during forward, backward and optimizer step;
+        at_peak: its breakdown.
+    host: host memory the offload strategies' pool needs (pinned on CUDA; its own peak, not part
+        of ``peak``); 0 without offload.
     """
 
     device: str
@@ -50,6 +53,7 @@ class Estimate:
     autocast: str | None = None
     workspaces: int = 0
     workspace_items: dict[str, int] = field(default_factory=dict)
+    host: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,4 +77,6 @@ class Estimate:
                          ("temporaries at peak", self.temporaries)):
             tab.add_row(label, f"{n:,}", fmt_bytes(n))
         tab.add_row("peak", f"{self.peak:,}", fmt_bytes(self.peak), style="bold")
+        if self.host:
+            tab.add_row("host memory (offload pool)", f"{self.host:,}", fmt_bytes(self.host))
         return tab

@@ -18,9 +18,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType, _WeakRefInfo
+from torch.distributed._tools.common_utils import get_untyped_storages
 
 from leanact.memory import SavedTensorMeter
+from leanact.strategies.offload import allocating_host, is_host_copy_key
 
 __all__ = ["RoundingMemTracker", "StepMemory", "make_optimizer", "run_step", "default_loss"]
 
@@ -29,17 +31,61 @@ CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a m
 
 class RoundingMemTracker(MemTracker):
     """``MemTracker`` that rounds every storage up to ``block`` bytes whatever its device (``block``
-    = 512 predicts CUDA's ``max_memory_allocated`` from a CPU run; 1 = exact bytes)."""
+    = 512 predicts CUDA's ``max_memory_allocated`` from a CPU run; 1 = exact bytes), and counts
+    the host buffers of offload pools (:mod:`leanact.strategies.offload`) apart from every device:
+    ``host_peak`` (with ``block`` > 1, i.e. CUDA, each rounded up to a power of two as PyTorch's
+    pinned-memory allocator does)."""
+
+    host_now = 0
+    host_peak = 0
+
+    def _track(self, reftype, t) -> None:
+        sts = get_untyped_storages(t)
+        if not allocating_host() and not any(self._WINFO.get(st) is None and is_host_copy_key(st._cdata) for st in sts):
+            return super()._track(reftype, t)
+        for st in sts:  # a host buffer being allocated, or one reused from its pool: counted apart
+            if self._WINFO.get(st) is None:
+                winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype, self._delete_callback)
+                winfo.leanact_host = True
+                self._WINFO[st] = (winfo, w_st)
+                self._update_snap(_UpdateType.ADD, winfo)
 
     def __init__(self, block: int = 1):
         super().__init__()
         self.block = block
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        if getattr(winfo, "leanact_host", False):
+            raw = winfo.size * winfo.element_size
+            n = 1 << max(0, raw - 1).bit_length() if self.block > 1 and raw else raw
+            if u_type == _UpdateType.ADD:
+                winfo.mem_consumed = n
+                self.host_now += n
+                self.host_peak = max(self.host_peak, self.host_now)
+            elif u_type == _UpdateType.DEL:
+                self.host_now -= winfo.mem_consumed
+            return
         if self.block > 1 and u_type in (_UpdateType.ADD, _UpdateType.SIZE):
             raw = winfo.size * winfo.element_size
             winfo.mem_consumed = math.ceil(raw / self.block) * self.block
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        # torch's version hooks every parameter's gradient, and a frozen one (PEFT's base weights)
+        # refuses a hook: hook the trainable ones only.
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for p in module.parameters():
+                if p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                    self._param_to_grad_hook_handles[p] = (p.register_hook(self._track_grad),
+                                                           p.register_post_accumulate_grad_hook(self._track_param_grad))
+        return sizes
+
+    def _track_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _track_param_grad(self, p: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
 
     def _update_peak_stats(self, peak_state) -> None:
         # Only the global peak: torch's version also updates every active module's local peak
@@ -115,6 +161,7 @@ class StepMemory:
     saved_by_module: dict[str, int]
     weight_copies: int = 0  # of saved: autocast's 16-bit copies of fp32 parameters
     alive_by_module: dict[str, int] = field(default_factory=dict)  # activation growth over each module's forward
+    host: int = 0  # peak of the offload pools' host buffers (pinned host memory on CUDA)
 
 
 def _init_optimizer(opt, params: list[nn.Parameter]) -> None:
@@ -164,7 +211,7 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
             else:
                 for p in params:
                     p.grad = None
-    peak = _total(tracker.get_tracker_snapshot("peak"))
+    peak, host = _total(tracker.get_tracker_snapshot("peak")), tracker.host_peak
     grads = sum(_nbytes(p, block) for p in params)
     opt_bytes = start.get(_MemRefType.OPT.value, 0)
     return StepMemory(
@@ -172,7 +219,7 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
         params=start.get(_MemRefType.PARAM.value, 0), buffers=start.get(_MemRefType.BUFFER.value, 0),
         grads=grads, optimizer_state=opt_bytes, saved=meter.total_bytes,
         saved_by_module=dict(meter.by_module()), alive_by_module=_alive_by_module(tracker),
-        weight_copies=meter.weight_copy_bytes)
+        weight_copies=meter.weight_copy_bytes, host=host)
 
 
 def _nbytes(t: torch.Tensor, block: int) -> int:

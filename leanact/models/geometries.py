@@ -174,6 +174,11 @@ GEOMETRIES: dict[str, Geometry] = {g.name: g for g in [
     _g("llama-1b-like", "LlamaConfig", "LlamaForCausalLM", 1024, 1, 2, hidden_size=2048, num_hidden_layers=16,
        num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+    # Llama-3.1-8B's geometry: GQA (32 query / 8 key-value heads of 128), SwiGLU 14336, untied head.
+    _g("llama-8b-like", "LlamaConfig", "LlamaForCausalLM", 1024, 1, 2, hidden_size=4096, num_hidden_layers=32,
+       num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+       max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+       eos_token_id=128001),
 ]}
 
 

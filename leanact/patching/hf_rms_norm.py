@@ -46,6 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.layer_norm import compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
+from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
 from .hf_swiglu import fresh_containers
 from .modules import lean_subclass
@@ -129,9 +130,31 @@ def _gamma(w: torch.Tensor, variant: str, ct: torch.dtype) -> torch.Tensor:
 
 
 def _variant_backward(ctx, dy):
-    """fp32 (float64) formulas of the module doc, for every variant."""
+    """fp32 (float64) formulas of the module doc, for every variant; over chunks of rows when
+    the fp32 temporaries would exceed :data:`leanact.ops.row_chunks.CHUNK_BYTES` (dw summed in
+    the compute dtype across chunks)."""
     t, rstd, w = ctx.saved_tensors
     ct = compute_dtype(t.dtype if t.dtype == torch.float64 else dy.dtype)
+    k = w.dim()
+    t2, dy2 = t.reshape(-1, *t.shape[-k:]), dy.reshape(-1, *t.shape[-k:])
+    parts = row_slices(t2.shape[0], t2[0].numel() * torch.finfo(ct).bits // 8)
+    if len(parts) == 1:
+        dx, dw = _variant_rows(ctx, dy, t, rstd, w, ct)
+        return dx, None if dw is None else dw.to(w.dtype)
+    r2 = rstd.reshape(t2.shape[0], *rstd.shape[-k:])
+    dx = torch.empty(dy2.shape, dtype=ctx.x_dtype, device=dy.device) if ctx.needs_input_grad[0] else None
+    dw = None
+    for sl in parts:
+        dxc, dwc = _variant_rows(ctx, dy2[sl], t2[sl], r2[sl], w, ct)
+        if dx is not None:
+            dx[sl] = dxc
+        if dwc is not None:
+            dw = dwc if dw is None else dw.add_(dwc)
+    return (None if dx is None else dx.view(dy.shape)), (None if dw is None else dw.to(w.dtype))
+
+
+def _variant_rows(ctx, dy, t, rstd, w, ct):
+    """(dx in x's dtype, dw in the compute dtype) of the rows given."""
     gamma = _gamma(w, ctx.variant, ct)
     dyc, r = dy.to(ct), rstd.to(ct)
     if ctx.from_output:
@@ -150,8 +173,15 @@ def _variant_backward(ctx, dy):
             g = g - g.mean(-1, keepdim=True)
         dx = (r * (g - xhat * p.mean(-1, keepdim=True))).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        dw = (dyc * xhat).reshape(-1, *w.shape).sum(0).to(w.dtype)
+        dw = (dyc * xhat).reshape(-1, *w.shape).sum(0)
     return dx, dw
+
+
+def _rstd(x: torch.Tensor, eps: float, variant: str) -> torch.Tensor:
+    xf = x.to(compute_dtype(x.dtype))  # HF's fp32 statistics (float64 for float64 inputs)
+    if variant == "cohere_ln":
+        xf = xf - xf.mean(-1, keepdim=True)
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class _HFRMSNormFunction(torch.autograd.Function):
@@ -160,11 +190,20 @@ class _HFRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, module, eps, from_output, variant):
         ref = type(module).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
-        y = ref(module, x)
-        xf = x.to(compute_dtype(x.dtype))  # HF's fp32 statistics (float64 for float64 inputs)
-        if variant == "cohere_ln":
-            xf = xf - xf.mean(-1, keepdim=True)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        k = weight.dim()
+        parts = row_slices(x.numel() // max(1, math.prod(x.shape[-k:])), math.prod(x.shape[-k:]) * 4)
+        if len(parts) == 1 or not x.is_contiguous():
+            y, rstd = ref(module, x), _rstd(x, eps, variant)
+        else:  # long inputs: HF's forward over chunks of rows (the same values; one chunk's fp32 copies)
+            x2 = x.view(-1, *x.shape[-k:])
+            y = rstd = None
+            for sl in parts:
+                yc, rc = ref(module, x2[sl]), _rstd(x2[sl], eps, variant)
+                if y is None:
+                    y, rstd = yc.new_empty((x2.shape[0], *yc.shape[1:])), rc.new_empty((x2.shape[0], *rc.shape[1:]))
+                y[sl], rstd[sl] = yc, rc
+                del yc, rc
+            y, rstd = y.view(*x.shape[:-k], *y.shape[1:]), rstd.view(*x.shape[:-k], *rstd.shape[1:])
         ctx.n, ctx.from_output, ctx.variant, ctx.x_dtype = x.shape[-1], from_output, variant, x.dtype
         ctx.keeps_output = from_output  # read by leanact.ops.amp.keeps_output (recipes under autocast)
         ctx.w_dim = weight.dim()

@@ -80,8 +80,10 @@ def _named_layers(model: nn.Module, layers: Any) -> list[tuple[str, nn.Module]]:
 
 
 def _default_strategies(device: str, allow_lossy: bool) -> list[str]:
-    # On the CPU, "host" memory is the device's: offloading would only add copies.
-    names = [s for s in STRATEGIES if allow_lossy or s not in LOSSY]
+    # On the CPU, "host" memory is the device's: offloading would only add copies. The "+tiled_mlp"
+    # variants of the recompute strategies lower the whole step's peak at long sequences (what
+    # maximize= searches), not the activation bound this planner uses: named explicitly only.
+    names = [s for s in STRATEGIES if (allow_lossy or s not in LOSSY) and not s.endswith("+tiled_mlp")]
     return names if device.startswith("cuda") else [s for s in names if not s.startswith("offload")]
 
 
@@ -95,8 +97,8 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
 
     ``sample_inputs``: one batch as the model takes it (a dict of keyword arguments, a tuple of
     positional ones, or one tensor), at the batch size and sequence length to plan for.
-    ``strategies``: names from :data:`leanact.strategies.STRATEGIES` (default: all; offload ones
-    only on CUDA); ``"lean"`` is always measured as the baseline. ``layers``: qualified names
+    ``strategies``: names from :data:`leanact.strategies.STRATEGIES` (default: all but the
+    ``+tiled_mlp`` variants of the recompute strategies; offload ones only on CUDA); ``"lean"`` is always measured as the baseline. ``layers``: qualified names
     (default :func:`~leanact.strategies.find_layers`). ``costs``: reuse a previous
     measurement (``plan_obj.costs``). ``time_model``: "measure" (time each layer, best of ``reps``)
     or "flops" (deterministic FLOP count; see :func:`~leanact.plan.costs.measure_costs`). ``loss_fn`` is accepted for the estimator's signature; the

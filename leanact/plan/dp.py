@@ -6,7 +6,8 @@ and ``T[i,s]`` bytes alive while its backward runs:
 
 * lean: ``k[i,lean]``; selective: ``k[i,s] + k[i,lean]`` (the cache plus the recomputed saves);
   full: ``k[i,lean]`` (+ the input if lean does not keep it); offload: what comes back,
-  ``max(k[i,lean], k[i,s] + offloaded[i,s])``; offload+recompute: ``k[i,lean] + input``;
+  ``max(k[i,lean], k[i,s] + offloaded[i,s])``; offload+recompute: ``k[i,lean] + input``; the
+  ``+tiled_mlp`` variants of full and offload+recompute: the same bounds (tiling lowers them);
 * on CUDA, plus the prefetched host copies of layer ``i-1`` if it is offloaded.
 
 A layer's output is the next layer's input: when layer ``i-1`` keeps its output storage and
@@ -47,11 +48,11 @@ def transient(costs: ModelCosts, i: int, s: str) -> int:
         return lean.kept
     if s.startswith("selective:") or s.startswith("lossy:"):  # kept + what backward rebuilds (bound)
         return c.kept + lean.kept
-    if s == "full":
+    if s in ("full", "full+tiled_mlp"):  # (+tiled_mlp: the same bound; tiling only lowers the rebuilt saves)
         return lean.kept + (0 if lean.keeps_input else layer.in_bytes)
     if s == "offload":
         return max(lean.kept, c.kept + c.offloaded)
-    if s == "offload+recompute":
+    if s in ("offload+recompute", "offload+recompute+tiled_mlp"):
         return lean.kept + layer.in_bytes
     if s == "tiled_mlp":  # kept + one chunk of the MLP's inside rebuilt: at most what the lean layer keeps
         return max(lean.kept, c.kept)

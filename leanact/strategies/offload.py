@@ -26,6 +26,8 @@ so its tensors are offloaded like the others.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -33,33 +35,101 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 
+from leanact._local import setting
 from leanact.saved import SavedTensorTransform
 
-__all__ = ["HostPool", "OffloadTransform", "KeptSplit", "split_kept", "is_host_copy", "is_host_copy_key", "DEFAULT_THRESHOLD"]
+__all__ = ["HostPool", "HostMemoryError", "OffloadTransform", "KeptSplit", "split_kept", "is_host_copy",
+           "is_host_copy_key", "allocating_host", "prefetch_as_cuda", "DEFAULT_THRESHOLD"]
 
 DEFAULT_THRESHOLD = 1 << 20
 _POOLS: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
+_STATE = threading.local()  # .allocating: inside HostPool.take; .emulate: prefetch_as_cuda() is on
+
+
+def allocating_host() -> bool:
+    """Whether the current thread is allocating a host buffer of an offload pool (lets a memory
+    tracker, e.g. :func:`leanact.estimate`'s, count it as host memory, not device memory)."""
+    return getattr(_STATE, "allocating", False)
+
+
+@contextlib.contextmanager
+def prefetch_as_cuda():
+    """Within it, offload transforms prefetch CPU copies as they would CUDA ones (one layer ahead
+    in backward), so a CPU trace (:func:`leanact.estimate` with ``device="cuda"``) holds the
+    device copies for as long as a GPU would."""
+    with setting(_STATE, "emulate", True):
+        yield
+
+
+class HostMemoryError(MemoryError):
+    """An offload pool would exceed its host-memory limit."""
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None (unknown: no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 class HostPool:
-    """Host buffers (uint8, pinned when offloading from CUDA) reused by exact byte size."""
+    """Host buffers (uint8, pinned when offloading from CUDA) reused by exact byte size.
 
-    def __init__(self):
+    ``limit``: the most bytes the pool may hold (free + lent); None (default): what the host has
+    available when a buffer is allocated (``MemAvailable`` less :attr:`HOST_MARGIN`), so a step
+    that would exhaust host memory raises :class:`HostMemoryError` (naming the bytes and the fix)
+    instead of swapping or being killed. ``peak``: the most bytes the pool ever held."""
+
+    HOST_MARGIN = 2 << 30  # left to the rest of the process and the system when limit is None
+
+    def __init__(self, limit: int | None = None):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"HostPool(limit={limit!r}): a number of bytes >= 0, or None (the host's available memory)")
+        self.limit = limit
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
-        self._keys: set[int] = set()  # storages of buffers owned by the pool (free or lent)
+        # storages of buffers owned by the pool (free or lent) -> the buffer, weakly (a key whose
+        # buffer is gone is stale: its address may be a new storage's)
+        self._keys: dict[int, weakref.ref] = {}
         self._streams: dict[Any, Any] = {}
         self.allocated = 0  # bytes ever allocated (free + lent)
+        self.peak = 0
         _POOLS.add(self)
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
         free = self._free[(nbytes, pin)]
         if free:
             return free.pop()
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._keys.add(buf.untyped_storage()._cdata)
+        self._check_room(nbytes)
+        with setting(_STATE, "allocating", True):
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._keys[buf.untyped_storage()._cdata] = weakref.ref(buf)
         self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
         return buf
+
+    def _check_room(self, nbytes: int) -> None:
+        if detect_fake_mode() is not None:  # an estimate's fake buffer allocates nothing
+            return
+        if self.limit is not None:
+            room, what = self.limit - self.allocated, f"its limit of {self.limit:,} bytes"
+        else:
+            avail = _available_host_bytes()
+            if avail is None:
+                return
+            room, what = avail - self.HOST_MARGIN, f"the host's available memory ({avail:,} bytes, less a margin)"
+        if nbytes > room:
+            raise HostMemoryError(
+                f"leanact offload: a {nbytes:,}-byte host buffer does not fit {what}; the pool already holds "
+                f"{self.allocated:,} bytes. Fix: offload fewer layers (a plan with 'full' or 'lean' on some), "
+                "a shorter sequence or smaller batch, or more host memory (HostPool(limit=...) raises the cap).")
 
     def give(self, buf: torch.Tensor, pin: bool) -> None:
         self._free[(buf.numel(), pin)].append(buf)
@@ -71,12 +141,18 @@ class HostPool:
         """Drop the free buffers (lent ones come back later)."""
         for bufs in self._free.values():
             for b in bufs:
-                self._keys.discard(b.untyped_storage()._cdata)
+                self._keys.pop(b.untyped_storage()._cdata, None)
                 self.allocated -= b.numel()
         self._free.clear()
 
     def owns(self, storage_key: int) -> bool:
-        return storage_key in self._keys
+        ref = self._keys.get(storage_key)
+        buf = ref() if ref is not None else None
+        if buf is None or buf.untyped_storage()._cdata != storage_key:
+            if ref is not None:
+                del self._keys[storage_key]
+            return False
+        return True
 
     def stream(self, device: torch.device):
         if device not in self._streams:
@@ -217,7 +293,7 @@ class OffloadTransform(SavedTensorTransform):
 
     # -- forward ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle | None:
-        if torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.layout != torch.strided:
+        if torch.compiler.is_compiling() or t.layout != torch.strided or (type(t) is not torch.Tensor and not is_fake(t)):
             return None
         if isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter):
             return None
@@ -266,9 +342,10 @@ class OffloadTransform(SavedTensorTransform):
 
     def prefetch(self) -> None:
         """Start copying this layer's host copies back (side stream on CUDA; no-op on the CPU,
-        where copies are synchronous and made at unpack)."""
+        where copies are synchronous and made at unpack, unless :func:`prefetch_as_cuda`)."""
+        emulate = getattr(_STATE, "emulate", False)
         for c in list(self._copies):
-            if c.device.type == "cuda":
+            if c.device.type == "cuda" or emulate:
                 c.prefetch()
 
     def kept_tensors(self, h: _Handle) -> list[torch.Tensor]:

@@ -25,6 +25,9 @@ STRATEGIES: dict[str, str] = {
     "offload+recompute": "keep the layer inputs only, offloaded to host memory; recompute the layer",
     "full": "keep the layer inputs only; recompute the whole layer in backward",
     "tiled_mlp": "run the MLP over chunks of the sequence; keep none of its inside, recompute it per chunk in backward",
+    "full+tiled_mlp": "keep the layer inputs only; recompute the layer in backward, its MLP over chunks of the sequence",
+    "offload+recompute+tiled_mlp": "keep the layer inputs only, offloaded to host memory; recompute the layer in "
+                                   "backward, its MLP over chunks of the sequence",
     "lossy:fp8": "LOSSY (opt-in): what the layer keeps stored as fp8 e4m3 + a scale per 128 elements",
     "lossy:int8": "LOSSY (opt-in): what the layer keeps stored as int8 (stochastic rounding) + scales",
 }
@@ -51,7 +54,7 @@ class _Wrapped:
                  mlp_chunk: int | None = None):
         self.layer, self.strategy, self.transform = layer, strategy, transform
         self.tiled = None
-        if strategy == "tiled_mlp":
+        if strategy.endswith("tiled_mlp"):
             if find_mlp(layer) is None:
                 _warn_once(f"tiled:{type(layer).__name__}", f"leanact: tiled_mlp: {type(layer).__name__} has no `mlp` "
                            "child nor a feed_forward_chunk method; the layer runs as 'lean'")
@@ -77,13 +80,13 @@ class _Wrapped:
                 return fn(*args, **kwargs)
         if s != "offload":
             args, kwargs = _no_cache(self.layer, args, kwargs)
-        if s == "full":
+        if s in ("full", "full+tiled_mlp"):
             return recompute.run_full(fn, args, kwargs)
         if self.policy is not None:
             return recompute.run_selective(fn, args, kwargs, self.policy)
         tr = self.transform
         with tr:
-            out = recompute.run_full(fn, args, kwargs) if s == "offload+recompute" else fn(*args, **kwargs)
+            out = fn(*args, **kwargs) if s == "offload" else recompute.run_full(fn, args, kwargs)
         tr.end_forward()
         return out
 
@@ -195,12 +198,12 @@ class Plan:
 def uniform(model: nn.Module, name: str, *, offload_threshold: int = DEFAULT_THRESHOLD,
             mlp_chunk: int | None = None) -> Plan:
     """Every layer of ``model`` (:func:`find_layers`) with strategy ``name``. The last layer is
-    never offloaded (its backward starts right away): ``offload`` → ``lean`` and
-    ``offload+recompute`` → ``full`` there."""
+    never offloaded (its backward starts right away): ``offload`` → ``lean``,
+    ``offload+recompute`` → ``full`` and ``offload+recompute+tiled_mlp`` → ``full+tiled_mlp`` there."""
     _check_name(name)
     layers = [n for n, _ in find_layers(model)]
     choices = [name] * len(layers)
-    last = {"offload": "lean", "offload+recompute": "full"}
+    last = {"offload": "lean", "offload+recompute": "full", "offload+recompute+tiled_mlp": "full+tiled_mlp"}
     if name in last:
         choices[-1] = last[name]
     return Plan(layers, choices, offload_threshold=offload_threshold, mlp_chunk=mlp_chunk)
