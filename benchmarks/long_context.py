@@ -1,16 +1,24 @@
-"""Longest trainable sequence on one GPU, predicted by leanact.estimate(device="cuda"): Llama-3.2-1B
-geometry (llama-1b-like: h=2048, 16 layers, 32/8 heads, SwiGLU 8192, vocab 128256, tied
-embeddings), full fine-tuning, bf16 weights, AdamW, batch 1, the whole step counted (parameters,
-gradients, optimizer state, activations, temporaries; Trainer protocol). Models are built on the
-meta device; nothing runs for real.
+"""Longest trainable sequence on one GPU, predicted by leanact.estimate(device="cuda"), batch 1, the
+whole step counted (parameters, gradients, optimizer state, activations, temporaries; Trainer
+protocol), AdamW, bf16 weights. Models are built on the meta device; nothing runs for real.
 
-    python benchmarks/long_context.py [--budgets 24 80] [--multiple 1024] [--plans tiled_mlp full]
+    python benchmarks/long_context.py [--budgets 24 80] [--multiple 1024] [--models 1b 8b-lora 8b-lora-fp32]
 
-Rows: Hugging Face sdpa (flash kernel: no padding), + HF gradient checkpointing (non-reentrant),
-leanact.patch (lean layers, fused linear + cross-entropy), and leanact.patch + a plan (each
-strategy on every layer; "leanact + plan" is the best of them, as plan(maximize="seq") picks).
-Each cell is the largest multiple of --multiple tokens whose predicted peak fits the budget
-(leanact.estimate.fit.largest_fitting: exact for the estimate, typically 5-8 estimates per row).
+Models:
+* ``1b``: Llama-3.2-1B geometry (llama-1b-like: h=2048, 16 layers, 32/8 heads, SwiGLU 8192, vocab
+  128256, tied embeddings), full fine-tuning.
+* ``8b-lora``: Llama-3.1-8B geometry (llama-8b-like: h=4096, 32 layers, 32/8 heads of 128, SwiGLU
+  14336, vocab 128256, untied), PEFT LoRA r=16 on all linear layers, frozen bf16 base weights,
+  bf16 adapters (``get_peft_model(..., autocast_adapter_dtype=False)``).
+* ``8b-lora-fp32``: the same with PEFT's default fp32 adapters (each LoRA projection casts its
+  input to fp32 and keeps that copy).
+
+Rows: Hugging Face sdpa (flash kernel), + HF gradient checkpointing (non-reentrant), leanact.patch
+(lean layers, fused linear + cross-entropy), and leanact.patch + a strategy on every layer
+(``offload+...``: the last layer is not offloaded). Each cell is the largest multiple of --multiple
+tokens whose predicted peak fits the budget less the caching allocator's reserve
+(leanact.estimate.maximize.reserve_for: 1 GiB at 24 GiB, 1.6 GiB at 80 GiB), and, for offloading
+rows, the pinned host memory that size needs.
 """
 from __future__ import annotations
 
@@ -25,18 +33,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import leanact  # noqa: E402
 from leanact.estimate.fit import largest_fitting  # noqa: E402
-from leanact.estimate.maximize import step_estimate  # noqa: E402
+from leanact.estimate.maximize import reserve_for, step_estimate  # noqa: E402
 from leanact.models.geometries import resolve  # noqa: E402
 
 GIB = 2**30
+MODELS = {
+    "1b": ("Llama-3.2-1B, full fine-tuning", "llama-1b-like", None),
+    "8b-lora": ("Llama-3.1-8B, LoRA r=16 (bf16 adapters)", "llama-8b-like", False),
+    "8b-lora-fp32": ("Llama-3.1-8B, LoRA r=16 (PEFT's default fp32 adapters)", "llama-8b-like", True),
+}
+ROWS = {  # model -> (label, variant, strategy)
+    "1b": [("HF sdpa", "hf", "lean"), ("HF sdpa + HF checkpointing", "hf+gc", "lean"),
+           ("leanact.patch", "leanact", "lean"), ("leanact.patch + full", "leanact", "full"),
+           ("leanact.patch + full+tiled_mlp", "leanact", "full+tiled_mlp"),
+           ("leanact.patch + offload+recompute+tiled_mlp", "leanact", "offload+recompute+tiled_mlp")],
+    "8b-lora": [("HF sdpa + HF checkpointing", "hf+gc", "lean"),
+                ("leanact.patch + full+tiled_mlp", "leanact", "full+tiled_mlp"),
+                ("leanact.patch + offload+recompute+tiled_mlp", "leanact", "offload+recompute+tiled_mlp")],
+    "8b-lora-fp32": [("leanact.patch + offload+recompute+tiled_mlp", "leanact", "offload+recompute+tiled_mlp")],
+}
 
 
-def build(variant: str):
+def build(geometry: str, variant: str, lora_fp32: bool | None = None):
     import transformers
 
-    cfg = resolve("llama-1b-like").make_config(attn="sdpa")
+    cfg = resolve(geometry).make_config(attn="sdpa")
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if lora_fp32 is not None:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"),
+                                    autocast_adapter_dtype=lora_fp32)
     if variant == "hf+gc":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if variant == "leanact":
@@ -48,35 +76,38 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GiB")
     ap.add_argument("--multiple", type=int, default=1024, help="sequence lengths searched in multiples of this")
-    ap.add_argument("--plans", nargs="+", default=["tiled_mlp", "full"], help="strategies for the leanact + plan rows")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args(argv)
     ids = torch.zeros(1, 1024, dtype=torch.long)
     sample = dict(input_ids=ids, labels=ids)
-    rows = [("HF sdpa", "hf", "lean"), ("HF sdpa + HF checkpointing", "hf+gc", "lean"),
-            ("leanact.patch", "leanact", "lean")] + [(f"leanact.patch + plan: {p}", "leanact", p) for p in args.plans]
     budgets = [int(b * GIB) for b in args.budgets]
-    results: dict[str, list[int]] = {}
-    for label, variant, strategy in rows:
-        model = build(variant)
-        memo: dict[int, int] = {}  # one estimate per size, shared by the budgets
-        t0 = time.perf_counter()
+    tables = []
+    for key in args.models:
+        title, geometry, lora_fp32 = MODELS[key]
+        lines = [f"\n**{title}** (batch 1, bf16, AdamW; predicted longest sequence, pinned host memory "
+                 "where offloaded)\n",
+                 "| model | " + " | ".join(f"{b:g} GiB" for b in args.budgets) + " |",
+                 "|---|" + "---:|" * len(budgets)]
+        for label, variant, strategy in ROWS[key]:
+            model = build(geometry, variant, lora_fp32)
+            memo: dict[int, object] = {}  # one estimate per size, shared by the budgets
+            t0 = time.perf_counter()
 
-        def cost(n: int) -> int:
-            if n not in memo:
-                memo[n] = step_estimate(model, sample, strategy, "seq", n, device="cuda").peak
-            return memo[n]
+            def cost(n: int) -> int:
+                if n not in memo:
+                    memo[n] = step_estimate(model, sample, strategy, "seq", n, device="cuda")
+                return memo[n].peak
 
-        results[label] = [largest_fitting(cost, b, probes=(1, 8, 32), multiple=args.multiple)[0] for b in budgets]
-        print(f"{label}: {results[label]} ({len(memo)} estimates, {time.perf_counter() - t0:.0f} s)", flush=True)
-    best = [max(results[label][i] for label, _, _ in rows[3:]) for i in range(len(budgets))] if len(rows) > 3 else None
-    hf, gc = results["HF sdpa"], results["HF sdpa + HF checkpointing"]
-    head = "| model | " + " | ".join(f"{b:g} GiB" for b in args.budgets) + " |"
-    print("\n" + head + "\n|---|" + "---:|" * len(budgets))
-    for label, _, _ in rows:
-        print(f"| {label} | " + " | ".join(f"{v:,}" for v in results[label]) + " |")
-    if best is not None:
-        print("| **leanact + plan** (best) | " + " | ".join(
-            f"**{v:,}** ({v / max(h, 1):.0f}x HF, {v / max(g, 1):.1f}x HF+ckpt)" for v, h, g in zip(best, hf, gc)) + " |")
+            cells = []
+            for b in budgets:
+                n = largest_fitting(cost, b - reserve_for(b), probes=(8, 32, 128), multiple=args.multiple)[0]
+                host = memo[n].host if n in memo else 0
+                cells.append(f"{n:,}" + (f" ({host / GIB:.0f} GiB host)" if host else ""))
+            print(f"{title} / {label}: {cells} ({len(memo)} estimates, {time.perf_counter() - t0:.0f} s)", flush=True)
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            del model, memo
+        tables.append("\n".join(lines))
+    print("\n".join(tables))
 
 
 if __name__ == "__main__":

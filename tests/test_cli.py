@@ -419,3 +419,34 @@ def test_complete_modes_keep_their_name(tiny_result):
     lean = next(m for m in tiny_result.modes if m.name == "leanact recompute")
     assert lean.label == "leanact recompute" and lean.summary["left_in_layers"] == []
     assert lean.summary["attention"][0][2] == "leanact (recompute)"
+
+
+def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
+    """--budget also searches the longest sequence whose whole step fits on CUDA, for leanact.patch with
+    each of LONGEST_CANDIDATES on every layer; offloading every layer's input needs pinned host memory,
+    which is reported apart from the GPU peak."""
+    from leanact.cli.profile import LONGEST_CANDIDATES
+    from leanact.estimate.maximize import reserve_for, step_estimate
+
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=100,
+               max_position_embeddings=1 << 20)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    budget = 160 << 20
+    out = _json(capsys, ["profile", "--model", str(path), "--seq", "32", "--batch", "1", "--repeats", "0",
+                         "--budget", "160MiB"])
+    longest = out["longest"]
+    assert set(longest["by_strategy"]) == set(LONGEST_CANDIDATES)
+    reached = longest["by_strategy"]
+    assert reached["offload+recompute+tiled_mlp"] > reached["full+tiled_mlp"] > reached["lean"] > 0
+    assert longest["strategy"] == "offload+recompute+tiled_mlp" and longest["seq"] == max(reached.values())
+    assert longest["host"] > 0 and longest["reserve"] == reserve_for(budget)
+    geo = resolve(str(path))
+    with torch.device("meta"):
+        model = leanact.patch(geo.build(geo.layers, "sdpa", torch.bfloat16, None, None)).train()
+    x = geo.batch_inputs(1, 32, torch.bfloat16)
+    at, after = (step_estimate(model, x, longest["strategy"], "seq", n, device="cuda")
+                 for n in (longest["seq"], longest["seq"] + 128))
+    assert at.peak == longest["peak"] <= budget - longest["reserve"] < after.peak
+    assert at.host == longest["host"]

@@ -172,6 +172,7 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
                 result.plan = _plan_text(cfg)
             except Exception as e:
                 return _planner_failed(e)
+            result.longest = profile_cmd.longest_sequence(cfg)
         if args.plot and (failed := _write_plot(result, args.plot)):
             return failed
         print(json.dumps(result.to_dict(), indent=2))
@@ -201,6 +202,8 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
         console.print(note)
         if explained is not None:
             console.print(explained)
+        if (longest := profile_cmd.longest_sequence(cfg)) is not None:
+            console.print(profile_cmd.longest_text(longest, cfg))
     return 0
 
 

@@ -130,10 +130,11 @@ class ProfileResult:
     geometry: dict
     modes: list[ModeResult] = field(default_factory=list)
     plan: str | None = None  # the planner's explanation (or why it is not shown), with --budget
+    longest: dict | None = None  # with --budget: the longest sequence whose step fits (longest_sequence)
 
     def to_dict(self) -> dict:
         return {"config": asdict(self.config), "geometry": self.geometry,
-                "modes": [asdict(m) for m in self.modes], "plan": self.plan}
+                "modes": [asdict(m) for m in self.modes], "plan": self.plan, "longest": self.longest}
 
 
 def _cost(model: torch.nn.Module, inputs: dict) -> tuple[int, dict[str, int], dict[str, int]]:
@@ -313,6 +314,44 @@ def step_max_batch(geo: Geometry, cfg: ProfileConfig, attn: str, lean: str | Non
     model = mode_model(base, attn, lean)
     inputs = geo.batch_inputs(1, cfg.seq, dtype, cfg.seed + 1)
     return largest_fitting(lambda b: estimate(model, inputs, device="cuda", batch=b).peak, cfg.budget)[0]
+
+
+#: The strategies ``--budget``'s longest-sequence search tries (every layer the same).
+LONGEST_CANDIDATES = ("lean", "full+tiled_mlp", "offload+recompute+tiled_mlp")
+
+
+def longest_sequence(cfg: ProfileConfig) -> dict | None:
+    """The longest sequence (at ``cfg.batch``, in multiples of 128 tokens, up to the model's learned
+    positions) whose whole training step fits ``cfg.budget`` on a CUDA device, for the
+    ``leanact.patch``'ed model of the full geometry on the meta device, with the best of
+    :data:`LONGEST_CANDIDATES` on every layer (``leanact.plan(maximize="seq")``, which keeps the
+    caching allocator's reserve free): ``{"seq", "strategy", "peak", "host", "reserve",
+    "by_strategy"}``; ``host``: the pinned host memory the offload needs. None for image models."""
+    from leanact.estimate.maximize import maximize
+    from leanact.patching import patch
+
+    geo = resolve(cfg.model)
+    if geo.is_image:
+        return None
+    cfg = cfg.resolved(geo)
+    dtype = DTYPES[cfg.dtype]
+    with torch.device("meta"):  # (the config's own positions: the search may go past cfg.seq)
+        model = patch(geo.build(geo.layers, "sdpa", dtype, cfg.dropout, None, cfg.seed)).train()
+    found = maximize(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 1), cfg.budget, "seq",
+                     strategies=list(LONGEST_CANDIDATES), device="cuda")
+    peak = found.estimate.peak if found.estimate is not None else 0
+    return {"seq": found.value, "strategy": found.strategy, "peak": peak, "host": found.host,
+            "reserve": found.reserve, "by_strategy": dict(found.by_strategy)}
+
+
+def longest_text(longest: dict, cfg: ProfileConfig) -> str:
+    """One line saying what :func:`longest_sequence` found."""
+    if longest["seq"] == 0:
+        return f"longest sequence: none fits {format_bytes(cfg.budget)} at batch {cfg.batch}"
+    host = f", {format_bytes(longest['host'])} pinned host memory" if longest["host"] else ""
+    return (f"longest sequence whose step fits {format_bytes(cfg.budget)} on CUDA (batch {cfg.batch}, leanact.patch + "
+            f"{longest['strategy']} on every layer): {longest['seq']:,} tokens (GPU peak "
+            f"{format_bytes(longest['peak'])}{host}; {format_bytes(longest['reserve'])} left for the allocator)")
 
 
 def planner_explanation(cfg: ProfileConfig):

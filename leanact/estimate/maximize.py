@@ -6,9 +6,10 @@ predicted peak -- parameters, gradients, optimizer state, activations, temporari
 :func:`leanact.estimate` -- is searched for the largest size that fits (:func:`.fit.largest_fitting`:
 a quadratic fit in s, then checked by estimates on either side of the answer). The strategy that
 reaches the largest size wins; among equals, the cheapest in time (the order of
-:data:`CANDIDATES`). Offload strategies are not candidates: the estimate counts their host copies
-as device memory. What the head keeps (the fused linear + cross-entropy of a patched model, or
-the logits) is part of the estimate.
+:data:`CANDIDATES`). On CUDA the candidates include ``offload+recompute+tiled_mlp``: every layer's
+input (but the last layer's) in pinned host memory, which the estimate counts apart
+(``Estimate.host``; ``host_budget`` bounds it). What the head keeps (the fused linear +
+cross-entropy of a patched model, or the logits) is part of the estimate.
 
 **The reserve.** A step whose predicted peak (``torch.cuda.max_memory_allocated``: the bytes of
 live tensors and the runtime's workspaces) equals the budget still runs out of memory: the caching
@@ -37,8 +38,8 @@ from .result import Estimate
 __all__ = ["CANDIDATES", "Maximized", "maximize", "step_estimate", "strategy_plan", "reserve_for",
            "RESERVE_FRACTION", "RESERVE_MIN"]
 
-#: Candidate strategies, cheapest in time first (ties go to the earlier).
-CANDIDATES = ("lean", "selective:attention", "tiled_mlp", "full")
+#: Candidate strategies, cheapest in time first (ties go to the earlier); offload ones on CUDA only.
+CANDIDATES = ("lean", "selective:attention", "tiled_mlp", "full", "full+tiled_mlp", "offload+recompute+tiled_mlp")
 SEQ_MULTIPLE = 128  # sequences are searched in multiples of this many tokens
 RESERVE_FRACTION = 0.02  # of the budget, kept free for the caching allocator on CUDA (module doc)
 RESERVE_MIN = 1 << 30  # at least this much (an eighth of the budget below 8 GiB)
@@ -60,7 +61,8 @@ class Maximized:
     """What :func:`maximize` found: ``value`` (the longest sequence or largest batch, 0 if nothing
     fits) reached with ``strategy`` on every layer (``plan``), the estimate there, and the value
     each candidate reached (``by_strategy``). ``reserve``: the bytes of ``budget`` left free for the
-    caching allocator; the estimate's peak is at most ``limit`` = ``budget - reserve``."""
+    caching allocator; the estimate's peak is at most ``limit`` = ``budget - reserve``.
+    ``host``: the pinned host memory the plan's offload needs (0 without offload)."""
 
     what: str
     value: int
@@ -72,6 +74,10 @@ class Maximized:
     reserve: int = 0
 
     @property
+    def host(self) -> int:
+        return self.estimate.host if self.estimate is not None else 0
+
+    @property
     def limit(self) -> int:
         """The most the predicted peak may be: ``budget - reserve``."""
         return self.budget - self.reserve
@@ -79,7 +85,7 @@ class Maximized:
     def __repr__(self) -> str:
         return (f"Maximized({self.what}={self.value}, strategy={self.strategy!r}, "
                 f"peak={self.estimate.peak if self.estimate else None}, budget={self.budget}, "
-                f"reserve={self.reserve})")
+                f"reserve={self.reserve}" + (f", host={self.host}" if self.host else "") + ")")
 
 
 def _sizes(sample_inputs: Any) -> tuple[int, int]:
@@ -114,19 +120,25 @@ def step_estimate(model: nn.Module, sample_inputs: Any, strategy: str, what: str
 def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq", *,
              strategies: list[str] | None = None, device: Any = "cuda", dtype: Any = None, optimizer: Any = "adamw",
              loss_fn: Callable | None = None, multiple: int | None = None, limit: int | None = None,
-             keep_output: bool = False, reserve: int | None = None) -> Maximized:
+             keep_output: bool = False, reserve: int | None = None, host_budget: int | None = None) -> Maximized:
     """The largest ``what`` ("seq": sequence length at the sample's batch; "batch": batch at the
     sample's sequence length) whose whole step fits ``budget`` bytes on ``device`` (module doc),
     less ``reserve`` bytes kept free for the caching allocator (None: :func:`reserve_for`, 2% of
     the budget and at least 1 GiB on CUDA, 0 on the CPU).
     ``multiple``: search in multiples of this (default 128 tokens for "seq", 1 for "batch");
     ``limit``: the largest size considered (default: the model's learned positions for "seq").
-    ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``: as :func:`leanact.estimate`."""
+    ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``: as :func:`leanact.estimate`.
+    ``strategies``: the candidates (default :data:`CANDIDATES`, without the offload ones on the
+    CPU, where host memory is the device's). ``host_budget``: the most pinned host memory an
+    offloading candidate may need (bytes; None: no bound)."""
     from leanact.strategies import STRATEGIES
 
     if what not in ("seq", "batch"):
         raise ValueError(f"maximize={what!r}: use 'seq' (the longest sequence) or 'batch' (the largest batch)")
-    names = list(CANDIDATES if strategies is None else strategies)
+    import torch
+
+    on_cuda = torch.device(device).type == "cuda"
+    names = list([s for s in CANDIDATES if on_cuda or not s.startswith("offload")] if strategies is None else strategies)
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
         raise ValueError(f"maximize: strategies {unknown or names} unknown; choose among {list(STRATEGIES)}")
@@ -135,6 +147,8 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve <= budget:
         raise ValueError(f"maximize: reserve must be a number of bytes between 0 and the budget ({budget}), "
                          f"got {reserve!r}")
+    if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+        raise ValueError(f"maximize: host_budget must be a number of bytes >= 0 or None, got {host_budget!r}")
     b0, s0 = _sizes(sample_inputs)
     multiple = multiple or (SEQ_MULTIPLE if what == "seq" else 1)
     if limit is None and what == "seq":
@@ -153,6 +167,8 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
 
         def cost(n: int, strategy=strategy, found_at=found_at) -> int:
             found_at[n] = peak(strategy, n)
+            if host_budget is not None and found_at[n].host > host_budget:
+                return budget + 1  # does not fit: too much host memory
             return found_at[n].peak
 
         value, _ = largest_fitting(cost, budget - reserve, probes=(1, 8, 32) if what == "seq" else (1, 2, 4),

@@ -91,7 +91,7 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
          loss_fn: Callable | None = None, allow_lossy: bool = False, layers: list[str] | None = None,
          costs: ModelCosts | None = None, reps: int = 3, time_model: str = "measure",
          offload_threshold: int = DEFAULT_THRESHOLD, autocast: Any = None, maximize: str | None = None,
-         device: Any = "cuda", dtype: Any = None) -> Plan:
+         device: Any = "cuda", dtype: Any = None, host_budget: str | int | None = None) -> Plan:
     """Choose a strategy per layer of ``model`` minimising the estimated step time with the
     predicted peak activation memory ≤ ``budget`` (module doc: what it covers).
 
@@ -125,10 +125,11 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     gets the same strategy, the one that reaches the largest size (``strategies``: candidates,
     default :data:`leanact.estimate.maximize.CANDIDATES`); the plan's ``maximized``
     (:class:`~leanact.estimate.maximize.Maximized`) holds the size, the estimate there and what
-    each candidate reached.
+    each candidate reached. On CUDA the candidates include offloading every layer's input to
+    pinned host memory (``maximized.host`` says how much); ``host_budget`` (a size) bounds it.
     """
     if maximize is not None:
-        return _maximize(model, sample_inputs, budget, maximize, strategies, loss_fn, device, dtype)
+        return _maximize(model, sample_inputs, budget, maximize, strategies, loss_fn, device, dtype, host_budget)
     del loss_fn
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan(model=...) must be a torch.nn.Module, got {type(model).__name__}: pass the model")
@@ -179,7 +180,7 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     return Plan(names, sol.choices, costs=costs, budget=budget_bytes, offload_threshold=offload_threshold)
 
 
-def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, dtype) -> Plan:
+def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, dtype, host_budget=None) -> Plan:
     if what not in ("seq", "batch"):
         raise ValueError(f"plan(maximize={what!r}): use 'seq' (the longest sequence) or 'batch' (the largest batch)")
     if not isinstance(model, nn.Module):
@@ -188,7 +189,8 @@ def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, d
     if not _MAXIMIZER:  # pragma: no cover - leanact/__init__ imports leanact.estimate
         raise RuntimeError("plan(maximize=...) needs leanact.estimate: `import leanact.estimate` first")
     found = _MAXIMIZER[0](model, sample_inputs, budget_bytes, what, strategies=None if strategies is None else
-                          list(strategies), device=device, dtype=dtype, loss_fn=loss_fn)
+                          list(strategies), device=device, dtype=dtype, loss_fn=loss_fn,
+                          host_budget=None if host_budget is None else parse_budget(host_budget))
     found.plan.maximized = found
     return found.plan
 
