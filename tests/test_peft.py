@@ -117,3 +117,66 @@ def test_unpatch_after_peft_keeps_the_adapters(family):
         peft.tuners.lora.LoraLayer in type(m).__mro__ for m in ref.modules())
     with torch.no_grad():
         assert torch.equal(ref(**batch).logits, model(**batch).logits)
+
+
+def _fp32_adapters(model, dropout=0.0):
+    """PEFT's default on a bf16 model: fp32 adapters (autocast_adapter_dtype=True), random B."""
+    torch.manual_seed(3)
+    cfg = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False)
+    return peft.get_peft_model(model.to(torch.bfloat16), cfg)
+
+
+def _upcasts_off(monkeypatch):
+    from leanact.patching import peft_lora
+
+    monkeypatch.setattr(peft_lora, "install_upcasts", lambda model: 0)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_adapters_keep_the_16bit_input_not_a_copy(family, when, monkeypatch):
+    """fp32 adapters on a bf16 model: PEFT casts each LoRA projection's input to fp32 and lora_A keeps
+    that copy; patched, lora_A casts it itself and keeps the bf16 input (the norm's output, kept anyway),
+    with the same loss and gradients, bit for bit, as the patched model without it."""
+    batch = tiny_batch()
+
+    def build():
+        if when == "after":
+            return leanact.patch(_fp32_adapters(tiny_hf(family)))
+        return _fp32_adapters(leanact.patch(tiny_hf(family)))
+
+    lean = build()
+    layer = next(m for m in lean.modules() if peft_lora_layer(m))
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        with SavedTensorMeter(model) as meter:
+            loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, meter.total_bytes
+
+    results = [step(lean)]
+    with monkeypatch.context() as mp:  # (through the first forward: patched before PEFT, it installs them)
+        _upcasts_off(mp)
+        results.append(step(build()))
+    (loss, grads, kept), (loss0, grads0, kept0) = results
+    assert "_cast_input_dtype" in layer.__dict__  # (patched before PEFT: set by the first training forward)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    b, s = batch["input_ids"].shape
+    # q, k, v: PEFT keeps three fp32 copies of their 32-wide input; lora_A at most the bf16 input once
+    assert kept <= kept0 - 3 * b * s * 32 * 4 + b * s * 32 * 2, (kept, kept0)
+
+
+def peft_lora_layer(m):
+    from leanact.patching.peft_lora import is_lora_layer
+
+    return is_lora_layer(m)
+
+
+def test_fp32_adapters_with_dropout_or_unpatched_stay_peft():
+    lean = leanact.patch(_fp32_adapters(tiny_hf("llama"), dropout=0.1))
+    assert not any("_cast_input_dtype" in m.__dict__ for m in lean.modules())  # dropout on the fp32 copy: PEFT's
+    lean = leanact.patch(_fp32_adapters(tiny_hf("llama")))
+    leanact.unpatch(lean)
+    assert not any("_cast_input_dtype" in m.__dict__ for m in lean.modules())
+    assert all(type(m.lora_A["default"]) is torch.nn.Linear for m in lean.modules() if peft_lora_layer(m))

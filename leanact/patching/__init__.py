@@ -404,6 +404,9 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
         alibi = _patch_alibi(model, attention, summary, originals)
         _patch_attention(model, attention, summary, records, alibi)
     _patch_head(model, summary, bool(fused_loss))
+    if peft_lora.install_upcasts(model):
+        summary.notes.append("PEFT LoRA adapters wider than their input: lora_A casts it and keeps the input, "
+                             "not a copy")
     summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
@@ -448,6 +451,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
     training_cache.remove(model)
+    peft_lora.uninstall_upcasts(model)
     functional_dropout.uninstall(model)
     hf_head.uninstall(model)
     object.__delattr__(model, _ATTR)

@@ -1,4 +1,6 @@
-"""PEFT's LoRA layers inside modules that :func:`leanact.patch` replaces.
+"""PEFT's LoRA layers inside modules that :func:`leanact.patch` replaces, and LoRA adapters wider
+than their input (PEFT's default fp32 adapters on a 16-bit model: lora_A casts the input itself and
+keeps the 16-bit one, not an fp32 copy; see :func:`install_upcasts`).
 
 ``get_peft_model`` replaces each targeted ``nn.Linear`` by a LoRA layer (``base_layer`` + ``lora_A``,
 ``lora_B``, ``lora_dropout``). The lean gated MLP (:mod:`leanact.patching.hf_swiglu`) reads
@@ -23,13 +25,14 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..recompute import producers
 from ..recompute.recipes import RecipeTransform, foreign_hooks
 from .hf_swiglu import _plain
 from .modules import lean_subclass
 
-__all__ = ["is_lora_layer", "replacement_through_lora", "adopt"]
+__all__ = ["is_lora_layer", "replacement_through_lora", "adopt", "install_upcasts", "uninstall_upcasts"]
 
 Replace = Callable[[nn.Module], "tuple[nn.Module | None, str | None]"]
 
@@ -79,6 +82,7 @@ def adopt(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, _LeanHFSwiGLU) and any(c is not None and is_lora_layer(c) for c in m._modules.values()):
             moved += _lora_mlp(m, type(m).__mro__[2])
+    install_upcasts(model)
     return moved
 
 
@@ -103,3 +107,104 @@ def replacement_through_lora(m: nn.Module, replace: Replace) -> tuple[nn.Module 
     for k, c in loras.items():
         new._modules[k] = c
     return new, reason
+
+
+# -- LoRA adapters wider than their input ------------------------------------------------------------
+# PEFT keeps adapters in fp32 by default (autocast_adapter_dtype=True) and casts a 16-bit input up
+# before lora_A: lora_A then keeps that fp32 copy for its weight gradient, twice the bytes of the input
+# the norm before keeps anyway, once per projection (q, k, v each cast it again). Instead, lora_A takes
+# the 16-bit input, casts it itself and keeps the input: the same forward (the same cast, the same
+# linear), the cast redone in backward.
+
+_UPCAST = "_leanact_upcast"
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """``F.linear(x.to(w.dtype), w, b)``, keeping x (its dtype) and w; backward recasts x."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return torch.nn.functional.linear(x.to(w.dtype), w, b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(w).to(x.dtype)  # as autograd: the linear's input gradient, then the cast's
+        if ctx.needs_input_grad[1]:
+            dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(w.dtype))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dx, dw, db
+
+
+class _UpcastingLoRAIn:
+    """Mixin placed before ``nn.Linear`` (a LoRA layer's ``lora_A``): an input narrower than the weight
+    is cast here (:class:`_UpcastLinear` with autograd), not by the LoRA layer before the call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype == w.dtype or not x.is_floating_point() or torch.compiler.is_compiling():
+            return nn.Linear.forward(self, x.to(w.dtype))
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _UpcastLinear.apply(x, w, self.bias)
+        return nn.Linear.forward(self, x.to(w.dtype))
+
+
+def _deferred_cast(layer: nn.Module):
+    """The LoRA layer's ``_cast_input_dtype`` while its lora_A cast for themselves: a 16-bit input
+    goes to them as is (PEFT's cast otherwise)."""
+    peft_cast = type(layer)._cast_input_dtype
+
+    def cast(x, dtype):
+        if x is not None and x.is_floating_point() and x.element_size() < torch.finfo(dtype).bits // 8:
+            return x
+        return peft_cast(layer, x, dtype)
+
+    return cast
+
+
+def _upcast_candidate(layer: nn.Module) -> bool:
+    """A LoRA Linear whose adapters are all plain -- an ``nn.Linear`` lora_A, no dropout (identity), no
+    variant (DoRA...), PEFT's own input cast in use -- and wider than the base layer's weight (fp32
+    adapters on a 16-bit model: PEFT's default)."""
+    if not is_lora_layer(layer) or not callable(getattr(type(layer), "_cast_input_dtype", None)):
+        return False
+    if getattr(layer, "lora_variant", None) or not getattr(layer, "cast_input_dtype_enabled", True):
+        return False
+    lora_a, drop = layer._modules.get("lora_A"), layer._modules.get("lora_dropout")
+    base = getattr(layer._modules["base_layer"], "weight", None)
+    if (not isinstance(lora_a, nn.ModuleDict) or not isinstance(drop, nn.ModuleDict) or not lora_a
+            or not isinstance(base, torch.Tensor) or not base.is_floating_point()):
+        return False
+    return all(type(a) in (nn.Linear, lean_subclass(_UpcastingLoRAIn, nn.Linear)) and isinstance(drop._modules.get(k), nn.Identity)
+               and a.weight.is_floating_point() and a.weight.element_size() > base.element_size()
+               for k, a in lora_a.items())
+
+
+def install_upcasts(model: nn.Module) -> int:
+    """Make the plain LoRA layers of ``model`` cast in lora_A (module comment); returns how many."""
+    n = 0
+    for m in model.modules():
+        if _upcast_candidate(m):
+            for a in m._modules["lora_A"].values():
+                if type(a) is nn.Linear:
+                    a.__class__ = lean_subclass(_UpcastingLoRAIn, nn.Linear)
+            if _UPCAST not in m.__dict__:
+                m.__dict__["_cast_input_dtype"] = _deferred_cast(m)
+                m.__dict__[_UPCAST] = True
+                n += 1
+    return n
+
+
+def uninstall_upcasts(model: nn.Module) -> None:
+    """Undo :func:`install_upcasts`."""
+    for m in model.modules():
+        if m.__dict__.pop(_UPCAST, None):
+            m.__dict__.pop("_cast_input_dtype", None)
+        if type(m) is lean_subclass(_UpcastingLoRAIn, nn.Linear):
+            m.__class__ = nn.Linear
