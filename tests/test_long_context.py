@@ -268,3 +268,35 @@ def test_llama_1b_targets_predicted(budget_gib, tokens):
     budget = budget_gib << 30
     assert est.peak <= budget - reserve_for(budget)
     assert est.host == 15 * tokens * 2048 * 2  # 15 layer inputs (bf16) on the host; the last layer's stays
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_exception_mid_step_leaves_no_copy_in_flight():
+    """CUDA: an exception between the offloading forward and the end of backward leaves the side
+    stream idle once the graph is freed, every pinned buffer back in the pool, and the next step's
+    gradients equal a clean step's."""
+    model = leanact.patch(_llama(h=256, layers=4)).cuda()
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _batch(s=256).items()}
+    ref = copy.deepcopy(model)
+    _, g_ref = _step(ref, batch)
+    plan = S.uniform(model, "offload+recompute+tiled_mlp", mlp_chunk=64)
+    plan.apply(model)
+
+    def arm(_mod, _args, out):
+        (out[0] if isinstance(out, tuple) else out).register_hook(lambda g: (_ for _ in ()).throw(KeyboardInterrupt))
+
+    handle = model.model.layers[2].register_forward_hook(arm)
+    out = model(**batch)
+    handle.remove()
+    with pytest.raises(KeyboardInterrupt):
+        out.loss.backward()
+    del out
+    torch.cuda.synchronize()
+    for stream in plan.pool._streams.values():
+        assert stream.query()  # nothing left running on the side stream
+    _nothing_left(plan.pool)
+    assert all(b.is_pinned() for bufs in plan.pool._free.values() for b in bufs)
+    _, g = _step(model, batch)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-5)
