@@ -1,7 +1,7 @@
 """One command for a CUDA machine: tests, kernel timings, memory and speed, appended to RESULTS.md.
 
     python benchmarks/gpu_suite.py [--out benchmarks/RESULTS.md]
-        [--parts tests ops bert llama estimate offload head steps]
+        [--parts tests ops bert llama estimate offload head steps long]
 
 Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
 context in one part leaves the others running; every part says whether it ran, failed or timed
@@ -47,7 +47,14 @@ not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
    BERT-Large MLM b=32 s=512, HF sdpa / leanact. Targets: Llama leanact ≤ 1.00x HF's step and ≤
    Liger's, peak ≤ 0.55x HF's; BERT-Large ≤ 1.05x, peak ≤ 0.6x.
 
-The whole run stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
+9. ``long`` (only when named: ``--parts long``; up to 4 minutes): the Llama-3.2-1B geometry in bf16,
+   batch 1, AdamW, at 32,768 tokens with ``full+tiled_mlp`` and with ``offload+recompute+tiled_mlp``
+   on every layer (target: offload ≤ 1.10x, its copies hidden under compute), each measured peak
+   against ``leanact.estimate(device="cuda")`` and the offload pool's host memory against the
+   prediction; then :data:`LONG_CAP_SEQ` tokens, the longest predicted to fit 16 GiB, run for real
+   under a 16 GiB cap (target: no OOM, peak within 5%).
+
+The default run (parts 1-8) stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
 ``--out`` under a header with the device, torch / triton / transformers / liger-kernel versions, the
 git commit of the leanact package that runs ("unknown" outside a git checkout) and the date.
 Without CUDA it exits with a message and writes nothing.
@@ -80,23 +87,31 @@ import traceback
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload", "head", "steps"]
+OPTIONAL = ["long"]  # run only when named in --parts (the default run stays under 9 minutes)
 # seconds; the first H200 run took tests 62, ops 23, estimate 27, offload 32 (bert died at 22)
-LIMITS = {"tests": 80, "ops": 40, "bert": 120, "llama": 50, "estimate": 35, "offload": 40, "head": 45, "steps": 120}
-TOTAL_S = sum(LIMITS.values())  # 530 s, under 9 minutes
+LIMITS = {"tests": 80, "ops": 40, "bert": 120, "llama": 50, "estimate": 35, "offload": 40, "head": 45, "steps": 120,
+          "long": 240}
+TOTAL_S = sum(LIMITS[p] for p in PARTS)  # 530 s, under 9 minutes
+#: The longest sequence of the Llama-3.2-1B geometry (bf16, AdamW, batch 1) whose step
+#: leanact.estimate(device="cuda") fits 16 GiB less maximize's reserve with offload+recompute+tiled_mlp
+#: on every layer (leanact.plan(maximize="seq", strategies=[...]), multiples of 1024 tokens).
+LONG_CAP_SEQ = 0
 SMOKE_ENV = "LEANACT_GPU_SUITE_SMOKE"  # "1" in the workers of a --smoke run
 _TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
 SIZES = {  # per run kind: model sizes and batch / sequence / search limits of the parts
     "gpu": dict(tokens=16384, iters=10, bert={}, bert_seq=512, bert_limit=256, bert_steps=3, llama={}, llama_batch=4,
                 llama_seq=1024, est_bert={}, est_batch=8, est_seq=512, offload_batch=8, offload_threshold={},
                 head_batch=4, head_seq=2048, head_hidden=2048, head_vocab=128256, head_rounds=10,
-                steps_llama_batch=4, steps_llama_seq=2048, steps_bert_batch=32, steps_bert_seq=512, steps_rounds=5),
+                steps_llama_batch=4, steps_llama_seq=2048, steps_bert_batch=32, steps_bert_seq=512, steps_rounds=5,
+                long_seq=32768, long_cap_gib=16, long_cap_seq=LONG_CAP_SEQ),
     "smoke": dict(tokens=4, iters=1, bert=_TINY_BERT, bert_seq=32, bert_limit=2, bert_steps=1,
                   llama=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, intermediate_size=172, vocab_size=1000),
                   llama_batch=1, llama_seq=32, est_bert=_TINY_BERT, est_batch=2, est_seq=32, offload_batch=2,
                   offload_threshold=dict(offload_threshold=0),  # tiny tensors are offloaded too
                   head_batch=2, head_seq=8, head_hidden=32, head_vocab=300, head_rounds=2,
-                  steps_llama_batch=1, steps_llama_seq=16, steps_bert_batch=2, steps_bert_seq=16, steps_rounds=2),
+                  steps_llama_batch=1, steps_llama_seq=16, steps_bert_batch=2, steps_bert_seq=16, steps_rounds=2,
+                  long_seq=64, long_cap_gib=None, long_cap_seq=128),
 }
 TITLES = {
     "tests": "CUDA tests",
@@ -107,6 +122,7 @@ TITLES = {
     "offload": "CPU offload of every layer: step time and peak",
     "head": "Head + causal-LM loss forward+backward, 8,192 tokens, hidden 2048, V=128,256, bf16",
     "steps": "Whole training steps side by side, interleaved (fp32 weights + bf16 autocast, fused AdamW)",
+    "long": "Long context, Llama-3.2-1B geometry, bf16 weights, AdamW, batch 1: recompute vs offload, predicted vs measured",
 }
 
 
@@ -921,6 +937,57 @@ def part_offload(rec: Recorder, limit_s: float) -> None:
         rec.row(label, batch, t * 1000, f"{t / ref:.3f}x", peak, moved)
 
 
+# -- long context: recompute against offload, the estimate against a real step ----------------------
+
+
+def _long_run(strategy: str, seq: int, steps: int = 2) -> tuple[float, float, object, int]:
+    """(median seconds per step, peak bytes (NaN on the CPU), leanact.estimate of the step, host bytes
+    the offload pool held) of the patched Llama-3.2-1B geometry in bf16 with ``strategy`` on every
+    layer (MLP chunks as leanact.plan(maximize=...) sets them), batch 1, AdamW."""
+    import torch
+
+    import leanact
+    from leanact.estimate.maximize import step_estimate, strategy_plan
+
+    model = leanact.patch(_llama("sdpa").to(torch.bfloat16))
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device=_dev())
+    inputs = dict(input_ids=ids, labels=ids)
+    est = step_estimate(model, inputs, strategy, "seq", seq, device="cpu" if smoke() else "cuda")
+    plan = strategy_plan(model, strategy, seq)
+    plan.apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    t, peak = _step_time(_train_step(model, opt, inputs, False), steps=steps)
+    return t, peak * 2**30, est, plan.pool.peak
+
+
+def part_long(rec: Recorder, limit_s: float) -> None:
+    """Both recompute strategies side by side at ``long_seq`` tokens (target: offload ≤ 1.10x, the
+    copies hidden under compute), each against its prediction; then the longest sequence predicted to
+    fit ``long_cap_gib`` run for real under that cap (target: no OOM, peak within 5% of the prediction)."""
+    import torch
+
+    seq, cap, cap_seq = _size("long_seq"), _size("long_cap_gib"), _size("long_cap_seq")
+    rec.note("targets: offload+recompute+tiled_mlp ≤ 1.10x full+tiled_mlp's step time; measured peak within 5% of "
+             "leanact.estimate(device=\"cuda\"); host memory as predicted (pinned buffers rounded to powers of two)")
+    ref = None
+    runs = [("full+tiled_mlp", None, seq, 2), ("offload+recompute+tiled_mlp", None, seq, 2)]
+    if cap is not None and cap_seq:
+        runs.append(("offload+recompute+tiled_mlp", cap, cap_seq, 1))
+    for strategy, cap_gib, n, steps in runs:
+        if cap_gib is not None:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
+        measured = unless_oom(rec, f"{strategy} (cap {cap_gib} GiB)" if cap_gib else strategy,
+                              lambda: _long_run(strategy, n, steps))
+        _empty_cache()
+        if measured is None:
+            continue
+        t, peak, est, host = measured
+        ref = ref or t
+        rec.row(strategy, cap_gib or "-", n, t * 1000, f"{t / ref:.3f}x" if cap_gib is None else "-", peak / 2**30,
+                est.peak / 2**30, f"{peak / est.peak:.3f}" if peak == peak else "n/a", host / 2**30, est.host / 2**30)
+
+
 # -- side by side: modes timed in turns (the head and steps parts) ---------------------------------
 
 
@@ -1405,6 +1472,7 @@ def _selftest(kind: str):
 
 WORKERS = {"tests": part_tests, "ops": part_ops, "bert": part_bert, "llama": part_llama,
            "estimate": part_estimate, "offload": part_offload, "head": part_head, "steps": part_steps,
+           "long": part_long,
            "_selftest_ok": _selftest("ok"), "_selftest_fail": _selftest("fail"), "_selftest_hang": _selftest("hang")}
 COLUMNS = {
     "tests": ["outcome", "count"],
@@ -1417,6 +1485,8 @@ COLUMNS = {
     "head": ["mode", "ms", "vs HF", "transient GiB", "% of HF fp32 logits", "without dx, dW", "max rel. diff vs HF",
              "timed runs"],
     "steps": ["model", "mode", "batch x seq", "step ms", "vs HF sdpa", "peak GiB", "peak vs HF sdpa", "timed steps"],
+    "long": ["strategy (every layer)", "cap GiB", "seq", "step ms", "vs full+tiled_mlp", "peak GiB",
+             "predicted GiB", "measured/predicted", "host GiB", "predicted host GiB"],
 }
 
 
@@ -1435,7 +1505,7 @@ def worker(name: str, json_path: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="markdown file to append to (default benchmarks/RESULTS.md; required with --smoke)")
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    ap.add_argument("--parts", nargs="+", choices=PARTS + OPTIONAL, default=PARTS)
     ap.add_argument("--smoke", action="store_true",
                     help="every part on the CPU at tiny sizes: checks the suite's code, measures nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
