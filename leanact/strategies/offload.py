@@ -2,11 +2,11 @@
 
 While :class:`OffloadTransform` is active (around one layer's forward), every tensor autograd
 keeps that is at least ``threshold`` bytes (1 MiB by default) and is not a parameter is copied
-to a host buffer taken from a :class:`HostPool`; the device tensor is no longer referenced by the
-graph and is freed as soon as the forward drops it. Kept on the device: the small tensors only.
-In backward the host copy is copied back (once per storage: views of one buffer, e.g. Q/K/V of a
-fused projection, share one host copy and one device copy; a view smaller than a quarter of its
-storage is copied alone) and the host buffer returns to the
+to host buffers taken from a :class:`HostPool` (in pieces of :data:`PIECE_BYTES`); the device
+tensor is no longer referenced by the graph and is freed as soon as the forward drops it. Kept on
+the device: the small tensors only. In backward the host copy is copied back (once per storage:
+views of one buffer, e.g. Q/K/V of a fused projection, share one host copy and one device copy; a
+view smaller than a quarter of its storage is copied alone) and the host buffers return to the
 pool when the graph is freed.
 
 CUDA: host buffers are pinned; device→host copies run on a side stream (the source is
@@ -188,17 +188,31 @@ def split_kept(meter) -> KeptSplit:
     return KeptSplit(dev, off)
 
 
-class _HostCopy:
-    """One storage (or one tensor's elements) copied to a host buffer."""
+#: Host buffers are taken in pieces of at most this many bytes: PyTorch's pinned-memory allocator
+#: rounds each allocation up to a power of two, so a 6.5 GiB copy in one buffer would hold 8 GiB;
+#: in 64 MiB pieces it holds at most 64 MiB more than it copies, and pieces are reused across sizes.
+PIECE_BYTES = 1 << 26
 
-    __slots__ = ("pool", "buf", "pin", "numel", "dtype", "device", "src", "version", "event", "dirty",
+
+def _pieces(numel: int, element_size: int) -> list[tuple[int, int]]:
+    """(first element, elements) of each host piece of a ``numel``-element copy."""
+    step = max(1, PIECE_BYTES // element_size)
+    return [(i, min(step, numel - i)) for i in range(0, numel, step)] or [(0, 0)]
+
+
+class _HostCopy:
+    """One storage (or one tensor's elements) copied to host buffers (:data:`PIECE_BYTES` each)."""
+
+    __slots__ = ("pool", "bufs", "pieces", "pin", "numel", "dtype", "device", "src", "version", "event", "dirty",
                  "_dev", "_dev_weak", "_dev_event", "__weakref__")
 
     def __init__(self, pool: HostPool, flat: torch.Tensor, src: torch.Tensor):
         self.pool, self.numel, self.dtype, self.device = pool, flat.numel(), flat.dtype, flat.device
         self.pin = flat.is_cuda
-        self.buf = pool.take(flat.numel() * flat.element_size(), self.pin)
-        host = self.buf.view(flat.dtype)
+        self.pieces = _pieces(flat.numel(), flat.element_size())
+        self.bufs: list[torch.Tensor] = []
+        for _, n in self.pieces:
+            self.bufs.append(pool.take(n * flat.element_size(), self.pin))
         self.src, self.version, self.dirty = weakref.ref(src), src._version, False
         self.event = None
         self._dev = None  # prefetched device copy (strong until first use)
@@ -208,12 +222,17 @@ class _HostCopy:
             stream = pool.stream(flat.device)
             stream.wait_stream(torch.cuda.current_stream(flat.device))
             with torch.cuda.stream(stream):
-                host.copy_(flat, non_blocking=True)
+                self._copy_pieces(flat, to_host=True, non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
             flat.record_stream(stream)
         else:
-            host.copy_(flat)
+            self._copy_pieces(flat, to_host=True)
+
+    def _copy_pieces(self, dev: torch.Tensor, to_host: bool, non_blocking: bool = False) -> None:
+        for buf, (start, n) in zip(self.bufs, self.pieces):
+            host, part = buf.view(self.dtype), dev[start:start + n]
+            (host.copy_(part, non_blocking=non_blocking) if to_host else part.copy_(host, non_blocking=non_blocking))
 
     def check(self) -> None:
         src = self.src()
@@ -234,17 +253,16 @@ class _HostCopy:
 
     def _issue(self) -> None:
         """Start the host→device copy (side stream on CUDA)."""
-        host = self.buf.view(self.dtype)
         dev = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         if self.device.type == "cuda":
             stream = self.pool.stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                dev.copy_(host, non_blocking=True)
+                self._copy_pieces(dev, to_host=False, non_blocking=True)
                 self._dev_event = torch.cuda.Event()
                 self._dev_event.record(stream)
         else:
-            dev.copy_(host)
+            self._copy_pieces(dev, to_host=False)
         self._dev = dev
 
     def prefetch(self) -> None:
@@ -266,7 +284,8 @@ class _HostCopy:
 
     def __del__(self):
         try:
-            self.pool.give(self.buf, self.pin)
+            for buf in self.bufs:
+                self.pool.give(buf, self.pin)
         except Exception:  # interpreter shutdown
             pass
 
@@ -349,4 +368,4 @@ class OffloadTransform(SavedTensorTransform):
                 c.prefetch()
 
     def kept_tensors(self, h: _Handle) -> list[torch.Tensor]:
-        return [h.copy.buf]
+        return list(h.copy.bufs)
