@@ -95,7 +95,7 @@ TOTAL_S = sum(LIMITS[p] for p in PARTS)  # 530 s, under 9 minutes
 #: The longest sequence of the Llama-3.2-1B geometry (bf16, AdamW, batch 1) whose step
 #: leanact.estimate(device="cuda") fits 16 GiB less maximize's reserve with offload+recompute+tiled_mlp
 #: on every layer (leanact.plan(maximize="seq", strategies=[...]), multiples of 1024 tokens).
-LONG_CAP_SEQ = 0
+LONG_CAP_SEQ = 144_384
 SMOKE_ENV = "LEANACT_GPU_SUITE_SMOKE"  # "1" in the workers of a --smoke run
 _TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
 SIZES = {  # per run kind: model sizes and batch / sequence / search limits of the parts
