@@ -137,11 +137,11 @@ def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = 
     (under ``vmap``: every batch entry must pass), uncached. Under torch.compile it graph-breaks.
     """
     if torch.compiler.is_compiling():
-        return _decide_eagerly(weight, bias, n, dtype, max_ratio)
-    return _decide(weight, bias, n, dtype, max_ratio)  # eager: no torch.compiler.disable wrapper per call
+        return _from_output_ok_eagerly(weight, bias, n, dtype, max_ratio)
+    return _from_output_ok_on_host(weight, bias, n, dtype, max_ratio)  # eager: no compiler.disable wrapper
 
 
-def _decide(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
+def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
     if weight is None and bias is None:
         return True
     if any(t is not None and is_wrapped(t) for t in (weight, bias)):
@@ -160,7 +160,8 @@ def _decide(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
     return ok
 
 
-_decide_eagerly = torch.compiler.disable(_decide)  # reads values on the host: outside any compiled graph
+# reads values on the host: outside any compiled graph (the graph break names from_output_ok)
+_from_output_ok_eagerly = torch.compiler.disable(_from_output_ok_on_host)
 
 
 class LayerNormFromOutput(torch.autograd.Function):
