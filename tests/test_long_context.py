@@ -321,3 +321,20 @@ def test_copies_in_pieces(monkeypatch):
     pred = estimate(model, batch, _plan(model, "offload+recompute+tiled_mlp"), device="cpu")
     real = measure(model, batch, _plan(model, "offload+recompute+tiled_mlp"))
     assert pred.host == real.host >= 2 * layer_input
+
+
+def test_maximize_bounds_the_host_memory():
+    """On CUDA the longest-sequence search may offload every layer's input; ``host_budget`` bounds the
+    pinned host memory that takes (here 0: only sizes whose layer inputs stay under the 1 MiB offload
+    threshold, i.e. nothing offloaded)."""
+    from leanact.estimate.maximize import maximize
+
+    model = leanact.patch(_llama(dtype=torch.bfloat16))
+    batch = _batch(b=1, s=32)
+    opts = dict(strategies=["offload+recompute+tiled_mlp"], device="cuda", multiple=1024, limit=1 << 16)
+    free = maximize(model, batch, 160 << 20, "seq", **opts)
+    bounded = maximize(model, batch, 160 << 20, "seq", host_budget=0, **opts)
+    assert free.host > 0 and free.value > bounded.value > 0 and bounded.host == 0
+    assert "host=" in repr(free)
+    with pytest.raises(ValueError, match="host_budget"):
+        maximize(model, batch, 160 << 20, "seq", host_budget=-1, **opts)
