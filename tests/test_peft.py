@@ -132,12 +132,14 @@ def _upcasts_off(monkeypatch):
     monkeypatch.setattr(peft_lora, "install_upcasts", lambda model: 0)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "bf16-autocast"])
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fp32_adapters_keep_the_16bit_input_not_a_copy(family, when, monkeypatch):
+def test_fp32_adapters_keep_the_16bit_input_not_a_copy(family, when, autocast, monkeypatch):
     """fp32 adapters on a bf16 model: PEFT casts each LoRA projection's input to fp32 and lora_A keeps
     that copy; patched, lora_A casts it itself and keeps the bf16 input (the norm's output, kept anyway),
-    with the same loss and gradients, bit for bit, as the patched model without it."""
+    with the same loss and gradients, bit for bit, as the patched model without it. Under autocast the
+    linear runs on autocast's own bf16 copy: PEFT's path, unchanged."""
     batch = tiny_batch()
 
     def build():
@@ -150,7 +152,7 @@ def test_fp32_adapters_keep_the_16bit_input_not_a_copy(family, when, monkeypatch
     assert layer.lora_A["default"].weight.dtype == torch.float32
     def step(model):
         model.zero_grad(set_to_none=True)
-        with SavedTensorMeter(model) as meter:
+        with SavedTensorMeter(model) as meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(**batch).loss
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, meter.total_bytes
@@ -163,8 +165,10 @@ def test_fp32_adapters_keep_the_16bit_input_not_a_copy(family, when, monkeypatch
     assert "_cast_input_dtype" in layer.__dict__  # (patched before PEFT: set by the first training forward)
     assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
     b, s = batch["input_ids"].shape
-    # q, k, v: PEFT keeps three fp32 copies of their 32-wide input; lora_A at most the bf16 input once
-    assert kept <= kept0 - 3 * b * s * 32 * 4 + b * s * 32 * 2, (kept, kept0)
+    if autocast:  # the linear runs on autocast's bf16 copy, PEFT's path: the same bytes
+        assert kept == kept0
+    else:  # q, k, v: PEFT keeps three fp32 copies of their 32-wide input; lora_A at most the bf16 input once
+        assert kept <= kept0 - 3 * b * s * 32 * 4 + b * s * 32 * 2, (kept, kept0)
 
 
 def peft_lora_layer(m):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..ops.amp import autocast_dtype
 from ..recompute import producers
 from ..recompute.recipes import RecipeTransform, foreign_hooks
 from .hf_swiglu import _plain
@@ -144,13 +145,19 @@ class _UpcastLinear(torch.autograd.Function):
 
 class _UpcastingLoRAIn:
     """Mixin placed before ``nn.Linear`` (a LoRA layer's ``lora_A``): an input narrower than the weight
-    is cast here (:class:`_UpcastLinear` with autograd), not by the LoRA layer before the call."""
+    is cast here (:class:`_UpcastLinear` with autograd), not by the LoRA layer before the call. Under
+    autocast it is a plain Linear (``_leanact_plain_linear``: ``recast_weights`` treats it as one)."""
+
+    _leanact_plain_linear = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.dtype == w.dtype or not x.is_floating_point() or torch.compiler.is_compiling():
             return nn.Linear.forward(self, x.to(w.dtype))
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        # (under autocast the LoRA layer casts as PEFT does and x arrives in w's dtype; a narrower x
+        # under autocast, from a direct call, takes the plain path, whose backward autocast shapes)
+        if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+                and autocast_dtype(x.device.type) is None):
             return _UpcastLinear.apply(x, w, self.bias)
         return nn.Linear.forward(self, x.to(w.dtype))
 
@@ -161,7 +168,8 @@ def _deferred_cast(layer: nn.Module):
     peft_cast = type(layer)._cast_input_dtype
 
     def cast(x, dtype):
-        if x is not None and x.is_floating_point() and x.element_size() < torch.finfo(dtype).bits // 8:
+        if (x is not None and x.is_floating_point() and x.element_size() < torch.finfo(dtype).bits // 8
+                and autocast_dtype(x.device.type) is None):  # (under autocast: PEFT's path, unchanged)
             return x
         return peft_cast(layer, x, dtype)
 

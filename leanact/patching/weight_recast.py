@@ -13,7 +13,8 @@ anyway) and casts it again in backward (the same rounding: outputs and gradients
 to the unpatched model's). Otherwise, and wherever saved-tensor hooks cannot be pushed
 (``torch.compile``, ``torch.func``, a checkpointed region), the module's own forward runs.
 
-Only exact ``nn.Linear`` / ``Conv1D`` modules whose forward was not already replaced on the
+Only exact ``nn.Linear`` / ``Conv1D`` modules (and leanact's subclasses marked
+``_leanact_plain_linear``: a Linear under autocast) whose forward was not already replaced on the
 instance are wrapped (a subclass may override ``forward``; lossy's ``RandomizedLinear`` already
 keeps the parameter), and not the language-model heads whose loss leanact fuses (the fused op
 keeps the parameter; when it materialises the logits, the head keeps autocast's copy).
@@ -52,7 +53,7 @@ def _conv1d(m: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _compute_for(m: nn.Module) -> Callable | None:
     t = type(m)
-    if t is nn.Linear:
+    if t is nn.Linear or getattr(t, "_leanact_plain_linear", False):
         return _linear
     if t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils":
         return _conv1d
