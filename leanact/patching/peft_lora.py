@@ -154,26 +154,11 @@ class _UpcastingLoRAIn:
         w = self.weight
         if x.dtype == w.dtype or not x.is_floating_point() or torch.compiler.is_compiling():
             return nn.Linear.forward(self, x.to(w.dtype))
-        # (under autocast the LoRA layer casts as PEFT does and x arrives in w's dtype; a narrower x
-        # under autocast, from a direct call, takes the plain path, whose backward autocast shapes)
+        # (under autocast: PEFT's ops, the cast then autocast's linear)
         if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
                 and autocast_dtype(x.device.type) is None):
             return _UpcastLinear.apply(x, w, self.bias)
         return nn.Linear.forward(self, x.to(w.dtype))
-
-
-def _deferred_cast(layer: nn.Module):
-    """The LoRA layer's ``_cast_input_dtype`` while its lora_A cast for themselves: a 16-bit input
-    goes to them as is (PEFT's cast otherwise)."""
-    peft_cast = type(layer)._cast_input_dtype
-
-    def cast(x, dtype):
-        if (x is not None and x.is_floating_point() and x.element_size() < torch.finfo(dtype).bits // 8
-                and autocast_dtype(x.device.type) is None):  # (under autocast: PEFT's path, unchanged)
-            return x
-        return peft_cast(layer, x, dtype)
-
-    return cast
 
 
 def _upcast_candidate(layer: nn.Module) -> bool:
@@ -182,7 +167,8 @@ def _upcast_candidate(layer: nn.Module) -> bool:
     adapters on a 16-bit model: PEFT's default)."""
     if not is_lora_layer(layer) or not callable(getattr(type(layer), "_cast_input_dtype", None)):
         return False
-    if getattr(layer, "lora_variant", None) or not getattr(layer, "cast_input_dtype_enabled", True):
+    if getattr(layer, "lora_variant", None) or not (getattr(layer, "cast_input_dtype_enabled", True)
+                                                     or layer.__dict__.get(_UPCAST)):
         return False
     lora_a, drop = layer._modules.get("lora_A"), layer._modules.get("lora_dropout")
     base = getattr(layer._modules["base_layer"], "weight", None)
@@ -202,8 +188,8 @@ def install_upcasts(model: nn.Module) -> int:
             for a in m._modules["lora_A"].values():
                 if type(a) is nn.Linear:
                     a.__class__ = lean_subclass(_UpcastingLoRAIn, nn.Linear)
-            if _UPCAST not in m.__dict__:
-                m.__dict__["_cast_input_dtype"] = _deferred_cast(m)
+            if _UPCAST not in m.__dict__:  # PEFT's own switch: its layer passes the input on as is
+                m.cast_input_dtype_enabled = False
                 m.__dict__[_UPCAST] = True
                 n += 1
     return n
@@ -213,6 +199,6 @@ def uninstall_upcasts(model: nn.Module) -> None:
     """Undo :func:`install_upcasts`."""
     for m in model.modules():
         if m.__dict__.pop(_UPCAST, None):
-            m.__dict__.pop("_cast_input_dtype", None)
+            m.cast_input_dtype_enabled = True
         if type(m) is lean_subclass(_UpcastingLoRAIn, nn.Linear):
             m.__class__ = nn.Linear
