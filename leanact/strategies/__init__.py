@@ -5,9 +5,10 @@ layers are found by :func:`find_layers`. Strategy names: :data:`STRATEGIES`. The
 them under a memory budget is :func:`leanact.plan.plan`.
 """
 from .layers import find_layers
-from .offload import DEFAULT_THRESHOLD, HostPool, KeptSplit, OffloadTransform, is_host_copy, is_host_copy_key, split_kept
+from .offload import (DEFAULT_THRESHOLD, HostMemoryError, HostPool, KeptSplit, OffloadTransform, is_host_copy,
+                      is_host_copy_key, split_kept)
 from .plan import LOSSY, STRATEGIES, Plan, applied_plan, describe, remove, uniform
 from .recompute import PRESETS, policy
 
-__all__ = ["LOSSY", "DEFAULT_THRESHOLD", "HostPool", "KeptSplit", "OffloadTransform", "PRESETS", "Plan", "STRATEGIES",
+__all__ = ["LOSSY", "DEFAULT_THRESHOLD", "HostMemoryError", "HostPool", "KeptSplit", "OffloadTransform", "PRESETS", "Plan", "STRATEGIES",
            "applied_plan", "describe", "find_layers", "is_host_copy", "is_host_copy_key", "policy", "remove", "split_kept", "uniform"]
