@@ -24,11 +24,12 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 _SCAN = r'''
 import re
-from leanact.ops.triton import gated_kernels as GK, kernels as K, lossy_kernels as LK
+from leanact.ops.triton import gated_kernels as GK, gelu32_kernels as G32, kernels as K, lossy_kernels as LK
 
 APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.approx\.\w+|rsqrt\.approx\.\w+"
                     r"|ex2\.approx\.\w+|lg2\.approx\.\w+|tanh\.approx\.\w+|sin\.approx\.\w+|cos\.approx\.\w+)")
-found, built = {}, set()
+F64 = re.compile(r"\.f64\b")
+found, built, f64 = {}, set(), set()
 
 def scan(fn, sig, consts, **opts):
     full = dict(sig, **{k: "constexpr" for k in consts})
@@ -37,10 +38,13 @@ def scan(fn, sig, consts, **opts):
     name = fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__
     built.add(name)
     found.setdefault(name, set()).update(m.split(".")[0] + "." + m.split(".")[1] for m in APPROX.findall(c.asm["ptx"]))
+    if F64.search(c.asm["ptx"]):
+        f64.add(name)
 
 ''' + "{body}" + r'''
-kernels = {n for mod in (K, LK, GK) for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
+kernels = {n for mod in (K, LK, GK, G32) for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
 print("KERNELS", sorted(kernels - built), "MISSING")
+print("F64", sorted(f64))
 for name in sorted(found):
     print("FOUND", name, sorted(found[name]))
 '''
@@ -71,12 +75,12 @@ for rms in (False, True):
           "NEED_DX": True, "NEED_DW": True, "NEED_DB": not rms, "BLOCK_N": 1024}, **K.FUSED)
 build(K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
       "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}, **K.FUSED)
-build(K._erfc64_kernel, {"x_ptr": "*fp64", "y_ptr": "*fp64", "n": "i32"}, {"BLOCK": 1024}, **K.UNFUSED)
 for tanh in (False, True):
-    build(K._gelu32_fwd_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32", "thr": "fp32"},
-          {"TANH": tanh, "WITH_BITS": True, "BLOCK": 1024}, **K.UNFUSED)
-build(K._gelu32_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
-      "ab_ptr": "*fp32", "h_ptr": "*fp64", "n": "i32", "c32": "fp32"}, {"TANH": True, "BLOCK": 1024}, **K.UNFUSED)
+    build(G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32", "thr": "fp32"},
+          {"TANH": tanh, "WITH_BITS": True, "BLOCK": 1024}, **G32.UNFUSED)
+build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
+      "ab_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "c32": "fp32", "xs": "fp32"}, {"TANH": True, "BLOCK": 1024},
+      **G32.UNFUSED)
 '''
 
 _DIVIDES = r'''
@@ -111,12 +115,13 @@ def _scan(body: str) -> dict:
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     missing = next(line for line in lines if line.startswith("KERNELS"))
+    f64 = eval(next(line for line in lines if line.startswith("F64 "))[4:])  # a printed list of names
     found = {}
     for line in lines:
         if line.startswith("FOUND "):
             _, name, rest = line.split(" ", 2)
             found[name] = set(eval(rest))  # a printed list of strings
-    return {"missing": missing, "found": found}
+    return {"missing": missing, "found": found, "f64": set(f64)}
 
 
 def test_no_approximate_division_or_sqrt_where_results_are_bitwise():
@@ -125,6 +130,15 @@ def test_no_approximate_division_or_sqrt_where_results_are_bitwise():
     extra = {name: sorted(ops - ALLOWED.get(name, set())) for name, ops in result["found"].items()
              if ops - ALLOWED.get(name, set())}
     assert not extra, extra
+
+
+def test_float32_gelu_kernels_use_no_float64():
+    """The float32 GELU kernels run in float32 only (float64 is 1/2 to 1/64 of float32's rate on
+    GPUs), and with no approximate instruction (above): compiled, they compute what the interpreter
+    computes, whose error the tests measure."""
+    result = _scan(_compile_scripts())
+    assert not {"_gelu32f_fwd_kernel", "_gelu32f_bwd_kernel"} & result["f64"], result["f64"]
+    assert "_glu_fwd_kernel" in result["f64"] or "_glu_bwd_kernel" in result["f64"]  # the scan sees float64
 
 
 def test_the_scan_sees_a_plain_float32_division():

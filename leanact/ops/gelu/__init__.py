@@ -21,6 +21,10 @@ derivative:
 - float64 storage: safeguarded Halley steps from asymptotic initial guesses, with compensated
   arithmetic (below).
 
+On CUDA the 16-bit and float32 paths run Triton kernels (:mod:`leanact.ops.triton.gelu`): the
+16-bit ones read the same tables (bitwise); the float32 ones do the float32 path's work in float32
+arithmetic, within a few ulps of it (``docs/gelu_bound.md``, section 8).
+
 Kept for backward: ``y`` (``ctx.save_for_backward``, so modifying it in place afterwards makes
 backward raise) and ``ceil(numel / 8)`` bytes of packed branch bits. ``x`` is not kept.
 

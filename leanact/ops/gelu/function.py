@@ -4,6 +4,8 @@ to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.triton.gelu`
 is registered here."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..bitpack import pack_bits, unpack_bits
@@ -141,14 +143,17 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 def _self_check(device: torch.device, key) -> None:
     """:func:`_forward` and :func:`_backward` through the kernels and the PyTorch path for ``key``
-    (dtype, approximation): bitwise in 16 bits (the same tables), within one ulp in float32 (see
-    :mod:`leanact.ops.triton.selfcheck`)."""
+    (dtype, approximation): bitwise in 16 bits (the same tables); in float32 the kernels compute
+    in float32 what the PyTorch path rounds once from float64 (:mod:`leanact.ops.triton.gelu32_kernels`),
+    so ``y`` may differ by a few ulps and the gradient by a few ulps of itself plus, next to the
+    minimum, the width of what the stored output allows (``docs/gelu_bound.md``, section 3)."""
     from ..triton.selfcheck import both, generator, randn, same, ulps_apart
 
     dtype, mode = key
     gen = generator(device)
+    c = _CONSTS[mode]
     if dtype == torch.float32:
-        near = _CONSTS[mode].xs + torch.randn(512, generator=gen, device=device) * 1e-3
+        near = c.xs + torch.randn(512, generator=gen, device=device) * 1e-3
         x = torch.cat([torch.randn(4096, generator=gen, device=device) * 4, near])
     else:  # every 16-bit pattern
         x = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
@@ -156,12 +161,30 @@ def _self_check(device: torch.device, key) -> None:
     same(f"GELU ({mode}) branch bits", bits, bits0)
     dy = randn(x.shape, device, dtype, gen)
     dx, dx0 = both(lambda: _backward(y0, bits0, dy, mode))
-    if dtype == torch.float32:  # float64 erfc implementations differ by ~1e-16: one float32 rounding, rarely
-        ulps_apart(f"GELU ({mode}) forward", y, y0, 1)
-        ulps_apart(f"GELU ({mode}) backward", dx, dx0, 1)
+    if dtype == torch.float32:
+        ulps_apart(f"GELU ({mode}) forward", y, y0, _F32_FORWARD_ULPS)
+        _within_rebuild_width(f"GELU ({mode}) backward", dx, dx0, dy, x, c)
     else:  # the same tables
         same(f"GELU ({mode}) forward", y, y0)
         same(f"GELU ({mode}) backward", dx, dx0)
+
+
+#: The float32 kernels' distance from the PyTorch path, with margin (tests/test_triton_kernels.py
+#: bounds them to 7 ulps from the float64 truth in the forward, 16 beyond B(y) in the backward).
+_F32_FORWARD_ULPS = 8
+_F32_BACKWARD_ULPS = 16
+
+
+def _within_rebuild_width(what: str, dx, dx0, dy, x, c) -> None:
+    """``|dx - dx0| <= 16 ulp(dx0) + |dy| w(x)``, ``w`` the width of B(y) next to the minimum:
+    ``ulp(y*) / |x - x*|`` (f''/f' times the rounding of y), at most ``2 sqrt(c ulp(y*))``."""
+    ulp_ys = 2.0 ** (math.floor(math.log2(abs(c.ys))) - 23)  # float32 ulp at y*
+    width = torch.clamp(ulp_ys / (x - c.xs).abs(), max=2 * math.sqrt(c.c2 * ulp_ys))
+    spacing = torch.nextafter(dx0.abs(), torch.full_like(dx0, float("inf"))) - dx0.abs()
+    tol = _F32_BACKWARD_ULPS * spacing + dy.abs() * width
+    ok = ((dx - dx0).abs() <= tol) | (dx == dx0) | (dx.isnan() & dx0.isnan())
+    bad = int((~ok).sum())
+    assert bad == 0, f"{what}: {bad} of {dx.numel()} elements differ from the PyTorch path by more than the bound"
 
 
 register_check("gelu", _self_check)

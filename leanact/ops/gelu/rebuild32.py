@@ -104,8 +104,14 @@ def _build_h32(dtype, approximate, device):
     return _guess_tables(approximate)[1].to(device)
 
 
+def _build_h32f(dtype, approximate, device):
+    """h in float32, for the CUDA kernel (a term ~1e-14 needs no more)."""
+    return _guess_tables(approximate)[1].to(device, torch.float32)
+
+
 register("ab32", _build_ab32, ("float32",))
 register("h32", _build_h32, ("float32",))
+register("h32f", _build_h32f, ("float32",))
 _C32 = {mode: _below(_CONSTS[mode].ys) for mode in _APPROXIMATE}  # the largest float32 below y*
 
 

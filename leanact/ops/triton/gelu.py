@@ -4,14 +4,16 @@ import nothing of this package).
 
 Same contract as :mod:`.dispatch`: each function returns what
 :mod:`leanact.ops.gelu.function`'s PyTorch path returns, from one kernel, or ``None`` (the caller
-then runs its PyTorch path). The kernels launch under the name ``"gelu"`` (checked per dtype and
+then runs its PyTorch path): bitwise for 16-bit storage (the same tables); for float32 storage
+within the few ulps of :mod:`.gelu32_kernels` (float32 arithmetic where the PyTorch path rounds
+once from float64). The kernels launch under the name ``"gelu"`` (checked per dtype and
 approximation), whose self-check :mod:`leanact.ops.gelu.function` registers.
 """
 from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable
+from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
 
 __all__ = ["gelu_forward", "gelu_backward"]
 
@@ -27,7 +29,10 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
     if x.dtype == torch.float32:
-        r = _launch("gelu", x, k.gelu_forward32, x.contiguous(), y, bits, minimum._THRESHOLDS[torch.float32][approximate][0],
+        k32 = launchers(k, "gelu32_kernels", "gelu32_forward")
+        if k32 is None:
+            return None
+        r = _launch("gelu", x, k32.gelu32_forward, x.contiguous(), y, bits, minimum._THRESHOLDS[torch.float32][approximate][0],
                     approximate == "tanh", check_key=(x.dtype, approximate))
     else:
         table = tables._ACCESSORS["y16", tables._dtype_name(x.dtype), approximate](str(x.device))
@@ -41,15 +46,18 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
     k = _usable(y, bits, dy)
     if k is None or y.dtype not in _DTYPES or dy.dtype != y.dtype:
         return None
-    from ..gelu import rebuild32, tables
+    from ..gelu import minimum, rebuild32, tables
 
     dev = str(y.device)
     out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     if y.dtype == torch.float32:
+        k32 = launchers(k, "gelu32_kernels", "gelu32_backward")
+        if k32 is None:
+            return None
         ab = tables._ACCESSORS["ab32", "float32", approximate](dev)
-        h = tables._ACCESSORS["h32", "float32", approximate](dev)
-        r = _launch("gelu", y, k.gelu_backward32, y.contiguous(), bits, dy.contiguous(), out, ab, h,
-                    rebuild32._C32[approximate],
+        h = tables._ACCESSORS["h32f", "float32", approximate](dev)
+        r = _launch("gelu", y, k32.gelu32_backward, y.contiguous(), bits, dy.contiguous(), out, ab, h,
+                    rebuild32._C32[approximate], minimum._CONSTS[approximate].xs,
                     approximate == "tanh", check_key=(y.dtype, approximate))
     else:
         table = tables._ACCESSORS["g16", tables._dtype_name(y.dtype), approximate](dev)

@@ -7,11 +7,7 @@ path computes (:mod:`leanact.ops.dropout`, ``.layer_norm``, ``.rms_norm``, ``.ge
   mod 2^32, shifts of unsigned values are logical), so the mask is bit for bit the PyTorch one;
   ``x * keep * scale`` in float32, rounded once, as torch does it.
 - GELU, 16-bit storage: the same lookup tables (built by the PyTorch path, read here), the branch
-  bit packed in the kernel: bitwise the PyTorch path. float32 storage: the same float64 formulas
-  in the same order (FMA only where torch fuses: ``addcmul``, ``add`` with ``alpha``; launched
-  with ``enable_fp_fusion=False``), with our own float64 ``erfc`` (:func:`_erfc64`, ~1e-16
-  relative; the interpreter has no libdevice): equal to the PyTorch path but for the rare
-  element whose float64 value sits on a float32 rounding boundary (one ulp then).
+  bit packed in the kernel: bitwise the PyTorch path. (float32 storage: :mod:`.gelu32_kernels`.)
 - LayerNorm / RMSNorm: one program per row (forward) and a row loop per program accumulating
   dγ, dβ in float32 (backward); the reduction order differs from torch's, so results agree to
   float32 rounding, not bitwise.
@@ -32,13 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from leanact.ops.gelu import minimum as _gm
-from leanact.ops.gelu import rebuild32 as _g32
-
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
 
-#: Launch options: contraction into FMAs allowed (the norms) or not (the float64 GELU rebuild, whose
-#: rounding sequence is torch's). Always explicit: Triton 3.9 warns when it is left to its default.
+#: Launch options: contraction into FMAs allowed (the norms) or not (kernels whose rounding sequence
+#: must be the interpreter's or torch's). Always explicit: Triton 3.9 warns when it is left to its default.
 FUSED, UNFUSED = {"enable_fp_fusion": True}, {"enable_fp_fusion": False}
 
 # -- shared helpers --------------------------------------------------------------------------------
@@ -338,226 +331,6 @@ def _gelu16_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, BLOCK: tl.c
     _store(out_ptr + offs, g * dy, m)
 
 
-# erfc in float64: our own Chebyshev fit (scripts/erfc_chebyshev.py: mpmath, 40 digits; the
-# dropped tail is below 1e-18). For a >= 0, t = 2/(2+a), w = 2t - 1 in (-1, 1]:
-# erfc(a) = t exp(-a^2) exp(G(w)), G = sum_j c_j T_j(w), a smooth function of w.
-@triton.jit
-def _erfc_series(w):
-    """sum c_j T_j(w) by Clenshaw's recurrence (c_j: _ERFC_C, spelled out for older Triton)."""
-    w2 = w + w
-    b1 = _f64(0.0)
-    b2 = _f64(0.0)
-    b0 = w2 * b1 - b2 + _f64(-8.446077682509007e-19)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(2.3281042579529253e-18)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(5.003005559445898e-20)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-2.816663087747177e-17)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(1.210237189224279e-16)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-9.457494571291233e-17)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-1.5230282014571043e-15)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(7.106097613609237e-15)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(3.810905255189232e-16)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-1.1270822361367252e-13)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(3.130921399342958e-13)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(8.944879273090725e-13)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-6.886027526497553e-12)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(2.3940380830391146e-12)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(9.646791102015527e-11)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-2.273651222931836e-10)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-9.91364156493033e-10)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(5.059343495551469e-09)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(6.5290544390988515e-09)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-8.523809591492654e-08)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(1.5626441722066142e-08)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(1.3036558355805232e-06)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-1.6242900046470256e-06)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-2.0278578112534242e-05)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(4.252332480690777e-05)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(0.00036683949785276145)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-0.0009465953444820369)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(-0.009561514786808632)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(0.019476473204185836)
-    b2 = b1
-    b1 = b0
-    b0 = w2 * b1 - b2 + _f64(0.6419697923564902)
-    b2 = b1
-    b1 = b0
-    return w * b1 - b2 + _f64(-0.6513268598908547)
-
-
-@triton.jit
-def _erfc64(z):
-    """erfc(z) in float64 (relative error ~1e-16; erfc(-z) = 2 - erfc(z))."""
-    a = tl.minimum(tl.abs(z), _f64(40.0), propagate_nan=tl.PropagateNan.ALL)  # erfc(40) = 0 in float64
-    t = 2.0 / (a + 2.0)
-    g = _erfc_series(t + t - 1.0)
-    aa = a * a
-    e = tl.fma(a, a, -aa)  # a^2 = aa + e exactly
-    r = t * tl.exp(-aa) * tl.exp(g - e)
-    return tl.where(z < 0, 2.0 - r, r)
-
-
-
-@triton.jit
-def _erfc64_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(y_ptr + offs, _erfc64(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
-
-
-def erfc64(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """:func:`_erfc64` of a contiguous float64 tensor (for tests)."""
-    y = torch.empty_like(x)
-    if x.numel():
-        _erfc64_kernel[_grid(x.numel(), block)](x, y, x.numel(), BLOCK=block, **UNFUSED)
-    return y
-
-_SQRT1_2 = tl.constexpr(_gm._SQRT1_2)
-_A = tl.constexpr(_gm._A)
-_K1 = tl.constexpr(_gm._K1)  # 2 sqrt(2/pi)
-_LN_INV_SQRT_2PI = tl.constexpr(_gm._LN_INV_SQRT_2PI)
-_KEY_TINY = tl.constexpr(_g32._KEY_TINY)
-_KEY_SCALE = tl.constexpr(_g32._KEY_SCALE)
-_KEY_RIGHT_MAX = tl.constexpr(_g32._KEY_RIGHT_MAX)
-_KEY_SHIFT = tl.constexpr(_g32._KEY_SHIFT)
-_NCELL = tl.constexpr(_g32._NCELL)
-
-
-@triton.jit
-def _gelu32_fwd_kernel(x_ptr, y_ptr, bits_ptr, n, thr, TANH: tl.constexpr, WITH_BITS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """float32 storage: GELU in float64 (gelu.rebuild32._forward32's formulas), rounded once; right = x > thr."""
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m, other=0.0)
-    xd = x.to(tl.float64)
-    if TANH:
-        z = xd * xd * _f64(_A) + 1.0
-        z = z * xd * _f64(_K1)
-        s = 1.0 / (1.0 + tl.exp(-z))
-    else:
-        s = _erfc64(xd * _f64(-_SQRT1_2)) * 0.5
-    tl.store(y_ptr + offs, (s * xd).to(tl.float32), mask=m)
-    if WITH_BITS:
-        right = ((x > thr) & m).to(tl.int32)
-        boffs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        tl.store(bits_ptr + boffs, _pack8(right, BLOCK), mask=boffs < (n + 7) // 8)
-
-
-@triton.jit
-def _gelu32_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, ab_ptr, h_ptr, n, c32, TANH: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """float32 storage: gelu.rebuild32._guess32 (float32) then _step32_erf / _step32_tanh (float64), fused.
-
-    Same operations in the same order; ``addcmul`` and ``add(alpha=)`` are fused multiply-adds
-    (as torch evaluates them), everything else rounds after each operation.
-    """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    y = tl.load(y_ptr + offs, mask=m, other=0.0)
-    dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    rf = _unpack1(bits_ptr, offs, m).to(tl.float32)
-    # stage 1 (float32): key, keep mask times dy, the cell's interpolated x and coefficient h
-    kr = ((y - c32) - _KEY_TINY) * _KEY_SCALE  # right key
-    key = -tl.math.div_rn(y, kr)  # left key
-    kr = tl.minimum(kr, _KEY_RIGHT_MAX, propagate_nan=tl.PropagateNan.ALL)
-    key = _lerp01(key, kr, rf)
-    mk = tl.clamp(key * 1.7014118346046923e38, 0.0, 1.0, propagate_nan=tl.PropagateNan.ALL) * dy  # key 2^127
-    idx = (key.to(tl.int32, bitcast=True) >> _KEY_SHIFT) & (_NCELL - 1)
-    a = tl.load(ab_ptr + 2 * idx, mask=m, other=0.0)
-    b = tl.load(ab_ptr + 2 * idx + 1, mask=m, other=0.0)
-    h = tl.load(h_ptr + idx, mask=m, other=0.0)
-    x = tl.fma(key, b, a).to(tl.float64)
-    yd = y.to(tl.float64)
-    md = mk.to(tl.float64)
-    if TANH:
-        wb = x * x
-        z = tl.exp(tl.fma(wb, _f64(-_K1 * _A), _f64(-_K1)) * x)  # e = exp(-v)
-        s = 1.0 / (z + 1.0)
-        z = z * s  # 1 - s
-        r = tl.fma(-x, s, yd)  # y - f
-        wb = tl.fma(wb, _f64(3.0 * _A * _K1), _f64(_K1))  # v'
-        x = x * wb  # x v'
-        pp = s * z  # p = s (1 - s)
-        z = z - s  # 1 - 2s
-        s = tl.fma(pp, x, s)  # f'
-        z = ((z * x + 4.0) * wb - _f64(2.0 * _K1)) * pp  # f''
-        r = r / s  # q
-        z = tl.fma(r, h, z)  # f'' + q h
-        s = tl.fma(r, z, s)  # f' + q f'' + q^2 h
-        out = s * md
-    else:
-        z = _erfc64(x * _f64(-_SQRT1_2))  # E = 2 Phi
-        wb = tl.fma(x * -0.5, x, _f64(_LN_INV_SQRT_2PI))  # ln phi
-        p = tl.exp(wb)  # phi
-        r = tl.fma(x * -0.5, z, yd)  # y - f
-        x = x * p  # x phi
-        z = tl.fma(x, _f64(2.0), z)  # 2 f'
-        r = r / z  # q / 2
-        wb = wb + _f64(1.0 - _LN_INV_SQRT_2PI)  # 1 - x^2/2
-        p = p * wb  # f''/2
-        p = tl.fma(r, h, p)  # f''/2 + (q/2) h
-        z = tl.fma(r * 8.0, p, z)  # 2 (f' + q f'' + q^2 h)
-        out = z * md * 0.5
-    tl.store(out_ptr + offs, out.to(tl.float32), mask=m)
-
-
 def gelu_forward16(x: torch.Tensor, y: torch.Tensor, bits, table: torch.Tensor, u: int, block: int = BLOCK):
     n = x.numel()
     if n:
@@ -571,18 +344,3 @@ def gelu_backward16(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: 
     n = y.numel()
     if n:
         _gelu16_bwd_kernel[_grid(n, block)](y.view(torch.int16), bits, dy, out, table, n, BLOCK=block, **FUSED)
-
-
-def gelu_forward32(x: torch.Tensor, y: torch.Tensor, bits, thr: float, tanh: bool, block: int = BLOCK):
-    n = x.numel()
-    if n:
-        _gelu32_fwd_kernel[_grid(n, block)](x, y, bits if bits is not None else y, n, thr, TANH=tanh,
-                                            WITH_BITS=bits is not None, BLOCK=block, **UNFUSED)
-
-
-def gelu_backward32(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, ab: torch.Tensor,
-                    h: torch.Tensor, c32: float, tanh: bool, block: int = BLOCK):
-    n = y.numel()
-    if n:
-        _gelu32_bwd_kernel[_grid(n, block)](y, bits, dy, out, ab.view(torch.float32), h, n, c32, TANH=tanh,
-                                            BLOCK=block, **UNFUSED)
