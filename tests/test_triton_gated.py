@@ -6,11 +6,12 @@ set it the same way; otherwise :func:`test_in_subprocess` runs this file in a fr
 interpreter-mode process.
 
 Two references. (1) The kernels' own sequence -- torch's float32 formulas, FMAs where nvcc
-contracts, exp / erf / tanh correctly rounded -- spelled out with torch ops on the CPU (float64
-where a single rounding is needed): bitwise. (2) The PyTorch path (torch's CPU kernels, whose
-exp / erf are vectorized approximations): within the bound of the module doc of gated_kernels
-(16 u |g| in act(g), 16 u (1 + |g|) |dy| in dy act'(g), u = 2^-24, plus one ulp of the storage
-dtype per rounding that can land on the other side of a boundary).
+contracts, erf correctly rounded, exp / tanh step by step as leanact.ops.triton.math32 computes
+them -- spelled out with torch ops on the CPU (float64 where a single rounding is needed): bitwise.
+(2) The PyTorch path (torch's CPU kernels, whose exp / erf are vectorized approximations): within
+the bound of the module doc of gated_kernels (48 u |g| in act(g), 48 u (1 + |g|) |dy| in
+dy act'(g), u = 2^-24, plus one ulp of the storage dtype per rounding that can land on the other
+side of a boundary).
 """
 import math
 import os
@@ -48,6 +49,7 @@ from _ulp import ulp as _ulp  # noqa: E402
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy notes on inf/nan
 interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BOUND = 48  # gated_kernels.BOUND: act(g) within BOUND u |g| of torch's (exp / tanh up to 6 ulps apart)
 U32 = 2.0 ** -24
 
 
@@ -93,8 +95,47 @@ def _fma(a, b, c):
     return (a.double() * b.double() + c.double()).float()
 
 
+_M = {k: torch.tensor(v, dtype=torch.float32) for k, v in (  # leanact.ops.triton.math32's constants
+    ("l2e", 1 / math.log(2.0)), ("ln2_hi", 0.693145751953125), ("ln2_lo", math.log(2.0) - 0.693145751953125))}
+_P = [torch.tensor(1 / math.factorial(n), dtype=torch.float32) for n in range(8)]
+
+
+def _reduce(hi):
+    """math32._reduce (lo = 0): (k, r), hi = k ln 2 + r."""
+    hi = hi.clamp(-160.0, 89.0)
+    k = torch.floor(hi * _M["l2e"] + 0.5)
+    r = _fma(k, -_M["ln2_hi"], hi)
+    return k, _fma(k, -_M["ln2_lo"], r) + 0.0
+
+
+def _expm1_poly(r):
+    p = _fma(r, _P[7], _P[6])
+    for n in (5, 4, 3, 2):
+        p = _fma(p, r, _P[n])
+    return _fma(r * r, p, r)
+
+
+def _two_pow(k):
+    ki = k.to(torch.int32)
+    k1 = ki >> 1
+    return ((k1 + 127) << 23).view(torch.float32), ((ki - k1 + 127) << 23).view(torch.float32)
+
+
 def _exp32(x):
-    return torch.exp(x.double()).float()
+    """math32.exp step by step."""
+    k, r = _reduce(x)
+    s1, s2 = _two_pow(k)
+    return (_expm1_poly(r) + 1.0) * s1 * s2
+
+
+def _tanh32(x):
+    """math32.tanh step by step."""
+    k, r = _reduce(-2.0 * x.abs())
+    s1, s2 = _two_pow(k)
+    s = s1 * s2
+    m = _fma(s, _expm1_poly(r), s - 1.0)
+    t = -m / (m + 2.0)
+    return torch.where(x == 0, x, torch.where(x < 0, -t, t))
 
 
 def _ref_act(kind, x):
@@ -103,7 +144,7 @@ def _ref_act(kind, x):
     if kind == "gelu":
         return x * 0.5 * (1.0 + torch.erf((x * _C["alpha"]).double()).float())
     inner = _fma(_C["kappa"], x * x * x, x) * _C["beta_tanh"]
-    return 0.5 * x * (1.0 + torch.tanh(inner.double()).float())
+    return 0.5 * x * (1.0 + _tanh32(inner))
 
 
 def _ref_act_grad(kind, dy, x):
@@ -115,7 +156,7 @@ def _ref_act_grad(kind, dy, x):
         pdf = _exp32(x * -0.5 * x) * _C["beta_erf"]
         return dy * _fma(x, pdf, cdf)
     x_sq = x * x
-    t = torch.tanh((_fma(_C["kappa"], x_sq * x, x) * _C["beta_tanh"]).double()).float()
+    t = _tanh32(_fma(_C["kappa"], x_sq * x, x) * _C["beta_tanh"])
     left, left_d = 0.5 * x, 0.5 * (1.0 + t)
     return dy * _fma(left * _fma(-t, t, torch.ones_like(t)), _fma(_C["kappa3"], x_sq, torch.ones_like(x))
                      * _C["beta_tanh"], left_d)
@@ -169,15 +210,15 @@ def test_dispatch_matches_the_pytorch_path_within_the_bound(GK, kind, dtype):
         dg, du, hh = gated.glu_backward(g, u, dh, kind, True, True, True)
     finite = g.isfinite()
     ga, ua, dha = (t.double().abs() for t in (g, u, dh))
-    act_err = 16 * U32 * ga + _ulp(a0, dtype)  # act(g) rounded to the storage dtype
+    act_err = BOUND * U32 * ga + _ulp(a0, dtype)  # act(g) rounded to the storage dtype
     t = (dh.float() * u.float()).to(dtype).double().abs()
     assert _same(h, hh)
     assert _within(h[finite], h0[finite], (act_err * ua)[finite])
     assert _within(du[finite], du0[finite], (act_err * dha)[finite])
-    assert _within(dg[finite], dg0[finite], (16 * U32 * (1 + ga) * t)[finite])
+    assert _within(dg[finite], dg0[finite], (BOUND * U32 * (1 + ga) * t)[finite])
     # where the float32 distance is a small part of an ulp, few elements differ (tests/_ulp.py)
-    apart = 16 * U32 * ga
-    for x, x0, d, at in ((h, h0, apart, a0), (du, du0, apart, a0), (dg, dg0, 16 * U32 * (1 + ga) * t, dg0)):
+    apart = BOUND * U32 * ga
+    for x, x0, d, at in ((h, h0, apart, a0), (du, du0, apart, a0), (dg, dg0, BOUND * U32 * (1 + ga) * t, dg0)):
         differing, allowed = rare_flips(x[finite], x0[finite], d[finite], at[finite])
         assert differing <= allowed, (differing, allowed)
     nan = g.isnan()  # (at ±inf torch's CPU erf approximation gives NaN, CUDA's erff ±1: test 1 covers them)
@@ -191,7 +232,7 @@ def test_the_bound_catches_a_wrong_formula(GK):
     with dispatch.use_kernels(GK):
         h = gated.glu_forward(g, u, "silu")
     ok = g.isfinite()
-    assert not _within(h[ok], (gated_act("gelu", g) * u)[ok], (16 * U32 * g.double().abs() * u.double().abs())[ok])
+    assert not _within(h[ok], (gated_act("gelu", g) * u)[ok], (BOUND * U32 * g.double().abs() * u.double().abs())[ok])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -206,7 +247,7 @@ def test_rare_flips_catch_a_wrong_rounding_order(kind, dtype):
     g, u = g[ok], u[ok]
     a0 = gated_act(kind, g)
     h0 = a0 * u
-    apart = 16 * U32 * g.double().abs()
+    apart = BOUND * U32 * g.double().abs()
     bound = (apart + _ulp(a0, dtype)) * u.double().abs()
     once = (gated_act(kind, g.float()) * u.float()).to(dtype)
     assert _within(once, h0, bound)

@@ -17,6 +17,7 @@ from leanact.ops.triton import dispatch, gated  # noqa: E402
 from _ulp import rare_flips, ulp, within  # noqa: E402
 
 U32 = 2.0 ** -24
+BOUND = 48  # leanact.ops.triton.gated_kernels.BOUND
 
 
 @pytest.fixture(autouse=True)
@@ -48,10 +49,12 @@ def test_kernels_match_torch_on_cuda(kind, dtype):
     a0 = gated_act(kind, g)
     h0, du0, dg0 = a0 * u, dh * a0, _act_grad(kind, dh * u, g)
     ga = g.double().abs()
-    apart = 16 * U32 * ga  # act(g) in float32: torch's expf / tanhf / erff and the kernel's within 2 ulp each
+    # act(g) in float32: torch's expf / tanhf / erff within 2 ulp of the correctly rounded value, the
+    # kernel's erff too, its exp / tanh (leanact.ops.triton.math32) within 1.35 / 3 ulps of the truth
+    apart = BOUND * U32 * ga
     act_err = apart + ulp(a0, dtype)  # ... and round(act(g)) one ulp more where a boundary lies between
     t = (dh * u).double().abs()
-    dg_apart = 16 * U32 * (1 + ga) * t
+    dg_apart = BOUND * U32 * (1 + ga) * t
     assert torch.equal(h, hh)
     # Not a bitwise fraction: for g < -2, 1 + erf(g / sqrt 2) cancels and one ulp of erf moves
     # round(act(g)) by many 16-bit ulps. On an H200 (torch 2.11+cu130, Triton 3.6) 1.3% (bf16) and

@@ -31,7 +31,6 @@ y, dy, 1/8 byte and two L2-resident table entries in, dx out).
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 import triton
@@ -42,13 +41,9 @@ from leanact.ops.gelu import rebuild32 as _g32
 
 from .dispatch import BLOCK
 from .kernels import UNFUSED, _grid, _lerp01, _pack8, _unpack1
+from .math32 import exp_split, f32 as _f32
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
-
-
-def _f32(v: float) -> float:
-    """``v`` rounded to float32 (a constant the kernels use exactly)."""
-    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 def _split(v: float) -> tuple[float, float]:
@@ -57,9 +52,6 @@ def _split(v: float) -> tuple[float, float]:
     return hi, _f32(v - hi)
 
 
-_L2E = tl.constexpr(_f32(1.0 / math.log(2.0)))
-_LN2_HI = tl.constexpr(0.693145751953125)  # 9 trailing zero bits: k * _LN2_HI exact for |k| < 512
-_LN2_LO = tl.constexpr(_f32(math.log(2.0) - 0.693145751953125))
 _INV_SQRT_2PI = tl.constexpr(_f32(1.0 / math.sqrt(2.0 * math.pi)))
 _SQRT1_2 = tl.constexpr(_f32(_gm._SQRT1_2))
 _K1_HI, _K1_LO = (tl.constexpr(c) for c in _split(_gm._K1))
@@ -79,9 +71,6 @@ _G_C = tl.constexpr(tuple(_f32(c) for c in (
 #: dropped terms are below 2e-10)
 _PHI_C = tl.constexpr(tuple(_f32((-1) ** n / (math.sqrt(2 * math.pi) * 2 ** n * math.factorial(n) * (2 * n + 1)))
                             for n in range(13)))
-#: exp's argument is clamped here: e^-160 2^64 underflows to 0 in float32 (below half the smallest
-#: subnormal, e^-104), and 2^k stays a product of two normal factors.
-_EXP_FLOOR = tl.constexpr(-160.0)
 _SERIES_LO = tl.constexpr(-1.0)
 #: |x| beyond which the tails are flat in float32 (Phi(-20) ~ 3e-89, sigmoid(v(-20)) ~ e^-603).
 _X_CLAMP = tl.constexpr(20.0)
@@ -98,30 +87,6 @@ _NO_STEP = tl.constexpr(0.3)
 
 
 @triton.jit
-def _exp_split(hi, lo, bias):
-    """``exp(hi + lo) * 2^bias`` (``bias``: int32, 0 or _BIAS) for ``hi <= 0`` (``|lo|`` below
-    ~1e-3), relative error ~1 ulp, a subnormal result rounded once."""
-    hi = tl.maximum(hi, _EXP_FLOOR, propagate_nan=tl.PropagateNan.ALL)
-    k = tl.floor(hi * _L2E + 0.5)
-    r = tl.fma(k, -_LN2_HI, hi)  # exact product, one rounding
-    r = tl.fma(k, -_LN2_LO, r) + lo  # |r| <= 0.35
-    # e^r: Taylor to degree 7 (remainder 0.35^8/8! = 6e-9, 0.1 ulp), Horner with fma
-    p = tl.fma(r, 1.0 / 5040.0, 1.0 / 720.0)
-    p = tl.fma(p, r, 1.0 / 120.0)
-    p = tl.fma(p, r, 1.0 / 24.0)
-    p = tl.fma(p, r, 1.0 / 6.0)
-    p = tl.fma(p, r, 0.5)
-    p = tl.fma(p, r, 1.0)
-    p = tl.fma(p, r, 1.0)
-    ki = k.to(tl.int32) + bias
-    k1 = ki >> 1  # 2^k in two normal factors, so a subnormal result is rounded once
-    k2 = ki - k1
-    s1 = ((k1 + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((k2 + 127) << 23).to(tl.float32, bitcast=True)
-    return p * s1 * s2
-
-
-@triton.jit
 def _exp_g(w):
     """``exp(G(w))``, ``G = sum c_j T_j(w)`` by Clenshaw's recurrence (:data:`_G_C`)."""
     w2 = w + w
@@ -132,7 +97,7 @@ def _exp_g(w):
         b2 = b1
         b1 = b0
     g = tl.fma(w, b1, _G_C[0] - b2)
-    return _exp_split(tl.minimum(g, 0.0), tl.zeros_like(g), 0)  # G <= 0 (1.4e-9 above it at w = 1)
+    return exp_split(tl.minimum(g, 0.0), tl.zeros_like(g), 0)  # G <= 0 (1.4e-9 above it at w = 1)
 
 
 @triton.jit
@@ -150,7 +115,7 @@ def _phis(x, bias, up, SERIES: tl.constexpr):
     ulps (relative). ``SERIES``: next to the minimum from erf's Taylor series (see below)."""
     p = x * x
     e = tl.fma(x, x, -p)  # x^2 = p + e exactly
-    big = _exp_split(p * -0.5, e * -0.5, bias)  # exp(-x^2/2) 2^bias
+    big = exp_split(p * -0.5, e * -0.5, bias)  # exp(-x^2/2) 2^bias
     a = tl.abs(x) * _SQRT1_2
     t = tl.math.div_rn(tl.full(x.shape, 2.0, tl.float32), a + 2.0)
     half_erfc = (t * _exp_g(t + t - 1.0)) * big * 0.5  # erfc(|x|/sqrt 2) / 2 = Phi(-|x|)
@@ -188,7 +153,7 @@ def _sigmoids(x, bias, up, down):
     v = m * _K1_HI  # v = v + ve
     ve = tl.fma(m, _K1_HI, -v) + tl.fma(me, _K1_HI, m * _K1_LO)
     neg = v < 0
-    big = _exp_split(-tl.abs(v), tl.where(neg, ve, -ve), bias)  # exp(-|v|) 2^bias
+    big = exp_split(-tl.abs(v), tl.where(neg, ve, -ve), bias)  # exp(-|v|) 2^bias
     inv = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), big * down + 1.0)
     small = big * inv  # times 2^bias
     s_up = tl.where(neg, small, inv * up)

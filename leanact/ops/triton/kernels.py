@@ -16,9 +16,8 @@ Everything here runs under ``TRITON_INTERPRET=1`` on CPU tensors too (the tests 
 uses only what both the interpreter and the compiler support: no libdevice, no inline asm. The
 interpreter converts float32 to bfloat16 by truncation, so there bfloat16 results are rounded to
 nearest even with integer operations (:func:`_store`); compiled, by the hardware's round-to-nearest-
-even conversion: the same values. Float64
-constants are built with ``tl.full`` (:func:`_f64`): a bare Python float may become a float32
-constant in older Triton versions.
+even conversion: the same values. No kernel uses float64 (1/2 to 1/64 of float32's rate on GPUs;
+tests/test_triton_ptx.py checks the compiled code).
 
 This module is imported only when a kernel is about to run (see :mod:`.dispatch`).
 """
@@ -38,17 +37,6 @@ FUSED, UNFUSED = {"enable_fp_fusion": True}, {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _f64(v: tl.constexpr):
-    """A float64 constant, exact (not rounded through float32)."""
-    return tl.full((), v, tl.float64)
-
-
-#: Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
-#: imported: ``triton.jit`` made interpreted functions then).
-_INTERPRETED = tl.constexpr(type(_f64).__name__ == "InterpretedFunction")
-
-
-@triton.jit
 def _store(ptr, v, mask):
     """Store the float32 ``v`` into ``ptr``'s dtype, rounded once to nearest even (compiled: the
     hardware conversion, ``cvt.rn``; interpreted: integer operations, as the interpreter truncates
@@ -60,6 +48,11 @@ def _store(ptr, v, mask):
         tl.store(ptr, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+#: Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
+#: imported: ``triton.jit`` made interpreted functions then).
+_INTERPRETED = tl.constexpr(type(_store).__name__ == "InterpretedFunction")
 
 
 @triton.jit

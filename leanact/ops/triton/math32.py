@@ -1,0 +1,92 @@
+"""float32 ``exp``, ``expm1`` and ``tanh`` for the kernels, in float32 arithmetic with only
+correctly rounded operations (add, mul, ``fma``, ``div_rn``, integer operations).
+
+Triton's own ``tl.exp`` compiles to ``ex2.approx`` on the argument times log2(e), whose rounding
+costs up to ``|x|`` ulps; the interpreter computes it correctly rounded (numpy), so a kernel using
+it computes different values on the GPU than under the tests. These compute the same bits in both
+places (launched with ``enable_fp_fusion=False``): ``exp`` within 1.35 ulps of the true value,
+``tanh`` within 3 (2.5 measured; tests/test_triton_math32.py, over the float32 range against
+float64), with no float64 (1/2 to 1/64 of float32's rate on GPUs).
+
+``exp``: ``x = k ln 2 + r`` with ``ln 2`` in two parts (``k ln2_hi`` exact for ``|k| < 512``),
+``|r| <= ln 2 / 2``, ``e^r`` by its Taylor polynomial to degree 7 (remainder 0.1 ulp) in Horner's
+form with ``fma``, times ``2^k`` as two normal factors (a subnormal result is rounded once).
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import triton
+import triton.language as tl
+
+__all__: list[str] = []
+
+
+def f32(v: float) -> float:
+    """``v`` rounded to float32 (a constant the kernels use exactly)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+_L2E = tl.constexpr(f32(1.0 / math.log(2.0)))
+_LN2_HI = tl.constexpr(0.693145751953125)  # 9 trailing zero bits: k * _LN2_HI exact for |k| < 512
+_LN2_LO = tl.constexpr(f32(math.log(2.0) - 0.693145751953125))
+#: exp's argument is clamped to [_EXP_FLOOR, _EXP_CEIL]: e^-160 2^64 underflows to 0 (the GELU
+#: kernels' bias, below), e^89 overflows to inf, and 2^k stays a product of two normal factors.
+_EXP_FLOOR = tl.constexpr(-160.0)
+_EXP_CEIL = tl.constexpr(89.0)
+
+
+@triton.jit
+def _two_pow(ki):
+    """``(2^(ki >> 1), 2^(ki - (ki >> 1)))``: two normal float32 factors for ``-252 <= ki <= 254``."""
+    k1 = ki >> 1
+    s1 = ((k1 + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = ((ki - k1 + 127) << 23).to(tl.float32, bitcast=True)
+    return s1, s2
+
+
+@triton.jit
+def _reduce(hi, lo):
+    """``(k, r)`` with ``hi + lo = k ln 2 + r``, ``|r| <= 0.35`` (``|lo|`` below ~1e-3)."""
+    hi = tl.clamp(hi, _EXP_FLOOR, _EXP_CEIL, propagate_nan=tl.PropagateNan.ALL)
+    k = tl.floor(hi * _L2E + 0.5)
+    r = tl.fma(k, -_LN2_HI, hi)  # exact (the product is, and so is the difference)
+    return k, tl.fma(k, -_LN2_LO, r) + lo
+
+
+@triton.jit
+def _expm1_poly(r):
+    """``e^r - 1`` for ``|r| <= 0.35``: ``r + r^2 (1/2 + r/6 + ... + r^5/7!)``."""
+    p = tl.fma(r, 1.0 / 5040.0, 1.0 / 720.0)
+    p = tl.fma(p, r, 1.0 / 120.0)
+    p = tl.fma(p, r, 1.0 / 24.0)
+    p = tl.fma(p, r, 1.0 / 6.0)
+    p = tl.fma(p, r, 0.5)
+    return tl.fma(r * r, p, r)
+
+
+@triton.jit
+def exp_split(hi, lo, bias):
+    """``exp(hi + lo) * 2^bias`` (``bias`` an int32, 0 to 64), relative error about one ulp."""
+    k, r = _reduce(hi, lo)
+    s1, s2 = _two_pow(k.to(tl.int32) + bias)
+    return (_expm1_poly(r) + 1.0) * s1 * s2
+
+
+@triton.jit
+def exp(x):
+    """``e^x`` for float32 ``x`` (0 below e^-104, inf above e^88.7; nan stays nan)."""
+    return exp_split(x, tl.zeros_like(x), 0)
+
+
+@triton.jit
+def tanh(x):
+    """``tanh(x) = -m / (2 + m)``, ``m = expm1(-2|x|)`` (no cancellation at any ``x``), with
+    ``x``'s sign; ``+-0`` and nan kept."""
+    k, r = _reduce(-2.0 * tl.abs(x), tl.zeros_like(x))
+    s1, s2 = _two_pow(k.to(tl.int32))
+    s = s1 * s2  # 2^k, k <= 0
+    m = tl.fma(s, _expm1_poly(r), s - 1.0)  # 2^k (e^r - 1) + (2^k - 1), in (-1, 0]
+    t = tl.math.div_rn(-m, m + 2.0)
+    return tl.where(x == 0, x, tl.where(x < 0, -t, t))

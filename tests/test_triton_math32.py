@@ -1,0 +1,90 @@
+"""leanact/ops/triton/math32.py (float32 exp and tanh of the kernels) under Triton's interpreter,
+against float64, over the float32 range: within 1.35 ulps (exp) and 3 (tanh) of the true value,
+special values as torch's. Compiled, they compute the same bits (correctly rounded operations
+only: tests/test_triton_ptx.py), so this measures the GPU's values too.
+
+Interpreter setup as in test_triton_kernels.py.
+"""
+import pytest
+import torch
+
+from _triton_run import interpreter_setup  # noqa: E402
+
+triton, INTERPRETED = interpreter_setup()
+
+from _triton_run import run_interpreted  # noqa: E402
+
+pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+
+
+import triton.language as tl  # noqa: E402
+
+from leanact.ops.triton.math32 import exp as _exp, tanh as _tanh  # noqa: E402
+
+
+@triton.jit
+def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(y_ptr + offs, _exp(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(y_ptr + offs, _tanh(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+
+
+def _run(name: str, x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    kernel = _exp_kernel if name == "exp" else _tanh_kernel
+    kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, enable_fp_fusion=False)
+    return y
+
+
+def _ulps(got: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """|got - truth| in ulps of the float32 value nearest the (float64) truth."""
+    t32 = truth.float().abs()
+    spacing = (torch.nextafter(t32, torch.tensor(float("inf"))) - t32).double()
+    return ((got.double() - truth).abs() / spacing).nan_to_num(0.0)
+
+
+def _samples(lo: float, hi: float, n: int = 1 << 20) -> torch.Tensor:
+    torch.manual_seed(0)
+    edge = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 2.0 ** -10, -(2.0 ** -10), 0.34657, -0.34657])
+    return torch.cat([torch.empty(n).uniform_(lo, hi), torch.randn(n // 4) * 1e-3, edge]).float()
+
+
+@interp
+def test_exp_within_the_bound():
+    x = _samples(-103.0, 88.7)
+    got = _run("exp", x)
+    truth = torch.exp(x.double())
+    # r's rounding (1/4 ulp), the polynomial (1/10), the last fma and the + 1 (1/2 each): 1.35
+    assert _ulps(got, truth).max().item() <= 1.35
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 89.0, -110.0, 0.0])
+    assert torch.equal(_run("exp", specials).isnan(), specials.isnan())
+    assert _run("exp", specials)[1:].tolist() == [float("inf"), 0.0, float("inf"), 0.0, 1.0]
+
+
+@interp
+def test_tanh_within_the_bound():
+    x = _samples(-10.0, 10.0)
+    got = _run("tanh", x)
+    truth = torch.tanh(x.double())
+    # expm1 (1.35 ulps, as exp's) grows by the cancellation in 2^k (e^r - 1) + 2^k - 1 (at most
+    # 1.3x, k = -1), then the division and the sum (1/2 each, the sum's scaled by 2/(2 + m) <= 1.5)
+    assert _ulps(got, truth).max().item() <= 3.0
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 50.0, -50.0])
+    y = _run("tanh", specials)
+    assert y[0].isnan() and y[1:].tolist() == [1.0, -1.0, 0.0, -0.0, 1.0, -1.0]
+    assert y[4].signbit() and not y[3].signbit()
+
+
+def test_in_subprocess():
+    """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
+    if INTERPRETED:
+        pytest.skip("the interpreter runs in this process")
+    run_interpreted(__file__)
