@@ -87,10 +87,10 @@ import traceback
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload", "head", "steps"]
-OPTIONAL = ["long"]  # run only when named in --parts (the default run stays under 9 minutes)
+OPTIONAL = ["long", "profile"]  # run only when named in --parts (the default run stays under 9 minutes)
 # seconds; the first H200 run took tests 62, ops 23, estimate 27, offload 32 (bert died at 22)
 LIMITS = {"tests": 80, "ops": 55, "bert": 120, "llama": 50, "estimate": 35, "offload": 40, "head": 45, "steps": 105,
-          "long": 240}
+          "long": 240, "profile": 60}
 TOTAL_S = sum(LIMITS[p] for p in PARTS)  # 530 s, under 9 minutes
 #: The longest sequence of the Llama-3.2-1B geometry (bf16, AdamW, batch 1) whose step
 #: leanact.estimate(device="cuda") fits 16 GiB less maximize's reserve with offload+recompute+tiled_mlp
@@ -122,6 +122,7 @@ TITLES = {
     "offload": "CPU offload of every layer: step time and peak",
     "head": "Head + causal-LM loss forward+backward, 8,192 tokens, hidden 2048, V=128,256, bf16",
     "steps": "Whole training steps side by side, interleaved (fp32 weights + bf16 autocast, fused AdamW)",
+    "profile": "Where a training step's GPU time goes: kernels by device time (HF sdpa and leanact)",
     "long": "Long context, Llama-3.2-1B geometry, bf16 weights, AdamW, batch 1: recompute vs offload, predicted vs measured",
 }
 
@@ -1489,6 +1490,86 @@ def part_steps(rec: Recorder, limit_s: float) -> None:
         raise RuntimeError(f"{len(failed)} mode(s) failed: {', '.join(failed)}")
 
 
+#: Kernels listed per mode in the profile part (by device time; the rest summed in one row).
+PROFILE_TOP = 12
+
+
+def profile_step(step) -> tuple[list[tuple[str, int, float]], float, int, float]:
+    """One step (after one warm-up step) under torch.profiler: ``(kernels, device ms, launches, wall
+    ms)``, kernels = ``(name, calls, ms)`` by device time, most first (CUDA kernels; on the CPU the
+    aten operators by their own CPU time)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    _sync()
+    cuda = _dev() == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        wall = (time.perf_counter() - t0) * 1000
+    by: dict[str, list] = {}
+    if cuda:
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                entry = by.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.time_range.elapsed_us() / 1000
+    else:
+        for e in prof.key_averages():
+            if e.key.startswith("aten::"):
+                by[e.key] = [e.count, e.self_cpu_time_total / 1000]
+    kernels = sorted(((n, c, ms) for n, (c, ms) in by.items()), key=lambda k: -k[2])
+    return kernels, sum(k[2] for k in kernels), sum(k[1] for k in kernels), wall
+
+
+def _short(name: str, width: int = 90) -> str:
+    """A kernel's name for a table cell: no pipes, at most ``width`` characters."""
+    name = name.replace("|", "/").replace("\n", " ")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def part_profile(rec: Recorder, limit_s: float) -> None:
+    """Where a step's GPU time goes: the steps part's BERT-Large and Llama steps (HF sdpa and
+    leanact), each profiled for one step, its kernels by device time."""
+    os.environ["LEANACT_TRITON"] = "1"
+    start = time.perf_counter()
+    rec.note("one step after one warm-up step, the steps part's models, batches and optimizer; kernels by their "
+             "device time in that step (torch.profiler; CPU smoke run: aten operators by their own CPU time); "
+             "'(all)' = every kernel, with the step's wall time in the last column's note")
+    lb, ls, bb, bs = (_size(k) for k in ("steps_llama_batch", "steps_llama_seq", "steps_bert_batch", "steps_bert_seq"))
+    failed = []
+    runs = [("BERT-Large MLM", bb, bs, bert_builders), ("Llama-3.2-1B geometry", lb, ls, llama_builders)]
+    for name, batch, seq, builders in runs:
+        for label, build in builders(rec, batch, seq):
+            if label not in ("HF sdpa", "leanact"):
+                continue
+            if time.perf_counter() - start > limit_s - 20:
+                rec.note(f"stopped before {name} {label}: time limit")
+                break
+            step, kind, what = attempt(build, catch_all=True)
+            out = None
+            if not kind:
+                out, kind, what = attempt(lambda: profile_step(step), catch_all=True)
+            step = None
+            gc.collect()
+            _empty_cache()
+            if kind:
+                failed_row(rec, [name, label], kind, what)
+                failed.append(f"{name} {label}")
+                continue
+            kernels, total, launches, wall = out
+            rec.row(name, label, "(all)", launches, total, 100.0)
+            rec.note(f"{name}, {label}: device time {total:.1f} ms in {launches} launches, wall {wall:.1f} ms")
+            for kname, calls, ms in kernels[:PROFILE_TOP]:
+                rec.row(name, label, _short(kname), calls, ms, 100 * ms / total if total else float("nan"))
+    if failed:
+        raise RuntimeError(f"{len(failed)} mode(s) failed: {', '.join(failed)}")
+
+
 def _selftest(kind: str):
     """Parts for the suite's own tests (no CUDA needed): a row, an error, a hang."""
 
@@ -1505,7 +1586,7 @@ def _selftest(kind: str):
 
 WORKERS = {"tests": part_tests, "ops": part_ops, "bert": part_bert, "llama": part_llama,
            "estimate": part_estimate, "offload": part_offload, "head": part_head, "steps": part_steps,
-           "long": part_long,
+           "long": part_long, "profile": part_profile,
            "_selftest_ok": _selftest("ok"), "_selftest_fail": _selftest("fail"), "_selftest_hang": _selftest("hang")}
 COLUMNS = {
     "tests": ["outcome", "count"],
@@ -1519,6 +1600,7 @@ COLUMNS = {
     "head": ["mode", "ms", "vs HF", "transient GiB", "% of HF fp32 logits", "without dx, dW", "max rel. diff vs HF",
              "timed runs"],
     "steps": ["model", "mode", "batch x seq", "step ms", "vs HF sdpa", "peak GiB", "peak vs HF sdpa", "timed steps"],
+    "profile": ["model", "mode", "kernel", "calls per step", "ms per step", "% of the step's kernel time"],
     "long": ["strategy (every layer)", "cap GiB", "seq", "step ms", "vs full+tiled_mlp", "peak GiB",
              "predicted GiB", "measured/predicted", "host GiB", "predicted host GiB"],
 }

@@ -302,7 +302,7 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     import subprocess
 
     out = tmp_path / "smoke.md"
-    parts = ["tests", "bert", "llama", "estimate", "offload", "ops", "head", "steps", "long"]
+    parts = ["tests", "bert", "llama", "estimate", "offload", "ops", "head", "steps", "long", "profile"]
     env = dict(os.environ, PYTHONPATH=str(_PATH.parent.parent), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--parts", *parts, "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
