@@ -71,6 +71,7 @@ _G_C = tl.constexpr(tuple(_f32(c) for c in (
 #: dropped terms are below 2e-10)
 _PHI_C = tl.constexpr(tuple(_f32((-1) ** n / (math.sqrt(2 * math.pi) * 2 ** n * math.factorial(n) * (2 * n + 1)))
                             for n in range(13)))
+#: The backward takes Phi from that series for _SERIES_LO <= x <= 1.5 (below -1 the erfc form is closer)
 _SERIES_LO = tl.constexpr(-1.0)
 #: |x| beyond which the tails are flat in float32 (Phi(-20) ~ 3e-89, sigmoid(v(-20)) ~ e^-603).
 _X_CLAMP = tl.constexpr(20.0)
