@@ -1,7 +1,7 @@
 """One command for a CUDA machine: tests, kernel timings, memory and speed, appended to RESULTS.md.
 
     python benchmarks/gpu_suite.py [--out benchmarks/RESULTS.md]
-        [--parts tests ops bert llama estimate offload head steps long]
+        [--parts tests ops bert llama estimate offload head steps long profile]
 
 Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
 context in one part leaves the others running; every part says whether it ran, failed or timed
@@ -15,10 +15,12 @@ not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
    the failing tests are kept).
 2. ``ops``: forward+backward time of each lean op (Triton kernels, and the PyTorch path with
    ``LEANACT_TRITON=0``) against torch's own op of the same role, and Liger-Kernel's RMSNorm /
-   LayerNorm / SwiGLU when ``liger_kernel`` imports; with leanact's achieved bandwidth (the bytes its
-   kernels must move, :func:`moved_bytes`, over its time) and that as a share of the device's peak
-   (a note gives the peak: from the device's memory clock and bus width where torch reports them,
-   else its datasheet value, and a measured device-to-device copy). Target: leanact ≤ 1.1x torch.
+   LayerNorm / SwiGLU when ``liger_kernel`` imports: wall time per call, and the kernels' own device
+   time and launches per call (torch.profiler); with leanact's achieved bandwidth (the bytes its
+   kernels must move, :func:`moved_bytes`, over its kernels' device time) and that as a share of the
+   device's peak (a note gives the peak: from the device's memory clock and bus width where torch
+   reports them, else its datasheet value, and a measured device-to-device copy). Target: leanact
+   ≤ 1.1x torch.
 3. ``bert``: Tempo's comparison. BERT-Large (s=512, bf16 autocast, AdamW) under a memory cap
    (``torch.cuda.set_per_process_memory_fraction``), each mode at its own largest batch (an OOM in
    the search is a "no"; one outside it is the mode's row) and its throughput there: HF sdpa and
@@ -53,6 +55,10 @@ not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
    against ``leanact.estimate(device="cuda")`` and the offload pool's host memory against the
    prediction; then :data:`LONG_CAP_SEQ` tokens, the longest predicted to fit 16 GiB, run for real
    under a 16 GiB cap (target: no OOM, peak within 5%).
+10. ``profile`` (only when named: ``--parts profile``; about a minute): the ``steps`` part's
+   BERT-Large and Llama steps, HF sdpa and leanact, one step each under torch.profiler after a
+   warm-up step: the step's kernels by device time (:data:`PROFILE_TOP` of them), launches and wall
+   time. Where a step-time gap comes from.
 
 The default run (parts 1-8) stays under 9 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
 ``--out`` under a header with the device, torch / triton / transformers / liger-kernel versions, the
