@@ -215,6 +215,21 @@ def test_gelu32(K, mode):
 
 
 @interp
+@pytest.mark.parametrize("mode", ["none", "tanh"])
+def test_gelu32_forward_rounded_to_bfloat16_is_the_table(mode):
+    """The float32 kernel's GELU of every bfloat16 value, rounded to bfloat16, is the 16-bit path's
+    lookup table, all 65,536 patterns: a bf16 forward could compute instead of gathering and keep
+    every bit (float16: 6 patterns of the erf form and 1 of the tanh form differ, so not there)."""
+    from leanact.ops.gelu import tables as GT
+    from leanact.ops.triton import gelu32_kernels as K32
+
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    y = torch.empty(x.shape)
+    K32.gelu32_forward(x.float(), y, None, 0.0, mode == "tanh")
+    assert _same(y.to(torch.bfloat16), GT._ACCESSORS["y16", "bfloat16", mode]("cpu").view(torch.bfloat16))
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_autograd_saves_the_same(K, dtype):
     x = (torch.randn(4, 33) * 3).to(dtype)
