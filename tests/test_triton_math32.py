@@ -24,23 +24,16 @@ from leanact.ops.triton.math32 import exp as _exp, tanh as _tanh  # noqa: E402
 
 
 @triton.jit
-def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _kernel(x_ptr, y_ptr, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    tl.store(y_ptr + offs, _exp(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
-
-
-@triton.jit
-def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(y_ptr + offs, _tanh(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, _tanh(x) if TANH else _exp(x), mask=m)
 
 
 def _run(name: str, x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
-    kernel = _exp_kernel if name == "exp" else _tanh_kernel
-    kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, enable_fp_fusion=False)
+    _kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), TANH=name == "tanh", BLOCK=4096, enable_fp_fusion=False)
     return y
 
 

@@ -16,8 +16,8 @@ with the same operations in the same order, FMAs where nvcc contracts ``a + b * 
 ``enable_fp_fusion=False``: no other contraction), ``erf`` from Triton's ``tl.erf`` (on CUDA the
 ``erff`` of the libdevice Triton bundles; torch's is the CUDA toolkit's it was built with: the two
 builds need not agree, each is within 2 ulp of erf), and ``exp`` / ``tanh`` from :mod:`.math32`
-(float32 arithmetic, no float64: within 1.35 / 3 ulps of the true value, and the same bits compiled
-and interpreted; torch's ``expf`` / ``tanhf`` are within 2 ulp of the correctly rounded value). So
+(float32 arithmetic, no float64: within 1.35 / 3 ulps of the true value, and built to give the same
+bits compiled and interpreted; torch's ``expf`` / ``tanhf`` are within 2 ulp of the correctly rounded value). So
 the results are torch's wherever its ``expf`` / ``tanhf`` / ``erff`` return what the kernel's do,
 and otherwise differ by what a change of that one value by up to 6 ulps makes through the formula:
 at most ``48 u |g|`` in ``act(g)`` and ``48 u (1 + |g|) |dy|`` in ``dy * act'(g)`` (u = 2^-24,

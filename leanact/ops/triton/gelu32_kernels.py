@@ -17,7 +17,8 @@ the backward as a table guess plus one float64 step), these kernels compute in f
 
 Only correctly rounded operations: add, mul, ``fma``, ``div_rn``, integer and bit operations (no
 ``exp``/``erf`` intrinsics, no approximate division). Launched with ``enable_fp_fusion=False``, the
-compiled kernels therefore compute bit for bit what Triton's interpreter computes on the CPU, where
+compiled kernels should compute bit for bit what Triton's interpreter computes on the CPU (by
+construction; tests/test_triton_cuda.py checks it on a GPU), where
 the tests measure their error against float64 (``docs/gelu_bound.md``, section 8): forward within
 6 ulps of the truth (tanh form 3), backward within the interval ``B(y)`` of what the stored output
 allows plus 10 ulps of the gradient (tanh 13), inside ``B(y)`` next to the minimum. The PyTorch

@@ -3,8 +3,8 @@ correctly rounded operations (add, mul, ``fma``, ``div_rn``, integer operations)
 
 Triton's own ``tl.exp`` compiles to ``ex2.approx`` on the argument times log2(e), whose rounding
 costs up to ``|x|`` ulps; the interpreter computes it correctly rounded (numpy), so a kernel using
-it computes different values on the GPU than under the tests. These compute the same bits in both
-places (launched with ``enable_fp_fusion=False``): ``exp`` within 1.35 ulps of the true value,
+it computes different values on the GPU than under the tests. These are built to compute the same
+bits in both places (launched with ``enable_fp_fusion=False``): ``exp`` within 1.35 ulps of the true value,
 ``tanh`` within 3 (2.5 measured; tests/test_triton_math32.py, over the float32 range against
 float64), with no float64 (1/2 to 1/64 of float32's rate on GPUs).
 
@@ -31,8 +31,8 @@ def f32(v: float) -> float:
 _L2E = tl.constexpr(f32(1.0 / math.log(2.0)))
 _LN2_HI = tl.constexpr(0.693145751953125)  # 9 trailing zero bits: k * _LN2_HI exact for |k| < 512
 _LN2_LO = tl.constexpr(f32(math.log(2.0) - 0.693145751953125))
-#: exp's argument is clamped to [_EXP_FLOOR, _EXP_CEIL]: e^-160 2^64 underflows to 0 (the GELU
-#: kernels' bias, below), e^89 overflows to inf, and 2^k stays a product of two normal factors.
+#: exp's argument is clamped to [_EXP_FLOOR, _EXP_CEIL]: e^-160 2^64 underflows to 0 (64: the
+#: largest ``bias`` of :func:`exp_split`, which the float32 GELU kernels use), e^89 overflows to inf, and 2^k stays a product of two normal factors.
 _EXP_FLOOR = tl.constexpr(-160.0)
 _EXP_CEIL = tl.constexpr(89.0)
 
