@@ -327,6 +327,46 @@ def test_norm_backward_row_loop(K):
     assert torch.allclose(full[2], dy.sum(0), atol=1e-5)
 
 
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_partials_sum(K, dtype):
+    """dγ, dβ from the backward's per-program partials in one kernel: float32 sums over more
+    programs than one tile holds (ragged), ÷ γ for RMSNorm from output, rounded once to the
+    parameters' dtype. Bound: a float32 sum of P terms is within (P - 1)·u·Σ|p| of the truth (u =
+    2^-24); the division and the final rounding add half an ulp each."""
+    torch.manual_seed(6)
+    p, n = 71, 100
+    pw, pb = torch.randn(2, p, n).unbind(0)
+    w = (torch.rand(n) + 0.5).to(dtype)
+    u = 2.0 ** -24
+    for need_w, need_b, div_w in ((True, True, False), (True, False, True), (False, True, False), (True, False, False)):
+        dw = torch.empty(n, dtype=dtype) if need_w else None
+        db = torch.empty(n, dtype=dtype) if need_b else None
+        K.norm_partials_sum(pw if need_w else None, pb if need_b else None, dw, db, w, n, div_w)
+        for got, parts, div in ((dw, pw, div_w), (db, pb, False)):
+            if got is None:
+                continue
+            truth = parts.double().sum(0)
+            err = (p - 1) * u * parts.double().abs().sum(0)
+            if div:
+                truth, err = truth / w.double(), err / w.double().abs() + u * (truth / w.double()).abs()
+            half_ulp = torch.finfo(dtype).eps / 2 * truth.abs()
+            assert ((got.double() - truth).abs() <= err + half_ulp).all()
+
+
+@interp
+def test_norm_backward_of_no_rows(K):
+    """A batch with no rows: dx is empty, dγ and dβ are zeros (no partial was written)."""
+    x = torch.randn(0, 24, requires_grad=True)
+    w, b = torch.rand(24).requires_grad_(), torch.randn(24).requires_grad_()
+    with dispatch.use_kernels(K):
+        layer_norm(x, (24,), w, b, from_output=True).sum().backward()
+        assert x.grad.shape == (0, 24) and torch.equal(w.grad, torch.zeros(24)) and torch.equal(b.grad, torch.zeros(24))
+        w.grad = None
+        rms_norm(x, (24,), w, from_output=True).sum().backward()
+        assert torch.equal(w.grad, torch.zeros(24))
+
 # -- dispatch --------------------------------------------------------------------------------------
 
 
@@ -405,6 +445,9 @@ build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", 
       "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32", "rows_per_prog": "i32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
        "NEED_DB": True, "BLOCK_N": 1024}, **K.FUSED)
+build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "*bf16", "dw_ptr": "*bf16",
+      "db_ptr": "*bf16", "P": "i32", "N": "i32"}, {"HAS_DW": True, "HAS_DB": True, "DIV_W": True, "BLOCK_P": 32,
+      "BLOCK_N": 64}, **K.FUSED)
 build(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
 from leanact.ops.triton import gelu32_kernels as G32

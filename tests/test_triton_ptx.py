@@ -73,6 +73,10 @@ for rms in (False, True):
           "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32",
           "rows_per_prog": "i32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "FROM_OUTPUT": False,
           "NEED_DX": True, "NEED_DW": True, "NEED_DB": not rms, "BLOCK_N": 1024}, **K.FUSED)
+for dtype in ("*bf16", "*fp32"):
+    build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": dtype, "dw_ptr": dtype,
+          "db_ptr": dtype, "P": "i32", "N": "i32"}, {"HAS_DW": True, "HAS_DB": True, "DIV_W": dtype == "*fp32",
+          "BLOCK_P": 32, "BLOCK_N": 64}, **K.FUSED)
 build(K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
       "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}, **K.FUSED)
 for tanh in (False, True):

@@ -39,11 +39,13 @@ def no_autocast_backward(backward):
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        g = next((t for t in grads if isinstance(t, torch.Tensor)), None)
-        if g is None:
-            return backward(ctx, *grads)
-        with autocast_off(g.device.type):
-            return backward(ctx, *grads)
+        for g in grads:
+            if isinstance(g, torch.Tensor):
+                if autocast_dtype(g.device.type) is not None:
+                    with torch.autocast(g.device.type, enabled=False):
+                        return backward(ctx, *grads)
+                break
+        return backward(ctx, *grads)  # autocast off already (the common case: no context to enter)
 
     return wrapper
 

@@ -19,9 +19,9 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.autograd.function import once_differentiable
 
 from .amp import no_autocast_backward
+from .backward import once_differentiable
 from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
 from .triton import dropout as _triton
 

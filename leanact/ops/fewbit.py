@@ -34,8 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
-from torch.autograd.function import once_differentiable
 
+from .backward import once_differentiable
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .fewbit_tables import TABLES
 from .transforms import functorch_active

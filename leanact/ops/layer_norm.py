@@ -48,11 +48,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .amp import no_autocast_backward, norm_inputs
+from .backward import once_differentiable
 from .transforms import functorch_active, is_wrapped, unwrap
 from .triton import norm as _triton
 from .triton.dispatch import register_check

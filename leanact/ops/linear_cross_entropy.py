@@ -61,9 +61,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
-from torch.autograd.function import once_differentiable
 
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
+from .backward import once_differentiable
 from .transforms import functorch_active
 from .triton import cross_entropy as _triton_ce
 

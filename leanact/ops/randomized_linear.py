@@ -25,8 +25,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from .backward import once_differentiable
 from .random import draw_seed, keep_mask_like
 from .transforms import functorch_active
 

@@ -23,9 +23,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .amp import no_autocast_backward, norm_inputs
+from .backward import once_differentiable
 from .layer_norm import _norm_self_check, compute_dtype, from_output_ok
 from .transforms import functorch_active
 from .triton import norm as _triton

@@ -42,8 +42,8 @@ import math
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from ..ops.backward import once_differentiable
 from ..ops.layer_norm import compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices

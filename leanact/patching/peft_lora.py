@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..ops.amp import autocast_dtype
+from ..ops.backward import once_differentiable
 from ..recompute import producers
 from ..recompute.recipes import RecipeTransform, foreign_hooks
 from .hf_swiglu import _plain

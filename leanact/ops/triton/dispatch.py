@@ -166,10 +166,11 @@ def use_kernels(module, strict: bool = True, fake: bool = False, verify: bool = 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_functional = torch._is_functional_tensor
 
 
 def _plain(t: torch.Tensor) -> bool:
-    if type(t) in _PLAIN and not _is_functorch_wrapped(t) and not torch._is_functional_tensor(t):
+    if type(t) in _PLAIN and not _is_functorch_wrapped(t) and not _is_functional(t):
         # not fake: is_fake looks through exactly these wrappers (the per-call common case, kept cheap)
         if _STATE["fake"]:
             return False
@@ -178,8 +179,7 @@ def _plain(t: torch.Tensor) -> bool:
             return _STATE["fake"]
         if type(t) not in _PLAIN or _STATE["fake"] or _is_functorch_wrapped(t):
             return False
-    dev = t.device.type
-    return dev == "cuda" or (dev == "cpu" and _STATE["cpu"])
+    return t.is_cuda or (_STATE["cpu"] and t.is_cpu)
 
 
 def _usable(*tensors) -> object:
@@ -188,8 +188,9 @@ def _usable(*tensors) -> object:
     force = getattr(_LOCAL, "force", None)
     if torch.compiler.is_compiling() or force == "off" or (force is None and not enabled()):
         return None
-    if not all(t is None or _plain(t) for t in tensors):
-        return None
+    for t in tensors:  # (a loop, not all(...): this runs per op call, on the host's critical path)
+        if t is not None and not _plain(t):
+            return None
     return _kernels()
 
 
@@ -299,12 +300,14 @@ def _programs(rows: int, device: torch.device) -> int:
 
 def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool):
     """dx (dy's dtype) and the float32 partial sums of dγ, dβ (uninitialized: every program writes
-    its whole row, zeros where it has no rows), each None where not needed."""
+    its whole row, zeros where it has no rows), each None where not needed; the partials of both
+    are rows of one buffer (one allocation)."""
     p = _programs(t.numel() // n, t.device)
     dev = t.device
+    k = int(need_dw) + int(need_db)
+    parts = torch.empty((k, p, n), dtype=torch.float32, device=dev) if k else None
     return (torch.empty(t.shape, dtype=dy.dtype, device=dev) if need_dx else None,
-            torch.empty((p, n), dtype=torch.float32, device=dev) if need_dw else None,
-            torch.empty((p, n), dtype=torch.float32, device=dev) if need_db else None)
+            parts[0] if need_dw else None, parts[k - 1] if need_db else None)
 
 
 # -- names that moved to their op's launchers -------------------------------------------------------

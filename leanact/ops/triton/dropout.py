@@ -25,7 +25,8 @@ def dropout(x: torch.Tensor, seed: torch.Tensor, thr: int, scale: float, inplace
         return None
     src = x if x.is_contiguous() else x.contiguous()
     out = src if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if _launch("dropout", x, k.dropout_apply, src, out, seed.reshape(()), thr, scale) is _FAILED:
+    if _launch("dropout", x, k.dropout_apply, src, out, seed if seed.dim() == 0 else seed.reshape(()), thr,
+               scale) is _FAILED:
         return None
     return x.copy_(out) if inplace and out is not x else out
 

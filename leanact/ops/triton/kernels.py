@@ -296,6 +296,47 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
                              num_warps=_warps(block_n), **FUSED)
 
 
+
+@triton.jit
+def _partials_sum_kernel(pw_ptr, pb_ptr, w_ptr, dw_ptr, db_ptr, P, N, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+                         DIV_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns pid·BLOCK_N ...: dγ = Σ_p pw[p] (÷ γ when ``DIV_W``: RMSNorm from output) and dβ =
+    Σ_p pb[p], each where needed; float32 sums (tiles of BLOCK_P rows added elementwise, then the
+    tile's rows summed), rounded once to dγ's and dβ's dtypes (the parameters')."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_P)
+    m = cols < N
+    acc_w = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        r = p0 + rows
+        mm = (r < P)[:, None] & m[None, :]
+        offs = r.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_DW:
+            acc_w += tl.load(pw_ptr + offs, mask=mm, other=0.0)
+        if HAS_DB:
+            acc_b += tl.load(pb_ptr + offs, mask=mm, other=0.0)
+    if HAS_DW:
+        dw = tl.sum(acc_w, axis=0)
+        if DIV_W:
+            dw = tl.math.div_rn(dw, tl.load(w_ptr + cols, mask=m, other=1.0).to(tl.float32))
+        _store(dw_ptr + cols, dw, m)
+    if HAS_DB:
+        _store(db_ptr + cols, tl.sum(acc_b, axis=0), m)
+
+
+def norm_partials_sum(pw, pb, dw, db, weight, n: int, div_w: bool):
+    """``dw`` and ``db`` (each None where not needed; the parameters' dtypes) from the backward's
+    float32 partial sums ``pw``, ``pb`` ((programs, n) each); ``div_w``: dγ ÷ γ (RMSNorm from
+    output; ``weight`` contiguous)."""
+    any_ = pw if pw is not None else pb
+    out = dw if dw is not None else db
+    block_n = 64
+    _partials_sum_kernel[(triton.cdiv(n, block_n),)](
+        any_ if pw is None else pw, any_ if pb is None else pb, weight if div_w else any_,
+        out if dw is None else dw, out if db is None else db, any_.shape[0], n, HAS_DW=pw is not None,
+        HAS_DB=pb is not None, DIV_W=div_w, BLOCK_P=32, BLOCK_N=block_n, num_warps=4, **FUSED)
+
 # -- GELU ----------------------------------------------------------------------------------------
 
 

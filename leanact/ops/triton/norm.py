@@ -28,7 +28,8 @@ def _norm_ok(k, x: torch.Tensor, n: int, *params) -> bool:
 
 
 def _flat(t):
-    return None if t is None else t.contiguous().reshape(-1)
+    """``t`` with its elements in C order (the kernels index the parameters' data flat)."""
+    return None if t is None else t.contiguous()
 
 
 def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
@@ -62,13 +63,25 @@ def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
     n = math.prod(shape)
     if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _d._DTYPES:
         return None
-    dx, dw, db = _d._grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
-    if _d._launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), _flat(weight),
-                  _flat(bias), dx, dw, db, n, rms=False, from_output=True) is _d._FAILED:
+    dx, pw, pb = _d._grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
+    w, b = _flat(weight), _flat(bias)
+    if _d._launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), w, b,
+                  dx, pw, pb, n, rms=False, from_output=True) is _d._FAILED:
         return None
-    dw = None if dw is None else dw.sum(0).to(weight.dtype).view(weight.shape)
-    db = None if db is None else db.sum(0).to(bias.dtype).view(bias.shape)
-    return dx, dw, db
+    grads = _param_grads(k, "layer_norm", y, pw, pb, weight, bias, n, div_w=False)
+    return None if grads is None else (dx, *grads)
+
+
+def _param_grads(k, name: str, t, pw, pb, weight, bias, n: int, div_w: bool):
+    """(dγ, dβ) in the parameters' dtypes and shapes (None where not needed) from the backward's
+    float32 partials, summed by one more kernel (÷ γ when ``div_w``), or None (it failed)."""
+    new = torch.empty if t.numel() else torch.zeros  # no rows: no partials were written, the sums are 0
+    dw = None if pw is None else new(weight.shape, dtype=weight.dtype, device=t.device)
+    db = None if pb is None else new(bias.shape, dtype=bias.dtype, device=t.device)
+    if t.numel() and (dw is not None or db is not None) and _d._launch(
+            name, t, k.norm_partials_sum, pw, pb, dw, db, _flat(weight) if div_w else None, n, div_w) is _d._FAILED:
+        return None
+    return dw, db
 
 
 def rms_norm_forward(x, shape, weight, eps):
@@ -91,13 +104,9 @@ def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: b
     k = _d._usable(dy, t, rstd, weight)
     if not _norm_ok(k, t, n, weight) or dy.dtype not in _d._DTYPES:
         return None
-    dx, dw, _ = _d._grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False)
+    dx, pw, _ = _d._grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False)
     if _d._launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
-                  dx, dw, None, n, rms=True, from_output=from_output) is _d._FAILED:
+                  dx, pw, None, n, rms=True, from_output=from_output) is _d._FAILED:
         return None
-    if dw is not None:
-        dw = dw.sum(0)
-        if from_output:
-            dw = dw / _flat(weight).to(torch.float32)
-        dw = dw.to(weight.dtype).view(weight.shape)
-    return dx, dw
+    grads = _param_grads(k, "rms_norm", t, pw, None, weight, None, n, div_w=from_output)
+    return None if grads is None else (dx, grads[0])
