@@ -1,11 +1,18 @@
 """Per op: bytes kept for backward and forward+backward time, torch vs leanact, side by side.
 
     python benchmarks/ops.py [--repeats 20] [--markdown]
+    python benchmarks/ops.py --host [--rows 8 --hidden 64]
+
 
 "kept alone" counts what the op's autograd node keeps (storages deduplicated, parameters
 excluded). "net in a layer" is what the op adds when the next Linear keeps its output anyway
 (the usual Transformer situation): bytes kept by op→Linear minus the Linear's own input.
 Times are medians of interleaved runs in one process, so both see the same machine state.
+
+``--host``: the host's time per call on the CUDA path (Python, autograd, the launchers' checks and
+allocations) with the Triton launches stubbed out (``dispatch.use_kernels(SHAPES_ONLY)``: nothing is
+computed), next to torch's op on the same tiny tensors: what every call costs before the GPU does
+any work, which decides the step time when batches are small (the GPU waits for the host).
 """
 from __future__ import annotations
 
@@ -64,8 +71,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
+    ap.add_argument("--host", action="store_true", help="host time per call, kernel launches stubbed (see above)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.host:
+        return host(args)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for name, shape, make_ref, make_lean in cases(args.rows, args.hidden):
@@ -101,6 +111,29 @@ def main() -> None:
     for r in rows:
         tab.add_row(*fmt(r))
     Console().print(tab)
+
+
+def host(args) -> None:
+    """--host: microseconds per forward+backward call, torch's module vs leanact's on the kernel path."""
+    from leanact.ops.triton import dispatch
+
+    repeats = max(args.repeats, 200)
+    print(f"host time per call, fwd+bwd, µs (median of {repeats} interleaved; leanact's kernel launches stubbed)")
+    print("| op | dtype | shape | torch µs | leanact µs | ratio |")
+    print("|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, shape, make_ref, make_lean in cases(args.rows, args.hidden):
+            ref, lean = _fill(make_ref().to(dtype)), _fill(make_lean().to(dtype))
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
+            g = torch.randn(shape, dtype=dtype)
+            times = ([], [])
+            with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False):
+                for i in range(repeats + 20):
+                    times[0].append(step(ref, x, g))
+                    times[1].append(step(lean, x, g))
+            t_ref, t_lean = (statistics.median(t[20:]) * 1e6 for t in times)
+            print(f"| {name} | {str(dtype).replace('torch.', '')} | {'x'.join(map(str, shape))} | {t_ref:.1f} | "
+                  f"{t_lean:.1f} | {t_lean / t_ref:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,30 @@ def test_left_padding_matches_the_original_implementation(family, attn):
     _assert_grads_close(ref, lean)
 
 
+def test_fully_masked_rows_are_read_back_once_per_forward(monkeypatch):
+    """Every layer gets the same mask object: its fully masked rows are found (a host sync) once per
+    forward, not once per layer; results as the original eager implementation's."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    import leanact.patching.attention_hf as A
+
+    looked_up, read = [], []
+
+    class Counting(WeakIdKeyDictionary):
+        def __setitem__(self, key, value):  # a miss: the rows were read back
+            read.append(key)
+            super().__setitem__(key, value)
+
+    masked_rows = A._masked_rows_as_eager
+    monkeypatch.setattr(A, "_DEAD_ROWS", Counting())
+    monkeypatch.setattr(A, "_masked_rows_as_eager", lambda *a, **k: looked_up.append(1) or masked_rows(*a, **k))
+    ref, lean = _pair("llama", "eager")
+    batch = _left_padded()
+    torch.testing.assert_close(_step(lean, batch), _step(ref, batch), rtol=1e-6, atol=0)
+    assert len(looked_up) == lean.config.num_hidden_layers > 1 and len(read) == 1
+    _assert_grads_close(ref, lean)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_reentrant_checkpointing(attn):
     ref, lean = _pair("llama", attn)

@@ -109,7 +109,9 @@ def gated_down_backward(dy, g, u, weight, kind, cast, bias_dtype, needs):
         if h is None:
             h = gated_act(kind, g) * u if torch.is_grad_enabled() else _act_mul(kind, g, u)
         h = h.reshape(-1, u.shape[-1])
-        dw = h.t().mm(dy2).t()  # MmBackward's grad_mat2 of linear's weight.t()
+        # dyᵀ·h, as MmBackward computes the gradient of linear's column-major weight.t(): contiguous like
+        # the weight (a transposed result would make AccumulateGrad copy it into the weight's layout)
+        dw = dy2.t().mm(h)
         if dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
     if bias_dtype is not None and need_b:

@@ -30,7 +30,9 @@ channel moves the whole tensor to the fallback.
 The decision reads γ and β on the host (one tiny reduction and one sync) and is cached per weight
 tensor, keyed on (data_ptr, _version) of γ and β and on the number of optimizer steps taken so far
 (a global ``torch.optim`` step post-hook counts every ``Optimizer.step()``, fused or not: a fused
-AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step. Writes
+AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step; the
+first norm to run after a step decides again for every norm of the previous step at once
+(``leanact.ops.guard_batch``: one sync per step, not one per norm). Writes
 outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
 kernel) are not seen: pass ``from_output`` explicitly or call :func:`clear_decision_cache` after
 them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
@@ -45,14 +47,18 @@ LayerNorm allows it); double backward raises (``once_differentiable``) on the fr
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .amp import no_autocast_backward, norm_inputs
 from .backward import once_differentiable
+from .guard_batch import check_many
 from .transforms import functorch_active, is_wrapped, unwrap
 from .triton import norm as _triton
 from .triton.dispatch import register_check
@@ -155,9 +161,45 @@ def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio:
     hit = _DECISIONS.get(ref)
     if hit is not None and hit[0] == key:
         return hit[1]
+    if hit is not None and hit[0][2] != _STEPS[0] and _refresh_stale(ref.device):
+        hit = _DECISIONS.get(ref)  # every norm of the last step decided again, in one pass
+        if hit is not None and hit[0] == key:
+            return hit[1]
     ok = _check(weight, bias, n, dtype, max_ratio)
-    _DECISIONS[ref] = (key, ok)
+    _DECISIONS[ref] = (key, ok, _args(weight, bias, n, dtype, max_ratio))
     return ok
+
+
+def _args(weight, bias, n, dtype, max_ratio) -> tuple:
+    """What a later step needs to decide again for the same norm (γ, β held weakly)."""
+    return (None if weight is None else weakref.ref(weight), None if bias is None else weakref.ref(bias), n, dtype,
+            max_ratio)
+
+
+def _refresh_stale(device: torch.device) -> bool:
+    """Decide again, in one batch (:func:`leanact.ops.guard_batch.check_many`: one sync), for every
+    cached norm on ``device`` whose decision predates this optimizer step; False (nothing done)
+    where that cannot help: fewer than two such norms, or a dispatch mode (fake tensors) active."""
+    if _get_current_dispatch_mode() is not None:
+        return False
+    refs, items = [], []
+    for ref, (key, _ok, args) in list(_DECISIONS.items()):
+        if key[2] == _STEPS[0]:
+            continue
+        wr, br, n, dtype, max_ratio = args
+        w, b = (None if r is None else r() for r in (wr, br))
+        if (wr is not None and w is None) or (br is not None and b is None) or ref.device != device:
+            continue
+        if is_fake(ref) or any(t is not None and (is_wrapped(t) or _identity(t) is None) for t in (w, b)):
+            continue
+        refs.append(ref)
+        items.append((w, b, n, dtype, max_ratio))
+    if len(items) < 2:
+        return False
+    for ref, (w, b, n, dtype, max_ratio), ok in zip(refs, items, check_many(items)):
+        key = (None if w is None else _identity(w), None if b is None else _identity(b), _STEPS[0], n, dtype, max_ratio)
+        _DECISIONS[ref] = (key, ok, _args(w, b, n, dtype, max_ratio))
+    return True
 
 
 # reads values on the host: outside any compiled graph (the graph break names from_output_ok)

@@ -46,6 +46,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.amp import no_autocast_backward
 from ..ops.attention import attention as _lean_attention
@@ -213,12 +214,30 @@ def _softcapped_dead_rows_grads(qg, kc, vc, do, m, scale, softcap, rows=256):
     return dq, dk
 
 
+#: mask -> (its _version, its fully masked rows or None): every layer of a forward gets the same mask
+_DEAD_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _dead_rows(mask: torch.Tensor):
+    """The (b, 1|H, q) rows of a bool mask with no allowed key, or None: read on the host (a sync)
+    once per mask, not once per layer (the model passes one mask object to all of them)."""
+    cacheable = not torch.compiler.is_compiling() and type(mask) is torch.Tensor
+    hit = _DEAD_ROWS.get(mask) if cacheable else None
+    if hit is not None and hit[0] == mask._version:
+        return hit[1]
+    dead = ~mask.any(-1)
+    dead = dead if bool(dead.any()) else None
+    if cacheable:
+        _DEAD_ROWS[mask] = (mask._version, dead)
+    return dead
+
+
 def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap=None):
     """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself)."""
     if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return out
-    dead = ~attention_mask.any(-1)  # (b, 1|H, q)
-    if not bool(dead.any()):
+    dead = _dead_rows(attention_mask)
+    if dead is None:
         return out
     scale = query.size(-1) ** -0.5 if scaling is None else float(scaling)
     return out + EagerMaskedRows.apply(query, key, value, dead, scale, softcap)

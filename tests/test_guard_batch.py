@@ -1,0 +1,115 @@
+"""The norms' from-output decision for many norms at once (leanact.ops.guard_batch): the same
+verdicts as the one-at-a-time rule, and after an optimizer step one batch for every norm of the
+model instead of one reduction and one sync per norm."""
+import math
+
+import pytest
+import torch
+
+import leanact.nn as lnn
+from leanact.ops import guard_batch, layer_norm as LN
+
+
+def _cases():
+    """(weight, bias, n, dtype, max_ratio): passing and failing for each clause of the rule."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(16, generator=g) + 0.5
+    b = torch.randn(16, generator=g) * 0.1
+    tiny16 = torch.finfo(torch.float16).tiny
+    cases = [
+        (w, b, 16, torch.float32, 8.0), (w, None, 16, torch.float32, 8.0), (None, b, 16, torch.float32, 8.0),
+        (w.clone().index_fill_(0, torch.tensor([3]), 0.0), b, 16, torch.float32, 8.0),  # γ = 0
+        (w.clone().index_fill_(0, torch.tensor([5]), 1e-40), None, 16, torch.float32, math.inf),  # subnormal γ
+        (w, b.clone().index_fill_(0, torch.tensor([2]), 9.0), 16, torch.float32, 8.0),  # |β| > 8|γ|
+        (w, b.clone().index_fill_(0, torch.tensor([2]), 9.0), 16, torch.float32, 20.0),  # allowed by the ratio
+        (w.clone().index_fill_(0, torch.tensor([1]), math.nan), b, 16, torch.float32, 8.0),
+        (w, b.clone().index_fill_(0, torch.tensor([1]), math.inf), 16, torch.float32, 8.0),
+        (w * 60000, None, 16, torch.float16, math.inf),  # |γ|·√n overflows fp16's max
+        (w * 60000, None, 1, torch.float16, math.inf),  # n = 1: it does not
+        (torch.full((16,), tiny16 / 2), None, 16, torch.float16, math.inf),  # below fp16's tiny
+        (torch.full((16,), tiny16), None, 16, torch.float16, math.inf),  # exactly tiny
+        (w.to(torch.bfloat16), b.to(torch.bfloat16), 16, torch.bfloat16, 8.0),
+        (w.to(torch.bfloat16), None, 16, torch.float32, math.inf),  # bf16 γ, fp32 input
+        (w.double(), b.double(), 16, torch.float64, 8.0),
+        (torch.full((16,), 1e-300, dtype=torch.float64), None, 16, torch.float64, math.inf),
+        (torch.empty(0), None, 0, torch.float32, 8.0),
+    ]
+    return cases
+
+
+def test_the_same_verdicts_as_one_at_a_time():
+    cases = _cases()
+    one = [LN._check(w, b, n, dt, r) if (w if w is not None else b).numel() else True for w, b, n, dt, r in cases]
+    assert guard_batch.check_many(cases) == one
+    assert True in one and False in one  # both kinds are exercised
+    for i in range(len(cases)):  # and alone, and in every position
+        assert guard_batch.check_many(cases[i:] + cases[:i]) == one[i:] + one[:i]
+
+
+def _model():
+    return torch.nn.Sequential(lnn.LayerNorm(16), torch.nn.Linear(16, 16), lnn.RMSNorm(16), torch.nn.Linear(16, 16),
+                               lnn.LayerNorm(16, bias=False), lnn.LayerNorm(16))
+
+
+def test_one_batch_per_optimizer_step(monkeypatch):
+    """Step 1 decides norm by norm; after each optimizer step the first norm decides again for all
+    four at once, and the others find their decision cached; a γ set to zero by the optimizer step
+    moves its norm to the fallback (keeps the input) from that step on."""
+    LN.clear_decision_cache()
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    batches, singles = [], []
+    check_many, check = guard_batch.check_many, LN._check
+    monkeypatch.setattr(LN, "check_many", lambda items: batches.append(len(items)) or check_many(items))
+    monkeypatch.setattr(LN, "_check", lambda *a: singles.append(1) or check(*a))
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+
+    step()
+    assert (batches, len(singles)) == ([], 4)
+    step()
+    step()
+    assert (batches, len(singles)) == ([4, 4], 4)
+
+    with torch.no_grad():  # what an optimizer step could do: this norm's γ becomes 0
+        model[2].weight[3] = 0.0
+    LN._STEPS[0] += 1  # (as the step post-hook counts)
+    y = model[2](torch.randn(4, 16, requires_grad=True))
+    assert batches[-1] == 4 and LN._DECISIONS[model[2].weight][1] is False
+    assert y.grad_fn.from_output is False  # the fallback: it keeps the input, not y
+
+
+def test_no_batch_under_a_dispatch_mode(monkeypatch):
+    """Under fake tensors (leanact.estimate) or any dispatch mode the values cannot be read back in
+    one batch: the norm decides alone, as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    LN.clear_decision_cache()
+    model = _model()
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x)
+    LN._STEPS[0] += 1
+    monkeypatch.setattr(LN, "check_many", lambda items: pytest.fail("batched under a dispatch mode"))
+    with Passthrough():
+        model(x)
+
+
+def test_dead_norms_are_skipped():
+    """Norms freed since their decision drop out of the batch (γ, β are held weakly)."""
+    LN.clear_decision_cache()
+    keep, gone = _model(), _model()
+    x = torch.randn(4, 16, requires_grad=True)
+    keep(x)
+    gone(x)
+    del gone
+    LN._STEPS[0] += 1
+    keep(x)
+    assert len(LN._DECISIONS) == 4 and all(v[0][2] == LN._STEPS[0] for v in LN._DECISIONS.values())
