@@ -113,3 +113,20 @@ def test_dead_norms_are_skipped():
     LN._STEPS[0] += 1
     keep(x)
     assert len(LN._DECISIONS) == 4 and all(v[0][2] == LN._STEPS[0] for v in LN._DECISIONS.values())
+
+
+def test_norms_whose_storage_was_freed_are_skipped():
+    """FSDP frees an unsharded γ's storage after the forward and keeps its shape: such a norm is
+    left out of the batch (reading it would read freed memory) and decides alone when it runs."""
+    LN.clear_decision_cache()
+    a, b = _model(), _model()
+    x = torch.randn(4, 16, requires_grad=True)
+    a(x)
+    b(x)
+    freed = b[0].weight
+    freed.untyped_storage().resize_(0)
+    assert not LN._intact(freed) and LN._intact(a[0].weight)
+    LN._STEPS[0] += 1
+    a(x)  # batch of the other 7 cached norms
+    assert LN._DECISIONS[freed][0][2] == LN._STEPS[0] - 1  # not refreshed
+    assert all(v[0][2] == LN._STEPS[0] for k, v in LN._DECISIONS.items() if k is not freed)

@@ -176,6 +176,15 @@ def _args(weight, bias, n, dtype, max_ratio) -> tuple:
             max_ratio)
 
 
+def _intact(t: torch.Tensor) -> bool:
+    """Whether a cached norm's γ or β can be read now: a plain tensor whose storage still holds it
+    (FSDP frees an unsharded parameter's storage after the forward, leaving its shape)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_wrapped(t) or _identity(t) is None or not t.numel():
+        return False
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + span) * t.element_size()
+
+
 def _refresh_stale(device: torch.device) -> bool:
     """Decide again, in one batch (:func:`leanact.ops.guard_batch.check_many`: one sync), for every
     cached norm on ``device`` whose decision predates this optimizer step; False (nothing done)
@@ -190,7 +199,7 @@ def _refresh_stale(device: torch.device) -> bool:
         w, b = (None if r is None else r() for r in (wr, br))
         if (wr is not None and w is None) or (br is not None and b is None) or ref.device != device:
             continue
-        if is_fake(ref) or any(t is not None and (is_wrapped(t) or _identity(t) is None) for t in (w, b)):
+        if is_fake(ref) or not all(t is None or _intact(t) for t in (w, b)):
             continue
         refs.append(ref)
         items.append((w, b, n, dtype, max_ratio))
