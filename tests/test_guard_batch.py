@@ -96,10 +96,20 @@ def test_no_batch_under_a_dispatch_mode(monkeypatch):
     model = _model()
     x = torch.randn(4, 16, requires_grad=True)
     model(x)
-    LN._STEPS[0] += 1
+    _stepped(model)
     monkeypatch.setattr(LN, "check_many", lambda items: pytest.fail("batched under a dispatch mode"))
     with Passthrough():
         model(x)
+    batches = []
+    monkeypatch.setattr(LN, "check_many", lambda items: batches.append(len(items)) or guard_batch.check_many(items))
+    _stepped(model)
+    model(x)
+    assert batches == [4]  # without the mode: batched
+
+
+def _stepped(*models):
+    """The models' parameters stepped by an optimizer (lr 0: values unchanged)."""
+    torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.0).step()
 
 
 def test_dead_norms_are_skipped():
@@ -110,9 +120,29 @@ def test_dead_norms_are_skipped():
     keep(x)
     gone(x)
     del gone
-    LN._STEPS[0] += 1
+    _stepped(keep)
     keep(x)
     assert len(LN._DECISIONS) == 4 and all(v[0][2] == LN._STEPS[0] for v in LN._DECISIONS.values())
+
+
+def test_only_parameters_an_optimizer_steps_are_batched(monkeypatch):
+    """A norm whose γ is not a parameter the optimizer updated in place (e.g. FSDP's unsharded copy,
+    written just before its layer runs) may hold last step's values when the batch runs: it decides
+    alone when it runs."""
+    LN.clear_decision_cache()
+    stepped, copies = _model(), _model()
+    x = torch.randn(4, 16, requires_grad=True)
+    stepped(x)
+    copies(x)
+    batches = []
+    check_many = guard_batch.check_many
+    monkeypatch.setattr(LN, "check_many", lambda items: batches.append(items) or check_many(items))
+    _stepped(stepped)
+    stepped(x)
+    assert [len(b) for b in batches] == [4]
+    assert not any(t is p for items in batches for it in items for t in it[:2] for p in copies.parameters())
+    copies(x)  # decided one by one
+    assert [len(b) for b in batches] == [4]
 
 
 def test_norms_whose_storage_was_freed_are_skipped():
@@ -123,10 +153,10 @@ def test_norms_whose_storage_was_freed_are_skipped():
     x = torch.randn(4, 16, requires_grad=True)
     a(x)
     b(x)
+    _stepped(a, b)
     freed = b[0].weight
     freed.untyped_storage().resize_(0)
     assert not LN._intact(freed) and LN._intact(a[0].weight)
-    LN._STEPS[0] += 1
     a(x)  # batch of the other 7 cached norms
     assert LN._DECISIONS[freed][0][2] == LN._STEPS[0] - 1  # not refreshed
     assert all(v[0][2] == LN._STEPS[0] for k, v in LN._DECISIONS.items() if k is not freed)

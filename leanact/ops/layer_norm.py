@@ -31,8 +31,9 @@ The decision reads γ and β on the host (one tiny reduction and one sync) and i
 tensor, keyed on (data_ptr, _version) of γ and β and on the number of optimizer steps taken so far
 (a global ``torch.optim`` step post-hook counts every ``Optimizer.step()``, fused or not: a fused
 AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step; the
-first norm to run after a step decides again for every norm of the previous step at once
-(``leanact.ops.guard_batch``: one sync per step, not one per norm). Writes
+first norm to run after a step decides again, at once, for every norm of the previous step whose γ
+and β are parameters an optimizer updated in place (``leanact.ops.guard_batch``: one sync per step,
+not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Writes
 outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
 kernel) are not seen: pass ``from_output`` explicitly or call :func:`clear_decision_cache` after
 them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
@@ -71,8 +72,18 @@ _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
 
 
+#: the parameters of every optimizer that has stepped (their values are current right after a step)
+_OPTIMIZED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters it had
+
+
 def _count_step(optimizer, args, kwargs) -> None:
     _STEPS[0] += 1
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if _OPTIMIZERS.get(optimizer) != len(params):  # new, or a param group added since
+        _OPTIMIZERS[optimizer] = len(params)
+        for p in params:
+            _OPTIMIZED[p] = True
 
 
 # Every torch.optim.Optimizer's step() runs the global post-hooks, fused kernels included: the
@@ -177,9 +188,14 @@ def _args(weight, bias, n, dtype, max_ratio) -> tuple:
 
 
 def _intact(t: torch.Tensor) -> bool:
-    """Whether a cached norm's γ or β can be read now: a plain tensor whose storage still holds it
-    (FSDP frees an unsharded parameter's storage after the forward, leaving its shape)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_wrapped(t) or _identity(t) is None or not t.numel():
+    """Whether a cached norm's γ or β holds its current values now, before its norm runs: a plain
+    parameter of an optimizer that has stepped (updated in place), whose storage still holds it.
+    Not so for copies refreshed just before their layer runs, e.g. FSDP's unsharded parameters (the
+    optimizer steps the shards; after the forward FSDP may free the storage and keep the shape):
+    such norms decide alone when they run, as before."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t not in _OPTIMIZED or is_wrapped(t) or not t.numel():
+        return False
+    if _identity(t) is None:
         return False
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     return t.untyped_storage().nbytes() >= (t.storage_offset() + span) * t.element_size()
