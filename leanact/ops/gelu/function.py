@@ -114,9 +114,11 @@ class GeluFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         y, bits = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
+        if not create_graph:  # the common case: grad mode is already off (no context to enter)
+            return _backward(y, bits, grad_y, ctx.approximate), None
         with torch.no_grad():
             out = _backward(y, bits, grad_y, ctx.approximate)
-        if create_graph and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
             # Like once_differentiable, but also when grad_y itself does not require grad.
             out = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, 1)(out.requires_grad_())
         return out, None
