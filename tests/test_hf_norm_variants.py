@@ -163,3 +163,21 @@ def test_no_norm_left_in_family(family):
     norms = [r for r in s.replaced if "Norm" in r[1]]
     expected = [n for n, m in build().named_modules() if "Norm" in type(m).__name__]
     assert sorted(n for n, _, _ in norms) == sorted(expected)
+
+
+@pytest.mark.parametrize("variant", ["llama", "cohere_ln"])
+def test_cuda_rstd_is_the_composite_one(variant):
+    """On CUDA the forward takes rstd from torch's fused norm kernel (one pass) instead of the fp32
+    composite: the same statistic (eps inside the square root; the mean removed for Cohere's
+    LayerNorm), within float32 rounding. Checked here on the CPU with the same torch ops."""
+    from leanact.patching.hf_rms_norm import _rstd
+
+    if variant == "llama" and not hasattr(torch.ops.aten, "_fused_rms_norm"):
+        pytest.skip("this torch has no fused RMSNorm kernel (the CUDA forward then takes the composite too)")
+    x = torch.randn(5, 7, 96, generator=torch.Generator().manual_seed(3)) * 4 + 1
+    eps = 1e-5
+    fused = (torch.native_layer_norm(x, [96], None, None, eps)[2] if variant == "cohere_ln"
+             else torch.ops.aten._fused_rms_norm(x, [96], None, eps)[1])
+    composite = _rstd(x, eps, variant)  # (CPU tensors: the composite)
+    assert fused.shape == composite.shape == (5, 7, 1)
+    torch.testing.assert_close(fused, composite, rtol=8 * 2**-24 * 7, atol=0)  # a few ulps per log2(96) adds

@@ -367,6 +367,52 @@ def test_norm_backward_of_no_rows(K):
         rms_norm(x, (24,), w, from_output=True).sum().backward()
         assert torch.equal(w.grad, torch.zeros(24))
 
+
+class _Spy:
+    """The kernels module, recording which launchers ran."""
+
+    def __init__(self, k):
+        self.k, self.calls = k, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.k, name)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["llama", "fp32_mul", "offset", "t5"])
+def test_hf_rms_norm_variants_through_the_kernels(K, variant, dtype):
+    """Hugging Face's RMSNorm variants (LLaMA's, OLMo 2's, Gemma's 1 + w, T5's), patched: their
+    backward runs the RMSNorm kernels (γ = w, or 1 + w in fp32 for Gemma's), from the output and
+    from the input, within float32 rounding of the PyTorch path."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    import copy
+
+    from leanact.patching.hf_rms_norm import hf_rms_norm_replacement
+    paths = {"llama": "llama.modeling_llama.LlamaRMSNorm", "fp32_mul": "olmo2.modeling_olmo2.Olmo2RMSNorm",
+             "offset": "gemma.modeling_gemma.GemmaRMSNorm", "t5": "t5.modeling_t5.T5LayerNorm"}
+    mod, name = ("transformers.models." + paths[variant]).rsplit(".", 1)
+    ref = getattr(__import__(mod, fromlist=[name]), name)(40, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(7))
+    ref = ref.to(dtype)
+    x = (torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(8)) * 2).to(dtype)
+    dy = torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(9)).to(dtype)
+    for from_output in (True, False):
+        lean, reason = hf_rms_norm_replacement(copy.deepcopy(ref))
+        assert reason is None
+        lean.from_output = from_output
+        spy = _Spy(K)
+        y0, g0, _ = _grads(lean, x, dy=dy)
+        w0, lean.weight.grad = lean.weight.grad, None
+        with dispatch.use_kernels(spy):
+            y1, g1, _ = _grads(lean, x, dy=dy)
+        w1 = lean.weight.grad
+        assert "norm_backward" in spy.calls and "norm_partials_sum" in spy.calls
+        assert torch.equal(y1, y0)  # HF's own forward on both paths
+        assert _close(g1[0], g0[0], dtype, 40) and _close(w1, w0, dtype, 18 * 40)
+
 # -- dispatch --------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,10 @@ offset variant)::
 
     x̂ = y/γ,  g = dy·γ,  dx = rstd·(g − x̂·mean(g·x̂)),  dw = Σ_rows dy·x̂,  (g·x̂ = dy·y)
 
-(Cohere's LayerNorm: g − mean(g) in place of g.)
+(Cohere's LayerNorm: g − mean(g) in place of g.) On CUDA the backward of every variant with a
+one-dimensional weight and the output in the input's dtype runs leanact's RMSNorm kernels (two
+launches; γ = 1 + w in fp32 for Gemma's), and the forward takes rstd from torch's fused norm kernel
+(one pass over x) instead of recomputing it with fp32 copies of x.
 
 In fp32 this is exact to rounding; in 16-bit dtypes y is x̂·γ rounded once (or x̂ rounded, then
 multiplied), so x̂ = y/γ is recovered within 16-bit rounding (gradients within 16-bit tolerance, not
@@ -48,6 +51,7 @@ from ..ops.layer_norm import compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
+from ..ops.triton import norm as _triton
 from .hf_swiglu import fresh_containers
 from .modules import lean_subclass
 from .source import forward_body
@@ -178,6 +182,16 @@ def _variant_rows(ctx, dy, t, rstd, w, ct):
 
 
 def _rstd(x: torch.Tensor, eps: float, variant: str) -> torch.Tensor:
+    """rsqrt(mean(x²) + eps) per row (x − mean for Cohere's LayerNorm), in HF's compute dtype (fp32,
+    float64 for float64 inputs). On CUDA one pass of torch's fused norm kernel, which returns it (its
+    normalized output is dropped); elsewhere, and on torch builds without that kernel, the composite
+    (an fp32 copy of x and its square: three passes more)."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        shape = [x.shape[-1]]
+        if variant == "cohere_ln":
+            return torch.native_layer_norm(x, shape, None, None, eps)[2]
+        if hasattr(torch.ops.aten, "_fused_rms_norm"):
+            return torch.ops.aten._fused_rms_norm(x, shape, None, eps)[1]
     xf = x.to(compute_dtype(x.dtype))  # HF's fp32 statistics (float64 for float64 inputs)
     if variant == "cohere_ln":
         xf = xf - xf.mean(-1, keepdim=True)
@@ -213,11 +227,26 @@ class _HFRMSNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        if ctx.variant == "llama" and dy.dtype == ctx.x_dtype and ctx.w_dim == 1:
+        plain = ctx.w_dim == 1 and dy.dtype == ctx.x_dtype
+        if plain and ctx.variant in ("llama", "fp32_mul", "t5"):  # γ = w: leanact's RMSNorm backward
             dx, dw, *_ = _rms_norm_backward(ctx, dy)
+        elif plain and ctx.variant == "offset" and (fused := _offset_kernels(ctx, dy)) is not None:
+            dx, dw = fused
         else:
             dx, dw = _variant_backward(ctx, dy)
         return dx, dw, None, None, None, None
+
+
+def _offset_kernels(ctx, dy):
+    """Gemma's γ = 1 + w through the RMSNorm kernels (CUDA): (dx, dw), or None (the PyTorch path)."""
+    t, rstd, w = ctx.saved_tensors
+    gamma = 1.0 + w.to(torch.float32)  # as _gamma: the fp32 γ the forward multiplied by
+    fused = _triton.rms_norm_backward(dy, t, rstd, gamma, ctx.n, ctx.from_output, ctx.needs_input_grad[0],
+                                      ctx.needs_input_grad[1])
+    if fused is None:
+        return None
+    dx, dw = fused
+    return dx, None if dw is None else dw.to(w.dtype)  # dγ/dw = 1
 
 
 class _LeanHFRMSNorm:
