@@ -133,11 +133,12 @@ def _gamma(w: torch.Tensor, variant: str, ct: torch.dtype) -> torch.Tensor:
     return (1.0 + w.to(ct)) if variant == "offset" else w.to(ct)
 
 
-def _variant_backward(ctx, dy):
+def _variant_backward(ctx, dy, saved):
     """fp32 (float64) formulas of the module doc, for every variant; over chunks of rows when
     the fp32 temporaries would exceed :data:`leanact.ops.row_chunks.CHUNK_BYTES` (dw summed in
-    the compute dtype across chunks)."""
-    t, rstd, w = ctx.saved_tensors
+    the compute dtype across chunks). ``saved``: ``ctx.saved_tensors``, unpacked once (a
+    checkpointed region allows one unpack)."""
+    t, rstd, w = saved
     ct = compute_dtype(t.dtype if t.dtype == torch.float64 else dy.dtype)
     k = w.dim()
     t2, dy2 = t.reshape(-1, *t.shape[-k:]), dy.reshape(-1, *t.shape[-k:])
@@ -230,16 +231,15 @@ class _HFRMSNormFunction(torch.autograd.Function):
         plain = ctx.w_dim == 1 and dy.dtype == ctx.x_dtype
         if plain and ctx.variant in ("llama", "fp32_mul", "t5"):  # γ = w: leanact's RMSNorm backward
             dx, dw, *_ = _rms_norm_backward(ctx, dy)
-        elif plain and ctx.variant == "offset" and (fused := _offset_kernels(ctx, dy)) is not None:
-            dx, dw = fused
-        else:
-            dx, dw = _variant_backward(ctx, dy)
+            return dx, dw, None, None, None, None
+        saved = ctx.saved_tensors
+        fused = _offset_kernels(ctx, dy, *saved) if plain and ctx.variant == "offset" else None
+        dx, dw = fused if fused is not None else _variant_backward(ctx, dy, saved)
         return dx, dw, None, None, None, None
 
 
-def _offset_kernels(ctx, dy):
+def _offset_kernels(ctx, dy, t, rstd, w):
     """Gemma's γ = 1 + w through the RMSNorm kernels (CUDA): (dx, dw), or None (the PyTorch path)."""
-    t, rstd, w = ctx.saved_tensors
     gamma = 1.0 + w.to(torch.float32)  # as _gamma: the fp32 γ the forward multiplied by
     fused = _triton.rms_norm_backward(dy, t, rstd, gamma, ctx.n, ctx.from_output, ctx.needs_input_grad[0],
                                       ctx.needs_input_grad[1])
