@@ -2,12 +2,13 @@
 
 Each norm decides once per optimizer step whether its output determines x̂ (a reduction over γ, β
 read on the host). Decided one norm at a time, that is ~20 small launches and a device-to-host
-sync per norm: the GPU drains its queue at every norm of the first forward after each step (49
-times in a BERT-Large step). :func:`check_many` evaluates the same rule for every norm of the
-previous step (whose γ, β an optimizer has just updated in place) in one batch: γ's and β's concatenated, the per-norm constants (tiny, max, √N,
-max_ratio, rounded to the compute dtype as the one-at-a-time rule rounds them) repeated over each
-norm's channels, the failing channels counted per norm by a cumulative sum, one ``tolist()``.
-The verdicts are the one-at-a-time rule's, element for element.
+sync per norm: the GPU drains its queue at every norm of the first forward after each step (50
+times in a BERT-Large MLM step). :func:`check_many` evaluates the same rule for every norm of the
+previous step (whose γ, β an optimizer has just updated in place) in one batch: γ's and β's
+concatenated, the per-norm constants (tiny, max, √N, max_ratio, rounded to the compute dtype as
+the one-at-a-time rule rounds them) repeated over each norm's channels, the failing channels
+counted per norm by a cumulative sum, one ``tolist()``. The verdicts are the one-at-a-time rule's,
+element for element.
 """
 from __future__ import annotations
 
