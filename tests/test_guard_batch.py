@@ -160,3 +160,22 @@ def test_norms_whose_storage_was_freed_are_skipped():
     a(x)  # batch of the other 7 cached norms
     assert LN._DECISIONS[freed][0][2] == LN._STEPS[0] - 1  # not refreshed
     assert all(v[0][2] == LN._STEPS[0] for k, v in LN._DECISIONS.items() if k is not freed)
+
+
+def test_frozen_norms_are_decided_once(monkeypatch):
+    """γ, β that do not require grad (PEFT / LoRA fine-tuning) change only by a write that moves
+    their _version: decided once, then cached across optimizer steps."""
+    LN.clear_decision_cache()
+    model = _model().requires_grad_(False)
+    x = torch.randn(4, 16, requires_grad=True)
+    singles = []
+    check = LN._check
+    monkeypatch.setattr(LN, "_check", lambda *a: singles.append(1) or check(*a))
+    for _ in range(3):
+        model(x).sum().backward()
+        LN._STEPS[0] += 1  # optimizer steps of the trained (other) parameters
+    assert len(singles) == 4
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    model(x)
+    assert len(singles) == 5

@@ -181,3 +181,33 @@ def test_cuda_rstd_is_the_composite_one(variant):
     composite = _rstd(x, eps, variant)  # (CPU tensors: the composite)
     assert fused.shape == composite.shape == (5, 7, 1)
     torch.testing.assert_close(fused, composite, rtol=8 * 2**-24 * 7, atol=0)  # a few ulps per log2(96) adds
+
+
+@pytest.mark.parametrize("variant", ["llama", "offset"])
+def test_decided_once_per_step_and_once_when_frozen(monkeypatch, variant):
+    """The from-output decision of a patched HF norm is cached: once per optimizer step (not once
+    per forward: each decision reads γ on the host, a sync), and once while γ is frozen (PEFT)."""
+    import leanact.ops.layer_norm as L
+
+    calls = []
+    check = L._check
+    monkeypatch.setattr(L, "_check", lambda *a: calls.append(1) or check(*a))
+    lean, _ = hf_rms_norm_replacement(_norm(variant))
+    x = torch.randn(2, H, requires_grad=True)
+    opt = torch.optim.SGD(lean.parameters(), lr=0.1)
+    for step in range(2):
+        for _ in range(3):  # e.g. gradient accumulation
+            lean(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert len(calls) == 2
+    lean.weight.requires_grad_(False)
+    for step in range(2):
+        for _ in range(3):
+            lean(x).sum().backward()
+        opt.step()
+    assert len(calls) == 3
+    with torch.no_grad():
+        lean.weight[0] = 0.0 if variant == "llama" else -1.0  # γ = 0: its _version moves, decided again
+    lean(x).sum().backward()
+    assert len(calls) == 4 and lean(x).grad_fn.from_output is False

@@ -33,7 +33,9 @@ tensor, keyed on (data_ptr, _version) of γ and β and on the number of optimize
 AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step; the
 first norm to run after a step decides again, at once, for every norm of the previous step whose γ
 and β are parameters an optimizer updated in place (``leanact.ops.guard_batch``: one sync per step,
-not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Writes
+not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Frozen
+γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while their storage and
+``_version`` stay the same. Writes
 outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
 kernel) are not seen: pass ``from_output`` explicitly or call :func:`clear_decision_cache` after
 them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
@@ -168,17 +170,26 @@ def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio:
     ids = tuple(None if t is None else _identity(t) for t in (weight, bias))
     if any(t is not None and i is None for t, i in zip((weight, bias), ids)):
         return _check(weight, bias, n, dtype, max_ratio)  # no storage identity to cache on
-    key = ids + (_STEPS[0], n, dtype, max_ratio)
+    key = ids + (_step_of(weight, bias), n, dtype, max_ratio)
     hit = _DECISIONS.get(ref)
     if hit is not None and hit[0] == key:
         return hit[1]
-    if hit is not None and hit[0][2] != _STEPS[0] and _refresh_stale(ref.device):
+    if hit is not None and hit[0][2] not in (_STEPS[0], _FROZEN) and _refresh_stale(ref.device):
         hit = _DECISIONS.get(ref)  # every norm of the last step decided again, in one pass
         if hit is not None and hit[0] == key:
             return hit[1]
     ok = _check(weight, bias, n, dtype, max_ratio)
     _DECISIONS[ref] = (key, ok, _args(weight, bias, n, dtype, max_ratio))
     return ok
+
+
+#: the step part of the key of a norm whose γ and β do not require grad (a PEFT / LoRA model's): no
+#: optimizer steps them, so the decision holds across steps while their storage and _version do
+_FROZEN = -1
+
+
+def _step_of(weight, bias) -> int:
+    return _STEPS[0] if any(t is not None and t.requires_grad for t in (weight, bias)) else _FROZEN
 
 
 def _args(weight, bias, n, dtype, max_ratio) -> tuple:
@@ -209,7 +220,7 @@ def _refresh_stale(device: torch.device) -> bool:
         return False
     refs, items = [], []
     for ref, (key, _ok, args) in list(_DECISIONS.items()):
-        if key[2] == _STEPS[0]:
+        if key[2] in (_STEPS[0], _FROZEN):
             continue
         wr, br, n, dtype, max_ratio = args
         w, b = (None if r is None else r() for r in (wr, br))
@@ -222,7 +233,8 @@ def _refresh_stale(device: torch.device) -> bool:
     if len(items) < 2:
         return False
     for ref, (w, b, n, dtype, max_ratio), ok in zip(refs, items, check_many(items)):
-        key = (None if w is None else _identity(w), None if b is None else _identity(b), _STEPS[0], n, dtype, max_ratio)
+        key = (None if w is None else _identity(w), None if b is None else _identity(b), _step_of(w, b), n, dtype,
+               max_ratio)
         _DECISIONS[ref] = (key, ok, _args(w, b, n, dtype, max_ratio))
     return True
 

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ..ops.backward import once_differentiable
-from ..ops.layer_norm import compute_dtype, from_output_ok
+from ..ops.layer_norm import _identity, _step_of, compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
@@ -268,12 +268,29 @@ class _LeanHFRMSNorm:
         from_output = getattr(self, "from_output", None)
         if from_output is None:
             # y = γ·x̂ (one rounding in fp32, two in 16-bit): the same conditions as leanact's rms_norm.
-            gamma = w if variant != "offset" else _gamma(w.detach(), variant, torch.float32)
+            # (w itself, not a view of it: the decision is cached on the tensor's identity)
             out_dtype = hidden_states.dtype if variant in ("offset", "fp32_mul") else \
                 torch.promote_types(w.dtype, hidden_states.dtype)
-            from_output = from_output_ok(gamma.reshape(-1), None, hidden_states.shape[-1], out_dtype, math.inf)
+            n = hidden_states.shape[-1]
+            from_output = (_offset_decision(self, w, n, out_dtype) if variant == "offset"
+                           else from_output_ok(w, None, n, out_dtype, math.inf))
         eps = float(getattr(self, _EPS[variant]))
         return _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant)
+
+
+def _offset_decision(module: nn.Module, w: torch.Tensor, n: int, dtype: torch.dtype) -> bool:
+    """The from-output rule for Gemma's γ = 1 + w (fp32), cached on the module like the rule's own
+    cache (w's storage and _version, and the optimizer step count unless w is frozen): γ is a new
+    tensor at each call, which the rule's cache cannot recognise."""
+    ident = None if torch.compiler.is_compiling() else _identity(w)
+    key = None if ident is None else (ident, _step_of(w, None), n, dtype)
+    hit = module.__dict__.get("_leanact_gamma_ok")
+    if key is not None and hit is not None and hit[0] == key:
+        return hit[1]
+    ok = from_output_ok(_gamma(w.detach(), "offset", torch.float32), None, n, dtype, math.inf)
+    if key is not None:
+        module.__dict__["_leanact_gamma_ok"] = (key, ok)
+    return ok
 
 
 def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
