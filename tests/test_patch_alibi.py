@@ -202,11 +202,13 @@ def test_memory_without_score_sized_tensors(case, dropout):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_bloom_kept_bytes_per_layer(dropout):
     """A patched Bloom layer's attention keeps the fused QKV output (q, k, v are views of it), the
-    fp32 log-sum-exp per row, its fp32 ALiBi + padding bias (b, H, 1, s), the bool mask of rows
-    that see no key (b, 1, s) and, with dropout, an 8-byte seed."""
+    fp32 log-sum-exp per row, its fp32 ALiBi + padding bias (b, H, 1, s), with dropout an 8-byte
+    seed, and the bool mask of rows that see no key (b, 1, s): one for all layers (found once per
+    forward), counted in the first layer's."""
     h, heads = 32, 4
     after, _ = _kept(_patched(_model("bloom", dropout=dropout).train()))
-    expect = B * S * 3 * h * 4 + 2 * B * heads * S * 4 + B * S + (8 if dropout else 0)
+    expect = B * S * 3 * h * 4 + 2 * B * heads * S * 4 + (8 if dropout else 0)
+    assert after.by_module()["transformer.h.0.self_attention"] == expect + B * S
     assert after.by_module()["transformer.h.1.self_attention"] == expect
 
 
@@ -253,3 +255,27 @@ def test_unknown_forward_is_left(monkeypatch):
     assert s.attention[0][2] == "left: the model does not use AttentionInterface"
     assert any(cls == "BloomAttention" and "not the one leanact's rewrite reproduces" in why for _, cls, why in s.left)
     assert "attention" in s.left_in_layers()
+
+
+def test_fully_masked_rows_read_back_once_per_forward(monkeypatch):
+    """Every layer gets the same per-key bias: its rows without an allowed key are found (a host
+    sync) once per forward, not once per layer."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    import leanact.patching.hf_alibi as A
+
+    read = []
+
+    class Counting(WeakIdKeyDictionary):
+        def __setitem__(self, key, value):  # a miss: the rows were read back
+            read.append(key)
+            super().__setitem__(key, value)
+
+    monkeypatch.setattr(A, "_DEAD_ROWS", Counting())
+    model = _model("bloom").train()
+    lean = _patched(model)
+    assert model.config.n_layer > 1
+    l0, g0 = _step(model, *_batch())
+    l1, g1 = _step(lean, *_batch())
+    assert len(read) == 1
+    assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item())

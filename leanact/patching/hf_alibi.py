@@ -45,6 +45,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.attention import attention as _lean_attention
 from ..ops.transforms import functorch_active
@@ -113,6 +114,23 @@ def hf_alibi_replacement(m: nn.Module, state: AlibiState) -> tuple[nn.Module | N
 
 # The structure of the last mask checked: (weakref to it, causal?, per-key bias row or None).
 _CHECKED: list = [None]
+#: per-key bias -> (its _version, rows with no allowed key or None): one bias object serves every layer
+_DEAD_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _dead_rows(bias: torch.Tensor):
+    """The causal rows (b, 1|H, s) of a per-key bias (b, 1|H, 1, s) that see no allowed key, or None:
+    read on the host (a sync) once per bias, i.e. once per forward, not once per layer."""
+    cacheable = not torch.compiler.is_compiling() and type(bias) is torch.Tensor
+    hit = _DEAD_ROWS.get(bias) if cacheable else None
+    if hit is not None and hit[0] == bias._version:
+        return hit[1]
+    valid = bias.isfinite().squeeze(2)  # (b, 1|H, s)
+    dead = valid.cumsum(-1) == 0  # row i: no allowed key among 0..i
+    dead = dead if bool(dead.any()) else None
+    if cacheable:
+        _DEAD_ROWS[bias] = (bias._version, dead)
+    return dead
 
 
 def _key_bias(mask: torch.Tensor) -> tuple[bool, torch.Tensor] | None:
@@ -203,9 +221,8 @@ class _LeanAlibiAttention:
         out = _lean_attention(q, k, v, bias, dropout_p=p, is_causal=causal, scale=scale, mode=mode,
                               training=True, enable_gqa=k.size(1) != q.size(1))
         if uniform_dead_rows and causal and key[1] is not None:
-            valid = key[1].isfinite().squeeze(2)  # (b, 1|H, s)
-            dead = valid.cumsum(-1) == 0  # row i: no allowed key among 0..i
-            if bool(dead.any()):
+            dead = _dead_rows(key[1])
+            if dead is not None:
                 out = out + EagerMaskedRows.apply(q, k, v, dead, scale)
         return out
 
