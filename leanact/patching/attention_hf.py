@@ -214,29 +214,35 @@ def _softcapped_dead_rows_grads(qg, kc, vc, do, m, scale, softcap, rows=256):
     return dq, dk
 
 
-#: mask -> (its _version, its fully masked rows or None): every layer of a forward gets the same mask
+def read_back_once(cache: WeakIdKeyDictionary, t: torch.Tensor, compute):
+    """``compute(t)``, which reads ``t`` back to the host (a sync), once per tensor: cached on ``t``'s
+    identity and _version. A model passes one mask (or bias) object to all its layers, so the read
+    happens once per forward, not once per layer. Not cached while compiling or for subclasses."""
+    cacheable = not torch.compiler.is_compiling() and type(t) is torch.Tensor
+    hit = cache.get(t) if cacheable else None
+    if hit is not None and hit[0] == t._version:
+        return hit[1]
+    value = compute(t)
+    if cacheable:
+        cache[t] = (t._version, value)
+    return value
+
+
+#: mask -> (its _version, its fully masked rows or None)
 _DEAD_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _dead_rows(mask: torch.Tensor):
-    """The (b, 1|H, q) rows of a bool mask with no allowed key, or None: read on the host (a sync)
-    once per mask, not once per layer (the model passes one mask object to all of them)."""
-    cacheable = not torch.compiler.is_compiling() and type(mask) is torch.Tensor
-    hit = _DEAD_ROWS.get(mask) if cacheable else None
-    if hit is not None and hit[0] == mask._version:
-        return hit[1]
+    """The (b, 1|H, q) rows of a bool mask with no allowed key, or None."""
     dead = ~mask.any(-1)
-    dead = dead if bool(dead.any()) else None
-    if cacheable:
-        _DEAD_ROWS[mask] = (mask._version, dead)
-    return dead
+    return dead if bool(dead.any()) else None
 
 
 def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap=None):
     """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself)."""
     if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return out
-    dead = _dead_rows(attention_mask)
+    dead = read_back_once(_DEAD_ROWS, attention_mask, _dead_rows)
     if dead is None:
         return out
     scale = query.size(-1) ** -0.5 if scaling is None else float(scaling)

@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.attention import attention as _lean_attention
 from ..ops.transforms import functorch_active
-from .attention_hf import EagerMaskedRows
+from .attention_hf import EagerMaskedRows, read_back_once
 from .hf_swiglu import fresh_containers
 from .modules import hooks_reason, lean_subclass
 from .source import forward_body
@@ -119,18 +119,10 @@ _DEAD_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _dead_rows(bias: torch.Tensor):
-    """The causal rows (b, 1|H, s) of a per-key bias (b, 1|H, 1, s) that see no allowed key, or None:
-    read on the host (a sync) once per bias, i.e. once per forward, not once per layer."""
-    cacheable = not torch.compiler.is_compiling() and type(bias) is torch.Tensor
-    hit = _DEAD_ROWS.get(bias) if cacheable else None
-    if hit is not None and hit[0] == bias._version:
-        return hit[1]
+    """The causal rows (b, 1|H, s) of a per-key bias (b, 1|H, 1, s) that see no allowed key, or None."""
     valid = bias.isfinite().squeeze(2)  # (b, 1|H, s)
     dead = valid.cumsum(-1) == 0  # row i: no allowed key among 0..i
-    dead = dead if bool(dead.any()) else None
-    if cacheable:
-        _DEAD_ROWS[bias] = (bias._version, dead)
-    return dead
+    return dead if bool(dead.any()) else None
 
 
 def _key_bias(mask: torch.Tensor) -> tuple[bool, torch.Tensor] | None:
@@ -221,7 +213,7 @@ class _LeanAlibiAttention:
         out = _lean_attention(q, k, v, bias, dropout_p=p, is_causal=causal, scale=scale, mode=mode,
                               training=True, enable_gqa=k.size(1) != q.size(1))
         if uniform_dead_rows and causal and key[1] is not None:
-            dead = _dead_rows(key[1])
+            dead = read_back_once(_DEAD_ROWS, key[1], _dead_rows)  # once per forward
             if dead is not None:
                 out = out + EagerMaskedRows.apply(q, k, v, dead, scale)
         return out
