@@ -26,6 +26,9 @@ from leanact._local import setting
 __all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms"]
 
 _state = threading.local()
+#: the number the next autograd node made on this thread gets (a private torch API: where it is
+#: missing, saved outputs are kept as they are, as before)
+_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", lambda: -1)
 
 
 def _stacks() -> tuple[list["SavedTensorTransform"], list["SavedTensorObserver"]]:
@@ -62,6 +65,13 @@ def _check_version(t: torch.Tensor, version: int) -> None:
         )
 
 
+def _is_own_output(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an output of the autograd node now keeping it: nodes are numbered in the
+    order they are made on this thread, and the node keeping a tensor is the newest one."""
+    node = t.grad_fn
+    return node is not None and node._sequence_nr() == _sequence_nr() - 1
+
+
 def _pack(t: torch.Tensor) -> _Packed:
     transforms, observers = _stacks()
     value, owner = t, None
@@ -70,6 +80,15 @@ def _pack(t: torch.Tensor) -> _Packed:
         if packed is not None:
             value, owner = packed, tr
             break
+    if owner is None and _is_own_output(t):
+        # the output of the node that keeps it (exp, leanact's GELU and norms from their output):
+        # torch hands a pack hook the tensor with its grad_fn, so keeping it as is would make
+        # node -> packed -> t -> node a cycle through C++ that no gc.collect() frees, and a graph
+        # that is never backpropagated (an out-of-memory error mid-step, a loss computed with grad
+        # on and dropped) would leak. Kept detached instead, as torch itself keeps saved outputs:
+        # unpacking re-attaches the node, and detach() shares t's version counter. Inputs stay the
+        # tensors themselves (recipes hold them weakly and rely on the graph keeping them).
+        value = t.detach()
     kept = [t] if owner is None else owner.kept_tensors(value)
     tokens = [(ob, ob.on_pack(t, kept)) for ob in observers]
     packed = _Packed(value, owner, tokens, t._version)

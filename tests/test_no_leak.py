@@ -1,0 +1,116 @@
+"""A graph that is never backpropagated is freed: an out-of-memory error in the middle of a step
+(what a largest-batch search does on purpose), or a loss computed with grad on and dropped.
+
+Python saved-tensor hooks see the tensor with its grad_fn; keeping it as is would make
+node -> packed -> tensor -> node a cycle through C++ that ``gc.collect()`` cannot free."""
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+import leanact
+from leanact import strategies
+from leanact.saved import SavedTensorObserver
+
+from _tiny import tiny_batch, tiny_hf
+
+
+class _Watch(SavedTensorObserver):
+    pass
+
+
+def test_an_op_that_keeps_its_output_is_freed_without_backward():
+    x = torch.randn(64, requires_grad=True)
+    with _Watch():
+        y = x.exp()  # exp keeps its own output
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_op_that_keeps_its_output_still_checks_in_place_changes():
+    x = torch.randn(64, requires_grad=True)
+    with _Watch():
+        y = x.exp()
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def _live_bytes() -> int:
+    """Bytes of the distinct storages of the live tensors that are not parameters."""
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in objects:
+        if not isinstance(o, torch.nn.Parameter) and o.device.type == "cpu" and not is_fake(o):
+            s = o.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+class _Raise:
+    """Raises a simulated out-of-memory error once, in the forward of a layer or in its backward."""
+
+    def __init__(self, where: str):
+        self.where, self.armed = where, True
+
+    def _fire(self):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    def __call__(self, module, args, out):
+        if self.where == "forward":
+            self._fire()
+        hidden = out[0] if isinstance(out, tuple) else out
+
+        def on_grad(g):
+            self._fire()
+            return g
+
+        hidden.register_hook(on_grad)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+@pytest.mark.parametrize("strategy", [None, "selective:pointwise", "full", "offload", "lossy:int8"])
+@pytest.mark.parametrize("where", ["forward", "backward", "no backward"])
+def test_a_step_that_fails_or_is_dropped_frees_its_graph(family, strategy, where):
+    model = leanact.patch(tiny_hf(family))
+    if strategy is not None:
+        strategies.uniform(model, strategy, **({"offload_threshold": 0} if strategy == "offload" else {})).apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = tiny_batch()
+
+    def step(fail: str | None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        if fail == "no backward":
+            return
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(None)  # optimizer state, caches of the first step
+    before = _live_bytes()
+    layer = next(m for name, m in model.named_modules() if name.endswith("layer.0") or name.endswith("layers.0"))
+    handle = layer.register_forward_hook(_Raise(where))
+    try:
+        if where == "no backward":
+            step(where)
+        else:
+            with pytest.raises(RuntimeError, match="simulated"):
+                step(where)
+    finally:
+        handle.remove()
+    opt.zero_grad(set_to_none=True)  # a failed backward may have left gradients
+    assert _live_bytes() == before
+    step(None)  # and the model still trains
