@@ -310,6 +310,12 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
+def _frames(e: BaseException, n: int = 5) -> str:
+    """Where ``e`` was raised: the innermost ``n`` frames as "file:line function", innermost last."""
+    frames = traceback.extract_tb(e.__traceback__)[-n:]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames)) or "?"
+
+
 def _last_lines(text: str, n: int = 3) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return " / ".join(lines[-n:]) if lines else "(no output)"
@@ -1623,7 +1629,8 @@ def worker(name: str, json_path: str | None) -> int:
     try:
         WORKERS[name](rec, LIMITS.get(name, 60))
     except Exception as e:
-        rec.note(f"{type(e).__name__}: {str(e)[:300]} ({_last_lines(traceback.format_exc(), 2)})")
+        rec.note(f"{type(e).__name__}: {str(e)[:300]} (at {_frames(e)})")
+        traceback.print_exc()
         rec.done("failed")
         return 1
     rec.done("ok")
