@@ -23,7 +23,7 @@ import torch
 
 from leanact._local import setting
 
-__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms"]
+__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient"]
 
 _state = threading.local()
 #: the number the next autograd node made on this thread gets (a private torch API: where it is
@@ -31,10 +31,17 @@ _state = threading.local()
 _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", lambda: -1)
 
 
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _stacks() -> tuple[list["SavedTensorTransform"], list["SavedTensorObserver"]]:
-    if not hasattr(_state, "transforms"):
-        _state.transforms, _state.observers = [], []
-    return _state.transforms, _state.observers
+    try:
+        return _state.stacks
+    except AttributeError:
+        _state.stacks = ([], [])
+        return _state.stacks
 
 
 def active_transforms() -> list["SavedTensorTransform"]:
@@ -75,7 +82,8 @@ def _is_own_output(t: torch.Tensor) -> bool:
 def _pack(t: torch.Tensor) -> _Packed:
     transforms, observers = _stacks()
     value, owner = t, None
-    for tr in reversed(transforms):  # innermost first
+    for i in range(len(transforms) - 1, -1, -1):  # innermost first
+        tr = transforms[i]
         packed = tr.pack(t)
         if packed is not None:
             value, owner = packed, tr
@@ -89,6 +97,8 @@ def _pack(t: torch.Tensor) -> _Packed:
         # unpacking re-attaches the node, and detach() shares t's version counter. Inputs stay the
         # tensors themselves (recipes hold them weakly and rely on the graph keeping them).
         value = t.detach()
+    if not observers:
+        return _Packed(value, owner, _NO_TOKENS, t._version)
     kept = [t] if owner is None else owner.kept_tensors(value)
     tokens = [(ob, ob.on_pack(t, kept)) for ob in observers]
     packed = _Packed(value, owner, tokens, t._version)
@@ -123,6 +133,9 @@ def release(packed: list) -> int:
     return n
 
 
+_NO_TOKENS: list = []  # shared, never appended to (release() replaces a packed's list)
+
+
 def _unpack(p: _Packed) -> torch.Tensor:
     for ob, token in p.tokens:
         ob.on_unpack(token)
@@ -150,20 +163,85 @@ class _PipelineMember:
         raise NotImplementedError
 
     def __enter__(self):
-        cm = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-        cm.__enter__()
+        # what torch.autograd.graph.saved_tensors_hooks does on entry and exit, without making one
+        # per call (entered around every Linear of a patched model under autocast)
+        _push_hooks(_pack, _unpack)
         self._pipeline_stack().append(self)
-        self.__dict__.setdefault("_hook_cms", []).append(cm)
         return self
 
     def __exit__(self, *exc) -> None:
         stack = self._pipeline_stack()
         # remove the most recent occurrence of self (contexts are properly nested)
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is self:
+        if stack and stack[-1] is self:
+            del stack[-1]
+        else:
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is self:
+                    del stack[i]
+                    break
+        _pop_hooks()
+
+
+class ambient:  # noqa: N801 - a context manager used like a function
+    """``with ambient(transform)``: ``transform`` becomes this thread's ambient transform, active only
+    inside :class:`with_ambient` blocks (the ops whose saves it cares about) instead of around every
+    op: the saves of all other ops then skip the Python pipeline (each kept tensor costs a Python
+    pack and unpack call while hooks are pushed). The previous ambient transform is restored on exit."""
+
+    __slots__ = ("_transform", "_previous")
+
+    def __init__(self, transform: "SavedTensorTransform"):
+        self._transform = transform
+
+    def __enter__(self) -> "SavedTensorTransform":
+        self._previous = _state.__dict__.get("ambient")
+        _state.ambient = self._transform
+        return self._transform
+
+    def __exit__(self, *exc) -> None:
+        _state.ambient = self._previous
+
+
+def _foreign_hooks() -> bool:
+    """Whether torch's innermost saved-tensor hooks are someone else's (a checkpointed region) or
+    torch.func transforms (which disable saved-tensor hooks) are active."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    top = _top_hooks(False) if _top_hooks is not None else None
+    return top is not None and top[0] is not _pack
+
+
+class with_ambient:  # noqa: N801 - a context manager used like a function
+    """Activate the ambient transform (:class:`ambient`) for the block, where one is set, it is not
+    active already, grad is on, nothing compiles and the innermost hooks are leanact's (or none).
+    It joins the stack at the bottom, where a transform entered around the whole forward would be:
+    transforms entered since (a strategy's offload, compression) still pack first."""
+
+    __slots__ = ("_active",)
+
+    def __enter__(self) -> None:
+        tr = _state.__dict__.get("ambient")
+        self._active = None
+        if tr is None or not torch.is_grad_enabled():
+            return
+        stack = _stacks()[0]
+        if any(t is tr for t in stack) or torch.compiler.is_compiling() or _foreign_hooks():
+            return
+        _push_hooks(_pack, _unpack)
+        stack.insert(0, tr)
+        self._active = tr
+
+    def __exit__(self, *exc) -> None:
+        tr = self._active
+        if tr is None:
+            return
+        self._active = None
+        stack = _stacks()[0]
+        for i, t in enumerate(stack):
+            if t is tr:
                 del stack[i]
                 break
-        self._hook_cms.pop().__exit__(*exc)
+        _pop_hooks()
 
 
 class SavedTensorTransform(_PipelineMember):

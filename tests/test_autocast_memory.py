@@ -175,3 +175,40 @@ def test_copies_keep_the_autocast_recipes(how):
     assert kept[0] == kept[1]
     leanact.unpatch(twin)
     assert "forward" not in twin.__dict__
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_ambient_recipes_keep_the_same_with_fewer_python_saves(family, monkeypatch):
+    """With Linear layers wrapped (recast_weights), the autocast recipes are active only inside the
+    norms and the Linears (leanact.saved.ambient): the same bytes kept and the same gradients as
+    with the recipes around the whole forward, while attention, dropout, residual adds... keep
+    their tensors without a Python pack/unpack call each."""
+    from leanact import saved
+    from leanact.patching import weight_recast
+
+    calls = [0]
+    pack = saved._pack
+
+    def counting(t):
+        calls[0] += 1
+        return pack(t)
+
+    monkeypatch.setattr(saved, "_pack", counting)
+    torch.manual_seed(0)
+    model = leanact.patch(BUILD[family](2).train())
+    if family == "bert":
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    batch = dict(input_ids=torch.randint(1, 100, (2, S), generator=torch.Generator().manual_seed(1)))
+    results = {}
+    for scoped in (True, False):
+        monkeypatch.setattr(weight_recast, "wraps_linears", lambda m, scoped=scoped: scoped)
+        calls[0] = 0
+        loss, grads = _grads(model, batch, amp_recipes=True)
+        results[scoped] = (calls[0], loss, grads, per_sample_layer(family, "autocast"))
+    (n_amb, l_amb, g_amb, kept_amb), (n_all, l_all, g_all, kept_all) = results[True], results[False]
+    assert torch.equal(l_amb, l_all) and g_amb.keys() == g_all.keys()
+    assert all(torch.equal(g_amb[k], g_all[k]) for k in g_amb)
+    assert kept_amb == kept_all
+    assert n_amb < n_all, (n_amb, n_all)

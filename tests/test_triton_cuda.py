@@ -112,7 +112,10 @@ torch.save((y, bits, g), out)
 def test_gelu32_is_bitwise_the_interpreter(mode, tmp_path):
     """The float32 GELU kernels use only correctly rounded operations (tests/test_triton_ptx.py), so
     compiled they compute bit for bit what Triton's interpreter computes on the CPU -- where
-    tests/test_triton_kernels.py measures their error against float64. Checked here."""
+    tests/test_triton_kernels.py measures their error against float64 -- except below float32's
+    smallest normal number: Triton builds CUDA's libdevice (``div_rn``) with flush-to-zero, so a
+    subnormal result (|y| < 2^-126: x < -13) or intermediate may become 0 there. Checked here: equal
+    bits wherever both results are normal, and no more than 2^-126 apart elsewhere."""
     import os
     import subprocess
     import sys
@@ -131,7 +134,21 @@ def test_gelu32_is_bitwise_the_interpreter(mode, tmp_path):
     y_i, bits_i, g_i = torch.load(tmp_path / "out.pt")
     y, bits = G._forward(x.cuda(), mode, True)
     g = G._backward(y, bits, dy.cuda(), mode)
-    assert _same(y.cpu(), y_i) and torch.equal(bits.cpu(), bits_i) and _same(g.cpu(), g_i)
+    assert torch.equal(bits.cpu(), bits_i)
+    for name, got, ref in (("forward", y.cpu(), y_i), ("backward", g.cpu(), g_i)):
+        _same_above_subnormals(name, got, ref)
+
+
+def _same_above_subnormals(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    tiny = torch.finfo(torch.float32).tiny
+    normal = (got.abs() >= tiny) & (ref.abs() >= tiny)
+    same = (got == ref) | (got.isnan() & ref.isnan())
+    differ = normal & ~same
+    below = ~normal & ~same & ~((got - ref).abs() <= tiny)
+    assert not differ.any() and not below.any(), (
+        f"{name}: {int(differ.sum())} normal results differ from the interpreter's (e.g. x-index "
+        f"{differ.nonzero()[:3].flatten().tolist()}: {got[differ][:3].tolist()} vs {ref[differ][:3].tolist()}); "
+        f"{int(below.sum())} below 2^-126 differ by more than 2^-126")
 
 
 def _close(a, b, dtype, n):

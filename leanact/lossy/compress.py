@@ -219,7 +219,7 @@ class CompressTransform(SavedTensorTransform):
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(model)``): the settings and counters; not the per-run caches
         (compressed storages of graphs alive now, generators) nor entered contexts."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_live", "_generators", "_hook_cms")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_live", "_generators")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

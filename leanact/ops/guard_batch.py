@@ -19,8 +19,19 @@ import torch
 __all__ = ["check_many"]
 
 
+_PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
+
+
 def _compute_dtype(ref: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
+    key = (ref.dtype, dtype)
+    ct = _PROMOTED.get(key)
+    if ct is None:
+        ct = _PROMOTED[key] = torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
+    return ct
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)  # (no_grad: γ, β go into torch.cat as they are)
 
 
 def check_many(items: list[tuple]) -> list[bool]:
@@ -46,7 +57,7 @@ def _check_group(items: list[tuple], ct: torch.dtype) -> list[bool]:
     counts = [(w if w is not None else b).numel() for w, b, *_ in items]
     total = sum(counts)
     with torch.no_grad():
-        g = torch.cat([w.detach().reshape(-1) if w is not None else torch.ones(c, dtype=ct, device=dev)
+        g = torch.cat([_flat(w) if w is not None else torch.ones(c, dtype=ct, device=dev)
                        for (w, _, *_), c in zip(items, counts)]).to(ct).abs()
         consts = []
         for w, b, n, dtype, ratio in items:
@@ -58,7 +69,7 @@ def _check_group(items: list[tuple], ct: torch.dtype) -> list[bool]:
         ok = torch.isfinite(g) & (g >= tiny)
         bound = g * root
         if any(b is not None for _, b, *_ in items):
-            bb = torch.cat([b.detach().reshape(-1) if b is not None else torch.zeros(c, dtype=ct, device=dev)
+            bb = torch.cat([_flat(b) if b is not None else torch.zeros(c, dtype=ct, device=dev)
                             for (_, b, *_), c in zip(items, counts)]).to(ct).abs()
             ok &= torch.isfinite(bb) & (bb <= ratio * g)
             bound = bound + bb

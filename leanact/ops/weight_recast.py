@@ -23,9 +23,6 @@ transforms, someone else's hooks such as a checkpointed region): autocast's own 
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 
@@ -42,7 +39,7 @@ class RecastWeight(SavedTensorTransform):
     parameter itself (version checked at unpack) and the view's size, stride and offset."""
 
     def __init__(self, weight: torch.Tensor, cast: torch.Tensor):
-        self.weight, self.dtype = weight, cast.dtype
+        self.weight, self.dtype = weight, cast.dtype  # (not the cast: packed saves hold this transform)
         self._key = cast.untyped_storage()._cdata
         self._version = weight._version
 
@@ -57,13 +54,24 @@ class RecastWeight(SavedTensorTransform):
         return self.weight.to(self.dtype).as_strided(size, stride, offset)
 
 
-@contextlib.contextmanager
-def recast_weight(weight: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """Yield ``weight.to(dtype)`` (a fresh copy); what ops inside the block save of it is kept as a
-    recipe on ``weight`` (module doc). Leaving the block cannot leave the hooks pushed."""
-    cast = weight.to(dtype, copy=True)
-    with RecastWeight(weight, cast):
-        yield cast
+class recast_weight:  # noqa: N801 - used as a function: ``with recast_weight(w, dtype) as cast``
+    """``with recast_weight(weight, dtype) as cast``: ``cast`` is ``weight.to(dtype)`` (a fresh copy);
+    what ops inside the block save of it is kept as a recipe on ``weight`` (module doc). Leaving the
+    block cannot leave the hooks pushed. (A class, not a generator: entered around every Linear.)"""
+
+    __slots__ = ("_transform", "_cast")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        self._cast = weight.to(dtype, copy=True)
+        self._transform = RecastWeight(weight, self._cast)
+
+    def __enter__(self) -> torch.Tensor:
+        self._transform.__enter__()
+        cast, self._cast = self._cast, None  # the caller's only: freed as soon as the op is done with it
+        return cast
+
+    def __exit__(self, *exc) -> None:
+        self._transform.__exit__(*exc)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.backward import once_differentiable
+from ..saved import with_ambient
 from ..ops.layer_norm import _identity, _step_of, compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
@@ -276,7 +277,8 @@ class _LeanHFRMSNorm:
             from_output = (_offset_decision(w, n, out_dtype) if variant == "offset"
                            else from_output_ok(w, None, n, out_dtype, math.inf))
         eps = float(getattr(self, _EPS[variant]))
-        return _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant)
+        with with_ambient():  # its output is the source of autocast's casts (leanact.patching.amp)
+            return _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant)
 
 
 #: w -> (key, decision) for Gemma's γ = 1 + w (held weakly, like the rule's own cache)

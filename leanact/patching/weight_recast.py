@@ -34,8 +34,9 @@ from ..ops.amp import autocast_dtype
 from ..ops.weight_recast import LOW_DTYPES, recast_weight
 from ..recompute.context_forward import ContextForward, unwrap_forward
 from ..recompute.recipes import foreign_hooks
+from ..saved import with_ambient
 
-__all__ = ["RecastForward", "apply", "remove", "recast_dtype", "NOTE"]
+__all__ = ["RecastForward", "apply", "remove", "recast_dtype", "wraps_linears", "NOTE"]
 
 _ATTR = "_leanact_recast_weights"
 NOTE = "recast_weights: under autocast, {n} Linear layers keep the fp32 weight and recast it in backward"
@@ -89,10 +90,11 @@ class RecastForward(ContextForward):
             return forward(*args, **kwargs)
         m, x = self.module, args[0]
         dtype = recast_dtype(m.weight, x)
-        if dtype is None:
-            return forward(x)
-        with recast_weight(m.weight, dtype) as w:
-            return compute(m, x, w)
+        with with_ambient():  # the autocast recipes, where the model's forward set them (patching.amp)
+            if dtype is None:
+                return forward(x)
+            with recast_weight(m.weight, dtype) as w:
+                return compute(m, x, w)
 
 
 @dataclass
@@ -131,6 +133,12 @@ def apply(model: nn.Module, enabled: bool) -> nn.Module:
     if s is not None and state.wrapped:
         s.notes.append(NOTE.format(n=len(state.wrapped)))
     return model
+
+
+def wraps_linears(model: nn.Module) -> bool:
+    """Whether :func:`apply` wrapped Linear layers of ``model`` (and they are still in place)."""
+    state: _State | None = model.__dict__.get(_ATTR)
+    return state is not None and bool(state.wrapped)
 
 
 def remove(model: nn.Module) -> nn.Module:

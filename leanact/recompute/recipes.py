@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from leanact.saved import SavedTensorTransform, active_transforms, disabled
+from leanact.saved import SavedTensorTransform, _stacks, active_transforms, disabled
 from leanact.saved import _pack as _pipeline_pack
 from leanact.ops.transforms import functorch_active
 
@@ -365,9 +365,15 @@ class RecipeTransform(SavedTensorTransform):
     def _outer_others(self, t: torch.Tensor) -> bool:
         """Whether another kind of transform active outside this one may still replace ``t``
         (offload; compress, for the dtypes it compresses), so ``t`` is not known to be kept as is."""
-        stack = active_transforms()
-        inner = max((i for i, tr in enumerate(stack) if tr is self), default=0)  # the one packing
-        return any(not isinstance(tr, RecipeTransform) and tr.may_replace(t) for tr in stack[:inner])
+        stack = _stacks()[0]
+        if self not in stack:
+            return False
+        inner = len(stack) - 1 - stack[::-1].index(self)  # the innermost entry of this one: the one packing
+        for i in range(inner):
+            tr = stack[i]
+            if not isinstance(tr, RecipeTransform) and tr.may_replace(t):
+                return True
+        return False
 
     def unpack(self, claim: _Claim) -> torch.Tensor:
         full = claim.recipe.materialize(claim)
