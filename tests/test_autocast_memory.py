@@ -91,16 +91,21 @@ def _grads(model, batch, *, amp_recipes):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["bert", "llama"])
-def test_cast_recipes_are_bitwise_the_casts(family):
-    """Rebuilding autocast's casts in backward gives the very same gradients as keeping them."""
+def _patched_without_dropout(family):
+    """A patched 2-layer model of ``family`` (dropout off) and a batch of token ids."""
     torch.manual_seed(0)
     model = leanact.patch(BUILD[family](2).train())
     if family == "bert":
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
-    batch = dict(input_ids=torch.randint(1, 100, (2, S), generator=torch.Generator().manual_seed(1)))
+    return model, dict(input_ids=torch.randint(1, 100, (2, S), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_cast_recipes_are_bitwise_the_casts(family):
+    """Rebuilding autocast's casts in backward gives the very same gradients as keeping them."""
+    model, batch = _patched_without_dropout(family)
     reset_counters()
     loss, grads = _grads(model, batch, amp_recipes=True)
     assert counters().get("recompute:cast", 0) > 0
@@ -194,13 +199,7 @@ def test_ambient_recipes_keep_the_same_with_fewer_python_saves(family, monkeypat
         return pack(t)
 
     monkeypatch.setattr(saved, "_pack", counting)
-    torch.manual_seed(0)
-    model = leanact.patch(BUILD[family](2).train())
-    if family == "bert":
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-    batch = dict(input_ids=torch.randint(1, 100, (2, S), generator=torch.Generator().manual_seed(1)))
+    model, batch = _patched_without_dropout(family)
     results = {}
     for scoped in (True, False):
         monkeypatch.setattr(weight_recast, "wraps_linears", lambda m, scoped=scoped: scoped)
