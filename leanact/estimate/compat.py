@@ -305,7 +305,11 @@ def device_matmuls(kind: str):
     def accumulate_mm_(out, a, b):
         if not (_faking() and is_fake(out)) or a.dtype == out.dtype:
             return saved["_accumulate_mm_"](out, a, b)
-        if kind == "cuda" or _cpu_fp32_addmm():
+        if kind == "cuda":
+            return  # cuBLAS accumulates the 16-bit product into the fp32 sum itself: nothing allocated
+            # (and fake addmm with out_dtype fails in some torch versions: 2.11 decomposes it as
+            # addmm(self, mat1, mat2, beta, alpha), taking out_dtype for beta)
+        if _cpu_fp32_addmm():
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
         else:
             out += a @ b
