@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from leanact._local import setting
 
-__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient"]
+__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient", "keeping_output"]
 
 _state = threading.local()
 #: the number the next autograd node made on this thread gets (a private torch API: where it is
@@ -244,6 +244,26 @@ class with_ambient:  # noqa: N801 - a context manager used like a function
         _pop_hooks()
 
 
+def keeping_output(apply: Callable[[], torch.Tensor], output_kept: bool = True) -> torch.Tensor:
+    """``apply()``, an op that keeps its own output for backward when ``output_kept`` (a norm or
+    GELU keeping its output), run so that the ambient transform (:class:`ambient`) learns what it
+    keeps: with no transform active (no strategy, no compression: a plain patched model under
+    autocast), no hooks are pushed and the transform is told directly
+    (:meth:`SavedTensorTransform.kept_as_is`); otherwise inside :class:`with_ambient`."""
+    tr = _state.__dict__.get("ambient")
+    if tr is None:
+        return apply()
+    if not _stacks()[0] and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if _foreign_hooks():
+            return apply()  # a checkpointed region: nothing of it is kept (with_ambient stays out too)
+        y = apply()
+        if output_kept:
+            tr.kept_as_is(y)
+        return y
+    with with_ambient():
+        return apply()
+
+
 class SavedTensorTransform(_PipelineMember):
     """Replaces some tensors about to be saved for backward by a smaller representation."""
 
@@ -261,6 +281,10 @@ class SavedTensorTransform(_PipelineMember):
     def kept_tensors(self, packed: Any) -> list[torch.Tensor]:
         """Tensors (on any device) that ``packed`` keeps alive, for the meter."""
         return []
+
+    def kept_as_is(self, t: torch.Tensor) -> None:
+        """Told, as the ambient transform (:func:`keeping_output`), that the op that made ``t``
+        keeps it for backward as it is, where no transform is active to see that save."""
 
     def may_replace(self, t: torch.Tensor) -> bool:
         """Whether :meth:`pack` might replace ``t`` (default: yes). A transform that knows it leaves

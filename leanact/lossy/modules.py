@@ -11,6 +11,7 @@ from ..ops.randomized_linear import DEFAULT_BLOCK, randomized_linear, sketch_row
 from ..ops.weight_recast import recast_weight
 from ..patching.weight_recast import recast_dtype
 from ..recompute import recipes
+from ..saved import with_ambient
 
 __all__ = ["FewBitActivation", "RandomizedLinear"]
 
@@ -56,15 +57,16 @@ class RandomizedLinear(nn.Linear):
     _leanact_exact_on_rebuilt_input = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if keeps_output(input) or (recipes.is_active() and recipes._find(input) is not None):
-            # kept anyway by its producer, or a recipe (free): R X would be a second, lossy copy;
-            # under autocast the weight is recast in backward as leanact.patch's Linears do
-            dtype = recast_dtype(self.weight, input)
-            if dtype is None:
-                return super().forward(input)
-            with recast_weight(self.weight, dtype) as w:
-                return F.linear(input, w, self.bias)
-        return randomized_linear(input, self.weight, self.bias, self.ratio, self.block)
+        with with_ambient():  # the autocast recipes of a patched model (leanact.patching.amp), as its Linears
+            if keeps_output(input) or (recipes.is_active() and recipes._find(input) is not None):
+                # kept anyway by its producer, or a recipe (free): R X would be a second, lossy copy;
+                # under autocast the weight is recast in backward as leanact.patch's Linears do
+                dtype = recast_dtype(self.weight, input)
+                if dtype is None:
+                    return super().forward(input)
+                with recast_weight(self.weight, dtype) as w:
+                    return F.linear(input, w, self.bias)
+            return randomized_linear(input, self.weight, self.bias, self.ratio, self.block)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", ratio={self.ratio}, block={self.block}"

@@ -62,7 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .amp import no_autocast_backward, norm_inputs
 from .backward import once_differentiable
 from .guard_batch import check_many
-from ..saved import with_ambient
+from ..saved import keeping_output
 from .transforms import functorch_active, is_wrapped, unwrap
 from .triton import norm as _triton
 from .triton.dispatch import register_check
@@ -311,8 +311,8 @@ def layer_norm(
         from_output = from_output_ok(weight, bias, math.prod(shape), x.dtype, max_ratio)
     if not from_output:
         return F.layer_norm(x, shape, weight, bias, eps)
-    with with_ambient():  # its output is the source of autocast's casts (leanact.patching.amp)
-        return LayerNormFromOutput.apply(x, weight, bias, shape, eps)
+    # its output is the source of autocast's casts (leanact.patching.amp)
+    return keeping_output(lambda: LayerNormFromOutput.apply(x, weight, bias, shape, eps))
 
 
 # -- the self-checks of the norm kernels ("layer_norm" here, "rms_norm" in leanact.ops.rms_norm) --

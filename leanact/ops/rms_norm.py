@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .amp import no_autocast_backward, norm_inputs
 from .backward import once_differentiable
 from .layer_norm import _norm_self_check, compute_dtype, from_output_ok
-from ..saved import with_ambient
+from ..saved import keeping_output
 from .transforms import functorch_active
 from .triton import norm as _triton
 from .triton.dispatch import register_check
@@ -117,8 +117,8 @@ def rms_norm(
     x, weight = norm_inputs(x, weight)  # autocast's policy for rms_norm (ops.amp)
     if from_output is None:
         from_output = from_output_ok(weight, None, math.prod(shape), x.dtype, math.inf)
-    with with_ambient():  # its output is the source of autocast's casts (leanact.patching.amp)
-        return RMSNormFunction.apply(x, weight, shape, eps, bool(from_output))
+    # its output (when kept) is the source of autocast's casts (leanact.patching.amp)
+    return keeping_output(lambda: RMSNormFunction.apply(x, weight, shape, eps, bool(from_output)), bool(from_output))
 
 
 register_check("rms_norm", _norm_self_check(RMSNormFunction, rms=True))  # from output and from input

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.backward import once_differentiable
-from ..saved import with_ambient
+from ..saved import keeping_output
 from ..ops.layer_norm import _identity, _step_of, compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
@@ -277,8 +277,9 @@ class _LeanHFRMSNorm:
             from_output = (_offset_decision(w, n, out_dtype) if variant == "offset"
                            else from_output_ok(w, None, n, out_dtype, math.inf))
         eps = float(getattr(self, _EPS[variant]))
-        with with_ambient():  # its output is the source of autocast's casts (leanact.patching.amp)
-            return _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant)
+        # its output (when kept) is the source of autocast's casts (leanact.patching.amp)
+        return keeping_output(lambda: _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant),
+                              bool(from_output))
 
 
 #: w -> (key, decision) for Gemma's γ = 1 + w (held weakly, like the rule's own cache)

@@ -24,6 +24,8 @@ without grad they are the plain torch functions and keep nothing. All backward f
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
@@ -33,6 +35,7 @@ from leanact.ops.dropout import dropout_seeded
 from leanact.ops.random import draw_seed
 from leanact.ops.transforms import functorch_active
 from leanact.ops.triton import gated as _gated
+from leanact.saved import with_ambient
 
 from .recipes import register, release
 
@@ -40,6 +43,18 @@ __all__ = ["layer_norm", "rms_norm", "activation", "gelu", "silu", "relu", "quic
            "ACTIVATIONS"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "quick_gelu")
+
+
+def _in_ambient(fn):
+    """Run the producer with this thread's ambient transform active (:func:`leanact.saved.with_ambient`:
+    the autocast recipes of a patched model), so that it registers its recipe and what it keeps
+    counts as kept for the recipes of its consumers."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with with_ambient():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _needs_grad(*ts) -> bool:
@@ -75,6 +90,7 @@ class _LayerNorm(Function):
         return dx, dw, db, None, None
 
 
+@_in_ambient
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -> torch.Tensor:
     """``F.layer_norm`` (bitwise: output and gradients) keeping x, mean, rstd; output by recipe."""
     shape = _shape(normalized_shape)
@@ -121,6 +137,7 @@ class _RMSNorm(Function):
         return dx, dw, None, None
 
 
+@_in_ambient
 def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> torch.Tensor:
     """``F.rms_norm`` (bitwise output; standard exact gradients) keeping x, rstd."""
     shape = _shape(normalized_shape)
@@ -183,6 +200,7 @@ class _Activation(Function):
         return _act_grad(ctx.kind, dy, x), None
 
 
+@_in_ambient
 def activation(x: torch.Tensor, kind: str = "gelu") -> torch.Tensor:
     """``kind`` in :data:`ACTIVATIONS`; keeps x, output by recipe (bitwise equal to torch's)."""
     if kind not in ACTIVATIONS:
@@ -249,6 +267,7 @@ class _SwiGLU(Function):
         return da, db
 
 
+@_in_ambient
 def swiglu(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(a) * b``; with ``b=None``, ``a`` is the fused projection ``[gate | up]`` (split in
     halves along the last dim). Keeps a and b (one storage when fused); output by recipe."""
@@ -263,6 +282,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
 
 # -- dropout -------------------------------------------------------------------------------------
 
+@_in_ambient
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, seed: torch.Tensor | int | None = None,
             generator: torch.Generator | None = None) -> torch.Tensor:
     """Seeded dropout (``leanact.ops.dropout.dropout_seeded``: keeps only the seed); the output's
@@ -292,6 +312,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, seed: torch.
 
 # -- cast ----------------------------------------------------------------------------------------
 
+@_in_ambient
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)`` whose output is a recipe (x or x's recipe): e.g. a norm output cast to the
     autocast dtype before a Linear, so the Linear keeps nothing for it (autocast's own cast, done

@@ -375,6 +375,13 @@ class RecipeTransform(SavedTensorTransform):
                 return True
         return False
 
+    def kept_as_is(self, t: torch.Tensor) -> None:
+        """As :meth:`pack` records a tensor it leaves kept as is (the source of a later cast)."""
+        k = _key(t)
+        if k is not None:
+            _KEPT[k] = t
+            tag_kept(t)
+
     def unpack(self, claim: _Claim) -> torch.Tensor:
         full = claim.recipe.materialize(claim)
         return full.as_strided(claim.size, claim.stride, claim.offset)

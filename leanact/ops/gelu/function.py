@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ...saved import with_ambient
+from ...saved import keeping_output
 from ..bitpack import pack_bits, unpack_bits
 from ..transforms import functorch_active
 from ..triton import gelu as _triton
@@ -137,8 +137,8 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
         return torch.nn.functional.gelu(x, approximate=approximate)
     if torch.is_grad_enabled() and x.requires_grad:
-        with with_ambient():  # its output may be the source of an autocast cast (leanact.patching.amp)
-            return GeluFunction.apply(x, approximate)
+        # its output may be the source of an autocast cast (leanact.patching.amp)
+        return keeping_output(lambda: GeluFunction.apply(x, approximate))
     return _forward(x, approximate, with_bits=False)[0]
 
 
