@@ -380,7 +380,12 @@ def commit_of(package_dir) -> str:
         if git("ls-files", "--error-unmatch", init.name).returncode != 0:
             return "unknown"
         out = git("rev-parse", "--short", "HEAD")
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+        if out.returncode != 0 or not out.stdout.strip():
+            return "unknown"
+        # tracked files that differ from that commit (a copy of a working tree sent over a base
+        # checkout, edits not yet committed): the commit alone would misname what runs
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", "../benchmarks")
+        return out.stdout.strip() + (" + uncommitted changes" if dirty.returncode != 0 or dirty.stdout.strip() else "")
     except Exception:
         return "unknown"
 

@@ -105,7 +105,16 @@ def test_commit_is_the_leanact_packages_checkout(tmp_path, monkeypatch):
     assert _git(other, "init", "-q").returncode == 0 and _git(other, "commit", "-q", "--allow-empty", "-m", "x").returncode == 0
     monkeypatch.chdir(other)  # another repository as the working directory
     if _git(pkg, "ls-files", "--error-unmatch", "__init__.py").returncode == 0:
-        assert suite.versions()["commit"] == _git(pkg, "rev-parse", "--short", "HEAD").stdout.strip()
+        assert suite.versions()["commit"].split(" ")[0] == _git(pkg, "rev-parse", "--short", "HEAD").stdout.strip()
+    repo = tmp_path / "repo"  # a checkout whose tracked files differ from its commit says so
+    (repo / "leanact").mkdir(parents=True)
+    (repo / "leanact" / "__init__.py").write_text("x = 1\n")
+    assert _git(repo, "init", "-q").returncode == 0 and _git(repo, "add", ".").returncode == 0
+    assert _git(repo, "commit", "-q", "-m", "x").returncode == 0
+    head = _git(repo, "rev-parse", "--short", "HEAD").stdout.strip()
+    assert suite.commit_of(repo / "leanact") == head
+    (repo / "leanact" / "__init__.py").write_text("x = 2\n")
+    assert suite.commit_of(repo / "leanact") == head + " + uncommitted changes"
     for copy in (tmp_path / "copy" / "leanact", other / "leanact"):  # no checkout; untracked in one
         copy.mkdir(parents=True)
         (copy / "__init__.py").write_text("")

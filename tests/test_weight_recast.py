@@ -365,3 +365,60 @@ def test_gated_mlp_stays_lean_with_recast_projections():
     meter.attribute(loss)
     ops = {r.op for r in meter.records if r.module.endswith("mlp") or ".mlp." in r.module}
     assert "GatedDownFunction" in ops and not {"Silu", "Mul"} & ops, ops
+
+
+@pytest.mark.parametrize("shape", [(6, 16), (2, 5, 16)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_recast_linear_is_bitwise_autocast_linear(shape, bias, x_dtype, frozen):
+    """The patched Linear's own autograd Function (no saved-tensor hooks): the output and every
+    gradient bitwise those of ``nn.Linear`` under autocast, and it keeps the fp32 weight (no copy),
+    and the input's cast only where the weight's gradient needs it (as autograd's addmm)."""
+    from leanact.memory import SavedTensorMeter
+    from leanact.ops.weight_recast import RecastLinear
+
+    torch.manual_seed(0)
+    ref = nn.Linear(16, 24, bias=bias)
+    lean = leanact.patch(nn.Sequential(copy.deepcopy(ref)))[0]
+    for m in (ref, lean):
+        m.weight.requires_grad_(not frozen)
+    x = torch.randn(shape).to(x_dtype).requires_grad_()
+    dy = torch.randn(*shape[:-1], 24).to(torch.bfloat16)
+    outs, kept = [], []
+    for m in (ref, lean):
+        xi = x.detach().clone().requires_grad_()
+        meter = SavedTensorMeter(m)
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        kept.append(meter.total_bytes)
+        if m is lean:
+            assert type(y.grad_fn).__name__ == RecastLinear.__name__ + "Backward"
+        y.backward(dy)
+        outs.append([y, xi.grad] + [p.grad for p in m.parameters() if p.requires_grad])
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    cast = x.numel() * 2  # the input's bf16 cast (or the bf16 input itself)
+    assert kept[0] == (0 if frozen else cast) + 24 * 16 * 2  # + autocast's weight copy
+    assert kept[1] == (0 if frozen else cast)  # the fp32 weight is a parameter: not counted
+
+
+def test_recast_linear_double_backward():
+    """Gradients of gradients through the patched Linear: first order bitwise nn.Linear's under
+    autocast; second order within bf16 rounding of it (its backward's matmuls are differentiated in
+    another order: a few roundings of 2^-8 each, relative to the largest value)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 8)
+    lean = leanact.patch(nn.Sequential(copy.deepcopy(ref)))[0]
+    x = torch.randn(3, 8)
+    grads = []
+    for m in (ref, lean):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        (gx,) = torch.autograd.grad(y.float().pow(2).sum(), xi, create_graph=True)
+        gx.float().pow(2).sum().backward()
+        grads.append((gx, xi.grad, m.weight.grad, m.bias.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=4 * 2**-8 * b.abs().max().item())
