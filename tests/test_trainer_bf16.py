@@ -12,6 +12,7 @@ pytest.importorskip("accelerate")
 
 from leanact.memory import SavedTensorMeter  # noqa: E402
 from leanact.patching import patch  # noqa: E402
+from leanact.recompute import counters, reset_counters  # noqa: E402
 
 import test_trainer as tt  # noqa: E402
 
@@ -50,11 +51,13 @@ def test_trainer_bf16_patched(family, tmp_path):
     lean = patch(copy.deepcopy(ref))
     l32, _ = _train(copy.deepcopy(ref), family, tmp_path / "fp32", bf16=False)
     l_ref, kept_ref = _train(ref, family, tmp_path / "ref", bf16=True)
+    reset_counters()
     l_lean, kept_lean = _train(lean, family, tmp_path / "lean", bf16=True)
     assert l_ref[0] != l_ref[-1]  # it trained
     err = lambda ls: max(abs(a - b) / abs(b) for a, b in zip(ls, l32))  # noqa: E731
     assert err(l_lean) <= 2 * max(err(l_ref), 2.0 ** -9), (l32, l_ref, l_lean)
-    # the step ran under bf16 autocast with fp32 weights (the casts of the fp32 norm outputs rebuilt
-    # in backward instead of kept: the bytes below)
+    # the step ran under bf16 autocast with fp32 weights, and the casts of the fp32 norm outputs
+    # were rebuilt in backward instead of kept
     assert all(torch.bfloat16 in dtypes and torch.float32 in dtypes for _, dtypes in kept_lean)
+    assert counters().get("recompute:cast", 0) > 0
     assert all(b < 0.75 * a for (a, _), (b, _) in zip(kept_ref, kept_lean)), (kept_ref, kept_lean)

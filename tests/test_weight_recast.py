@@ -371,13 +371,11 @@ def test_gated_mlp_stays_lean_with_recast_projections():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("frozen", [False, True])
-def test_recast_linear_is_bitwise_autocast_linear(shape, bias, x_dtype, frozen):
-    """The patched Linear's own autograd Function (no saved-tensor hooks): the output and every
-    gradient bitwise those of ``nn.Linear`` under autocast, and it keeps the fp32 weight (no copy),
-    and the input's cast only where the weight's gradient needs it (as autograd's addmm)."""
+def test_patched_linear_is_bitwise_autocast_linear(shape, bias, x_dtype, frozen):
+    """A patched Linear under autocast: the output and every gradient bitwise those of ``nn.Linear``
+    under autocast; it keeps the fp32 weight (no copy), and the input's cast only where the weight's
+    gradient needs it (as autograd's addmm)."""
     from leanact.memory import SavedTensorMeter
-    from leanact.ops.weight_recast import RecastLinear
-
     torch.manual_seed(0)
     ref = nn.Linear(16, 24, bias=bias)
     lean = leanact.patch(nn.Sequential(copy.deepcopy(ref)))[0]
@@ -392,8 +390,6 @@ def test_recast_linear_is_bitwise_autocast_linear(shape, bias, x_dtype, frozen):
         with meter, torch.autocast("cpu", dtype=torch.bfloat16):
             y = m(xi)
         kept.append(meter.total_bytes)
-        if m is lean:
-            assert type(y.grad_fn).__name__ == RecastLinear.__name__ + "Backward"
         y.backward(dy)
         outs.append([y, xi.grad] + [p.grad for p in m.parameters() if p.requires_grad])
     for a, b in zip(*outs):
@@ -403,7 +399,7 @@ def test_recast_linear_is_bitwise_autocast_linear(shape, bias, x_dtype, frozen):
     assert kept[1] == (0 if frozen else cast)  # the fp32 weight is a parameter: not counted
 
 
-def test_recast_linear_double_backward():
+def test_patched_linear_double_backward():
     """Gradients of gradients through the patched Linear: first order bitwise nn.Linear's under
     autocast; second order within bf16 rounding of it (its backward's matmuls are differentiated in
     another order: a few roundings of 2^-8 each, relative to the largest value)."""

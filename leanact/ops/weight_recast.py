@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..saved import SavedTensorTransform, _check_version
 from .amp import autocast_dtype
 
-__all__ = ["RecastWeight", "RecastLinear", "recast_weight", "linear", "LOW_DTYPES"]
+__all__ = ["RecastWeight", "recast_weight", "linear", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -72,42 +72,6 @@ class recast_weight:  # noqa: N801 - used as a function: ``with recast_weight(w,
 
     def __exit__(self, *exc) -> None:
         self._transform.__exit__(*exc)
-
-
-class RecastLinear(torch.autograd.Function):
-    """``F.linear`` under autocast keeping the fp32 weight (recast in backward) and, for its input,
-    the tensor itself when the op that made it keeps it anyway (``keep_source``: a norm's fp32
-    output, recast in backward too), else autocast's 16-bit cast: what :func:`recast_weight` and the
-    cast recipes keep, without saved-tensor hooks (no Python call per kept tensor). The backward
-    runs the very matmuls autograd runs for ``addmm`` / ``mm`` (``dX = dY W``, ``dW = dYᵀ X``,
-    ``db = Σ dY``) and the casts' own backward (to the fp32 dtypes): bitwise the unpatched
-    gradients. Differentiable again (``create_graph=True``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, dtype, keep_source):
-        x16 = x if x.dtype == dtype else x.to(dtype)
-        y = F.linear(x16, weight.to(dtype), None if bias is None else bias.to(dtype))
-        ctx.dtype, ctx.x_dtype, ctx.b_dtype = dtype, x.dtype, None if bias is None else bias.dtype
-        needs = ctx.needs_input_grad  # as autograd's addmm: the input only for dW, the weight only for dX
-        ctx.save_for_backward((x if keep_source else x16) if needs[1] else None, weight if needs[0] else None)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        kept, weight = ctx.saved_tensors
-        dtype = ctx.dtype
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = dy2.mm(weight.to(dtype)).view(*dy.shape[:-1], weight.shape[1])  # (saved when needed)
-            if ctx.x_dtype != dtype:
-                dx = dx.to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            x16 = kept if kept.dtype == dtype else kept.to(dtype)
-            dw = dy2.t().mm(x16.reshape(-1, x16.shape[-1])).to(torch.float32)  # (the weight: an fp32 Parameter)
-        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

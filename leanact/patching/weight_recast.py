@@ -7,13 +7,10 @@ parameter, whatever the batch. With this option (on by default in :func:`leanact
 hooks and the state dict are unchanged): when autocast is active at call time (CPU or CUDA, bf16
 or fp16), the weight is an fp32 ``nn.Parameter`` (not a DTensor; not a tensor computed in forward
 or swapped in by ``functional_call``: keeping that alive to recast it would cost more than its
-copy) and autograd will need it, the fp32 parameter is kept (free: it lives anyway) and cast again
-in backward (the same rounding: outputs and gradients are bit-identical to the unpatched model's).
-A plain ``nn.Linear`` call (no saved-tensor transform active, a contiguous fp32 or 16-bit input)
-runs :class:`leanact.ops.weight_recast.RecastLinear`, one autograd Function that also keeps, for
-its input, the norm output it was cast from (kept by the norm anyway) rather than the cast: no
-saved-tensor hooks, no Python call per kept tensor. Other calls use
-:func:`leanact.ops.weight_recast.recast_weight` and the autocast recipes (:mod:`leanact.patching.amp`). Otherwise, and wherever saved-tensor hooks cannot be pushed
+copy) and autograd will need it, the weight is cast by
+:func:`leanact.ops.weight_recast.recast_weight`, which keeps the fp32 parameter (free: it lives
+anyway) and casts it again in backward (the same rounding: outputs and gradients are bit-identical
+to the unpatched model's). Otherwise, and wherever saved-tensor hooks cannot be pushed
 (``torch.compile``, ``torch.func``, a checkpointed region), the module's own forward runs.
 
 Only exact ``nn.Linear`` / ``Conv1D`` modules (and leanact's subclasses marked
@@ -33,12 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..ops.amp import autocast_dtype, keeps_output
-from ..ops.weight_recast import LOW_DTYPES, RecastLinear, recast_weight
+from ..ops.amp import autocast_dtype
+from ..ops.weight_recast import LOW_DTYPES, recast_weight
 from ..recompute.context_forward import ContextForward, unwrap_forward
-from ..recompute.recipes import _find as _find_recipe
 from ..recompute.recipes import foreign_hooks
-from ..saved import _stacks, with_ambient
+from ..saved import with_ambient
 
 __all__ = ["RecastForward", "apply", "remove", "recast_dtype", "wraps_linears", "NOTE"]
 
@@ -94,26 +90,11 @@ class RecastForward(ContextForward):
             return forward(*args, **kwargs)
         m, x = self.module, args[0]
         dtype = recast_dtype(m.weight, x)
-        if dtype is not None and compute is _linear and _plain_call(m, x, dtype):
-            return RecastLinear.apply(x, m.weight, m.bias, dtype, x.dtype != dtype and keeps_output(x))
         with with_ambient():  # the autocast recipes, where the model's forward set them (patching.amp)
             if dtype is None:
                 return forward(x)
             with recast_weight(m.weight, dtype) as w:
                 return compute(m, x, w)
-
-
-def _plain_call(m: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a Linear call can run :class:`~leanact.ops.weight_recast.RecastLinear` (no hooks):
-    no saved-tensor transform active (a strategy's offload or compression sees every save through
-    the pipeline), the input fp32 or ``dtype``, contiguous, at least 2-D, not a recipe's output
-    (the recipes keep it), the bias fp32 or none (autocast's plain cases)."""
-    if _stacks()[0] or x.dtype not in (torch.float32, dtype) or x.dim() < 2 or not x.is_contiguous():
-        return False
-    b = m.bias
-    if b is not None and (b.dtype != torch.float32 or b.dim() != 1):
-        return False
-    return _find_recipe(x) is None
 
 
 @dataclass
