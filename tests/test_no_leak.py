@@ -99,18 +99,24 @@ def test_a_step_that_fails_or_is_dropped_frees_its_graph(family, strategy, where
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step(None)  # optimizer state, caches of the first step
-    before = _live_bytes()
     layer = next(m for name, m in model.named_modules() if name.endswith("layer.0") or name.endswith("layers.0"))
-    handle = layer.register_forward_hook(_Raise(where))
-    try:
-        if where == "no backward":
-            step(where)
-        else:
-            with pytest.raises(RuntimeError, match="simulated"):
+
+    def failing_step():
+        handle = layer.register_forward_hook(_Raise(where))
+        try:
+            if where == "no backward":
                 step(where)
-    finally:
-        handle.remove()
-    opt.zero_grad(set_to_none=True)  # a failed backward may have left gradients
+            else:
+                with pytest.raises(RuntimeError, match="simulated"):
+                    step(where)
+        finally:
+            handle.remove()
+        opt.zero_grad(set_to_none=True)  # a failed backward may have left gradients
+
+    step(None)  # optimizer state, caches of the first step
+    failing_step()  # caches that a failing step fills (and what earlier tests left in them, replaced)
+    step(None)
+    before = _live_bytes()
+    failing_step()  # a leak grows with every failing step
     assert _live_bytes() == before
     step(None)  # and the model still trains
