@@ -12,6 +12,14 @@ of them through this module instead:
 
 Every ``with`` of a transform or observer pushes the same pair of torch hooks, so the pipeline
 also works when entered inside someone else's hooks (e.g. inside a checkpointed region).
+
+While hooks are pushed, every tensor any op keeps costs a Python pack and unpack call. A transform
+that cares about few ops can be made **ambient** (:class:`ambient`): set for a whole forward, but
+active only inside :class:`with_ambient` blocks (the ops whose saves it needs), and told directly by
+ops that keep their own output (:func:`keeping_output`). A tensor kept as is that is the output of
+the node keeping it is kept detached (as torch keeps saved outputs): a graph that is never
+backpropagated is then freed, where ``node -> packed -> tensor -> node`` would be a cycle through
+C++ that ``gc.collect()`` cannot break.
 """
 from __future__ import annotations
 
@@ -121,9 +129,8 @@ _RELEASED = _Released()
 
 def release(packed: list) -> int:
     """Drop what each still-alive packed tensor keeps (weak references from an observer's
-    ``_track``); a later backward through them raises. Breaks the reference cycle
-    node -> packed -> kept output -> its grad_fn node that Python saved-tensor hooks create for
-    ops that keep their own output, so a forward that will never be backpropagated is freed."""
+    ``_track``); a later backward through them raises: what a forward that will never be
+    backpropagated keeps is freed at once, while its graph may still be referenced."""
     n = 0
     for ref in packed:
         p = ref()

@@ -197,11 +197,11 @@ class SavedTensorMeter(SavedTensorObserver):
     def release(self) -> int:
         """Free what the measured forward keeps for backward when no backward will run.
 
-        Saved-tensor hooks make ops that keep their own output (leanact's GELU, norms, recipes)
-        part of a reference cycle through torch's autograd node that the garbage collector cannot
-        see, so a forward that is measured and then dropped stays in memory until backward runs.
-        ``release()`` (after :meth:`attribute`, if used) breaks it; a later backward through that
-        graph raises. Returns the number of saved tensors released."""
+        A measured forward that is dropped is freed when its graph is (leanact's pipeline keeps an
+        op's own output detached, so no reference cycle holds it); ``release()`` (after
+        :meth:`attribute`, if used) frees what it keeps at once, also where the graph itself is
+        still referenced; a later backward through that graph raises. Returns the number of saved
+        tensors released."""
         n = _release(self._packed)
         self._packed.clear()
         return n
