@@ -211,3 +211,28 @@ def test_ambient_recipes_keep_the_same_with_fewer_python_saves(family, monkeypat
     assert all(torch.equal(g_amb[k], g_all[k]) for k in g_amb)
     assert kept_amb == kept_all
     assert n_amb < n_all, (n_amb, n_all)
+
+
+@pytest.mark.parametrize("strategy", ["offload", "selective:pointwise", "lossy:int8"])
+def test_ambient_recipes_under_a_strategy(strategy, monkeypatch):
+    """With a strategy's transforms active in the layers, the ambient autocast recipes (inside the
+    norms and Linears only) keep what recipes around the whole forward keep, with the same gradients."""
+    from leanact import strategies
+    from leanact.patching import weight_recast
+
+    results = {}
+    for scoped in (True, False):
+        monkeypatch.setattr(weight_recast, "wraps_linears", lambda m, scoped=scoped: scoped)
+        model, batch = _patched_without_dropout("llama")
+        kw = {"offload_threshold": 0} if strategy == "offload" else {}
+        strategies.uniform(model, strategy, **kw).apply(model)
+        meter = SavedTensorMeter(model)
+        with warnings.catch_warnings(), meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            warnings.simplefilter("ignore")
+            out = model(**batch).last_hidden_state
+        meter.release()
+        del out
+        results[scoped] = (meter.total_bytes, *_grads(model, batch, amp_recipes=True))
+    (kept_a, loss_a, grads_a), (kept_w, loss_w, grads_w) = results[True], results[False]
+    assert kept_a == kept_w
+    assert torch.equal(loss_a, loss_w) and all(torch.equal(grads_a[k], grads_w[k]) for k in grads_w)
