@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import pathlib
 import pstats
@@ -51,8 +52,6 @@ def _step(model_name: str, lean: bool, device: str):
     torch.manual_seed(0)
     kwargs = {} if cuda else dict(hidden_size=32, num_hidden_layers=16, num_attention_heads=2, num_key_value_heads=1,
                                   head_dim=16, intermediate_size=64, vocab_size=1000)
-    import dataclasses
-
     g = dataclasses.replace(g, kwargs={**g.kwargs, **kwargs})
     with torch.device(device):
         model = getattr(transformers, g.model_cls)(g.make_config(attn="sdpa", dropout=0.0)).train()
@@ -104,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     prof.disable()
     for order, pattern in (("tottime", ""), ("cumulative", "leanact")):
         out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        stats.sort_stats(order).print_stats(pattern, args.top) if pattern else stats.sort_stats(order).print_stats(args.top)
+        restrictions = (pattern, args.top) if pattern else (args.top,)
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(*restrictions)
         print(f"--- leanact's steps by {order}{' (leanact functions)' if pattern else ''}, {args.steps} steps")
         print("\n".join(line[:200] for line in out.getvalue().splitlines() if line.strip())[-12000:])
     return 0

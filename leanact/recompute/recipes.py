@@ -59,9 +59,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from leanact.saved import SavedTensorTransform, _stacks, active_transforms, disabled
-from leanact.saved import _pack as _pipeline_pack
-from leanact.ops.transforms import functorch_active
+from leanact.saved import SavedTensorTransform, _foreign_hooks, _stacks, active_transforms, disabled
 
 from .casts import cast_recipe, tag_kept
 
@@ -108,11 +106,7 @@ def foreign_hooks() -> bool:
     ``torch.utils.checkpoint`` region or its recompute). Entering a transform there would shadow
     them (torch applies only the innermost hooks), so modules and :func:`scope` then stay out.
     Also True under ``torch.func`` transforms, which disable saved-tensor hooks altogether."""
-    if functorch_active():
-        return True
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
-    return hooks is not None and hooks[0] is not _pipeline_pack
+    return _foreign_hooks()
 
 
 def is_active() -> bool:
