@@ -2,6 +2,7 @@
 from .ops.attention import attention
 from .ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from .ops.dropout import dropout, dropout_seeded
+from .ops.dropout_add_norm import dropout_add_layer_norm
 from .ops.gelu import gelu, gelu_minimum
 from .ops.layer_norm import layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
@@ -9,6 +10,6 @@ from .ops.random import draw_seed, keep_mask, keep_mask_like
 from .ops.rms_norm import rms_norm
 
 __all__ = [
-    "attention", "draw_seed", "dropout", "dropout_seeded", "gelu", "gelu_minimum", "keep_mask", "keep_mask_like",
+    "attention", "draw_seed", "dropout", "dropout_add_layer_norm", "dropout_seeded", "gelu", "gelu_minimum", "keep_mask", "keep_mask_like",
     "layer_norm", "linear_cross_entropy", "pack_bits", "packed_nbytes", "rms_norm", "unpack_bits",
 ]

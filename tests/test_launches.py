@@ -118,6 +118,20 @@ def test_dropout_one_kernel_each_way_and_a_seed(dtype):
     assert (b_aten, b_k) == ([], ["dropout_apply"])  # the mask regenerated from the seed in the kernel
 
 
+@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float32])
+def test_dropout_add_layer_norm_one_kernel_forward_two_backward(h_dtype):
+    """The sub-layer end LayerNorm(dropout(h) + residual): the seed and one kernel forward (HF's three
+    ops: dropout, add, norm), the norm's two backward kernels write both gradients (HF: the norm's,
+    the add's cast, the dropout's)."""
+    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+
+    h, r, m = _x(h_dtype), _x(torch.float32), lnn.LayerNorm(64)
+    (f_aten, f_k), (b_aten, b_k) = _count(lambda: dropout_add_layer_norm(h, r, 64, m.weight, m.bias, 1e-5, 0.1),
+                                          [h, r, *m.parameters()])
+    assert (f_aten, f_k) == (["randint"], ["norm_forward"])
+    assert (b_aten, b_k) == ([], ["norm_backward", "norm_partials_sum"])
+
+
 @pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
 def test_gated_mlp_one_kernel_each_way_beside_its_matmuls(kind):
     g, u = _x(torch.bfloat16, 96), _x(torch.bfloat16, 96)

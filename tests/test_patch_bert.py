@@ -45,11 +45,18 @@ def test_patch_replaces_modules_and_records_summary():
     layer = lean.bert.encoder.layer[0]
     assert type(layer.output.LayerNorm) is lnn.LayerNorm
     assert type(layer.output.dropout) is lnn.Dropout
+    # dense -> dropout -> LayerNorm(+ residual): one fused op (leanact.patching.hf_residual_norm)
+    assert type(layer.output).__name__ == "LeanBertOutput"
+    assert type(layer.attention.output).__name__ == "LeanBertSelfOutput"
     assert isinstance(layer.intermediate.intermediate_act_fn, lnn.GELU)
     assert layer.intermediate.intermediate_act_fn.approximate == "none"
     assert lean.config._attn_implementation == "leanact"
     s = summary(lean)
-    assert len(s.replaced) == 6 + 7 + 3  # LayerNorms, Dropouts, GELUActivations
+    # LayerNorms (embeddings, head), Dropouts (embeddings, attention), GELUActivations, and the
+    # sub-layer ends holding the other 4 LayerNorms and 4 Dropouts
+    assert len(s.replaced) == 2 + 3 + 3 + 4
+    assert sorted(new for _, was, new in s.replaced if was in ("BertOutput", "BertSelfOutput")) == (
+        ["leanact.patching.LeanBertOutput"] * 2 + ["leanact.patching.LeanBertSelfOutput"] * 2)
     assert s.attention == [("", "sdpa", "leanact (recompute)")]
     # No torch LayerNorm / Dropout / HF GELU left anywhere.
     for m in lean.modules():

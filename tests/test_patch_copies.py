@@ -58,7 +58,9 @@ def _assert_same_run(a, b):
 
 
 def _expected_lean(family):
-    return {"LeanLlamaMLP", "LeanLlamaRMSNorm"} if family == "llama" else {"LayerNorm", "PatchedGELU", "Dropout"}
+    if family == "llama":
+        return {"LeanLlamaMLP", "LeanLlamaRMSNorm"}
+    return {"LayerNorm", "PatchedGELU", "Dropout", "LeanBertSelfOutput", "LeanBertOutput"}  # (+ the sub-layer ends)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])

@@ -110,7 +110,10 @@ def test_patch_replaces_modules(family):
     assert lean.config._attn_implementation == "leanact"
     kinds = {new for _, _, new in s.replaced}
     gelu = "leanact.nn.GELU('tanh')" if family == "gpt2" else "leanact.nn.GELU('none')"
-    assert kinds == {"leanact.nn.LayerNorm", "leanact.nn.Dropout", gelu}, kinds
+    fused = {f"leanact.patching.Lean{was}" for _, was, _ in s.replaced if was.endswith("Output")}  # dropout+add+norm
+    assert fused == ({"leanact.patching.LeanRobertaOutput", "leanact.patching.LeanRobertaSelfOutput"}
+                     if family == "roberta" else set()), fused
+    assert kinds == {"leanact.nn.LayerNorm", "leanact.nn.Dropout", gelu} | fused, kinds
     for m in lean.modules():
         assert type(m) not in (torch.nn.LayerNorm, torch.nn.Dropout)
         assert type(m).__module__ != "transformers.activations"

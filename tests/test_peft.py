@@ -65,7 +65,8 @@ def test_frozen_base_norms_and_gelus_keep_what_they_keep_without_peft(family):
             compared += 1
     assert compared >= 2
     b, s, h = batch["input_ids"].shape + (32,)
-    norm = "bert.encoder.layer.0.output.LayerNorm" if family == "bert" else "model.norm"
+    # (BERT: the sub-layer end, dropout + add + LayerNorm as one op, keeps what its LayerNorm kept)
+    norm = "bert.encoder.layer.0.output" if family == "bert" else "model.norm"
     row_stat = 4 * b * s  # one fp32 statistic per row
     assert lean[norm] == 4 * b * s * h + row_stat  # output + statistic, not the input
 

@@ -307,6 +307,46 @@ def test_rms_norm(K, dtype, from_output, weight):
 
 
 @interp
+@pytest.mark.parametrize("h_dtype,r_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("needs", ["all", "h", "residual", "params"])
+def test_dropout_add_layer_norm(K, h_dtype, r_dtype, p, needs):
+    """The sub-layer end's two kernels (forward: dropout, add, norm; backward: the norm's from the
+    output, then the add's and the dropout's) against its PyTorch path: the same tensors kept, y and
+    the gradients within float32 rounding of the two reduction orders, the same mask."""
+    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+
+    torch.manual_seed(6)
+    n, z = 40, torch.promote_types(h_dtype, r_dtype)
+    h = (torch.randn(7, 5, n) * 2).to(h_dtype)
+    r = torch.randn(7, 5, n).to(r_dtype)
+    w, b = (torch.rand(n) + 0.5).to(z), (torch.randn(n) * 0.1).to(z)
+    dy = torch.randn(7, 5, n).to(z)
+    grad = {"all": (True,) * 4, "h": (True, False, False, False), "residual": (False, True, False, False),
+            "params": (False, False, True, True)}[needs]
+
+    def fn(hh, rr, ww, bb):
+        for t, g in zip((hh, rr, ww, bb), grad):
+            t.requires_grad_(g)
+        torch.manual_seed(11)
+        return dropout_add_layer_norm(hh, rr, n, ww, bb, 1e-5, p)
+
+    spy = _Spy(K)
+    y0, g0, s0 = _grads(fn, h, r, w, b, dy=dy)
+    y1, g1, s1 = _grads(fn, h, r, w, b, kernels=spy, dy=dy)
+    assert spy.calls[:2] == ["norm_forward", "norm_backward"]  # (then the partials' sum, if dγ or dβ is needed)
+    assert _layout(s0) == _layout(s1) and (p == 0.0 or torch.equal(s0[-1], s1[-1]))  # y, rstd, γ, β, seed
+    assert y1.dtype == y0.dtype == z and _close(y1, y0, z, n)
+    for a, c, g in zip(g1, g0, grad):
+        assert (a is None) == (c is None) == (not g)
+        if a is not None:
+            assert _close(a, c, a.dtype, 35 * n)
+    if grad[0] and p:
+        assert torch.equal(g1[0] == 0, g0[0] == 0)  # the regenerated mask
+
+
+@interp
 def test_norm_backward_row_loop(K):
     """More rows than programs: each program loops over its rows and sums its own dγ, dβ."""
     torch.manual_seed(5)
@@ -486,11 +526,25 @@ build(K._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i6
 build(K._keep_rows_kernel, {"starts_ptr": "*i64", "out_ptr": "*u8", "seed_ptr": "*i64", "length": "i32", "thr": "i64"},
       {"BLOCK": 1024}, **K.FUSED)
 build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
-      "N": "i32", "eps": "fp32"}, {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024}, **K.FUSED)
-build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
-      "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32", "rows_per_prog": "i32"},
+      "N": "i32", "eps": "fp32", "r_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
+      {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024, "RESIDUAL": False, "DROPOUT": False, "Z_KIND": 0},
+      **K.FUSED)
+# the sub-layer end, dropout(h) + residual -> LayerNorm (leanact.ops.dropout_add_norm): bf16 h, fp32 residual and y
+build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "rstd_ptr": "*fp32",
+      "N": "i32", "eps": "fp32", "r_ptr": "*fp32", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
+      {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024, "RESIDUAL": True, "DROPOUT": True, "Z_KIND": 0},
+      **K.UNFUSED)
+build(K._ln_bwd_kernel, {"dy_ptr": "*fp32", "t_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "rstd_ptr": "*fp32",
+      "dx_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32", "rows_per_prog": "i32",
+      "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
-       "NEED_DB": True, "BLOCK_N": 1024}, **K.FUSED)
+       "NEED_DB": True, "BLOCK_N": 1024, "RESIDUAL": True, "NEED_DH": True, "DROPOUT": True, "Z_KIND": 0}, **K.FUSED)
+build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
+      "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32", "rows_per_prog": "i32",
+      "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
+      {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
+       "NEED_DB": True, "BLOCK_N": 1024, "RESIDUAL": False, "NEED_DH": False, "DROPOUT": False, "Z_KIND": 0},
+      **K.FUSED)
 build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "*bf16", "dw_ptr": "*bf16",
       "db_ptr": "*bf16", "P": "i32", "N": "i32"}, {"HAS_DW": True, "HAS_DB": True, "DIV_W": True, "BLOCK_P": 32,
       "BLOCK_N": 64}, **K.FUSED)

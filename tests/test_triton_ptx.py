@@ -67,12 +67,26 @@ _MORE = r'''
 from leanact.ops.triton import kernels as K
 for rms in (False, True):
     build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
-          "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms,
-          "BLOCK_N": 1024}, **K.FUSED)
+          "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32", "r_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64",
+          "scale": "fp32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "BLOCK_N": 1024, "RESIDUAL": False,
+          "DROPOUT": False, "Z_KIND": 0}, **K.FUSED)
     build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
           "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32",
-          "rows_per_prog": "i32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "FROM_OUTPUT": False,
-          "NEED_DX": True, "NEED_DW": True, "NEED_DB": not rms, "BLOCK_N": 1024}, **K.FUSED)
+          "rows_per_prog": "i32", "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
+          {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "FROM_OUTPUT": False, "NEED_DX": True, "NEED_DW": True,
+           "NEED_DB": not rms, "BLOCK_N": 1024, "RESIDUAL": False, "NEED_DH": False, "DROPOUT": False,
+           "Z_KIND": 0}, **K.FUSED)
+# the sub-layer end in a bf16 model (z rounded to bf16) and without dropout
+build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+      "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32", "r_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64",
+      "scale": "fp32"}, {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024, "RESIDUAL": True,
+      "DROPOUT": True, "Z_KIND": 1}, **K.UNFUSED)
+build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+      "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32",
+      "rows_per_prog": "i32", "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
+      {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
+       "NEED_DB": True, "BLOCK_N": 1024, "RESIDUAL": True, "NEED_DH": True, "DROPOUT": False, "Z_KIND": 1},
+      **K.FUSED)
 for dtype in ("*bf16", "*fp32"):
     build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": dtype, "dw_ptr": dtype,
           "db_ptr": dtype, "P": "i32", "N": "i32"}, {"HAS_DW": True, "HAS_DB": True, "DIV_W": dtype == "*fp32",

@@ -17,6 +17,7 @@ triton, INTERPRETED = interpreter_setup()
 import leanact.ops.gelu.function as G  # noqa: E402
 from leanact.lossy.compress import compress, decompress  # noqa: E402
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
+from leanact.ops.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
 from leanact.ops.fewbit import fewbit_activation  # noqa: E402
 from leanact.ops.gated_mlp import gated_down  # noqa: E402
 from leanact.ops.layer_norm import layer_norm  # noqa: E402
@@ -51,7 +52,8 @@ def _ops(dtype):
     seed = torch.tensor(5)
     outs = [dropout_seeded(x, seed, 0.2), G.GeluFunction.apply(x, "tanh"),
             layer_norm(x, (300,), w, b, from_output=True), rms_norm(x, (300,), w, from_output=True),
-            fewbit_activation(x, "silu", 2), gated_down(x, x * 2, torch.randn(8, 300).to(dtype), kind="silu")]
+            fewbit_activation(x, "silu", 2), gated_down(x, x * 2, torch.randn(8, 300).to(dtype), kind="silu"),
+            dropout_add_layer_norm(x, x.float() * 2, 300, w.float(), b.float(), 1e-5, 0.1)]
     sum(o.float().sum() for o in outs).backward()
     keep_mask_like(seed, (3, 50), 0.1)
     q, s = compress(x.detach().reshape(-1), "fp8", 256)
@@ -65,7 +67,9 @@ def test_every_op_passes_its_self_check(K, dtype):
         _ops(dtype)
         done = dispatch.verified()
     names = {name for name, _, _ in done}
-    assert names == {"dropout", "gelu", "layer_norm", "rms_norm", "fewbit", "gated_mlp", "compress"}
+    assert names == {"dropout", "gelu", "layer_norm", "rms_norm", "fewbit", "gated_mlp", "compress",
+                     "dropout_add_layer_norm"}
+    assert ("dropout_add_layer_norm", "cpu", (dtype, torch.float32, torch.float32)) in done
     assert ("dropout", "cpu", torch.int64) in done and ("gelu", "cpu", (dtype, "tanh")) in done
     assert ("compress", "cpu", (dtype, "fp8")) in done
 
@@ -86,7 +90,9 @@ def test_the_check_runs_once_per_op_and_key(K, monkeypatch):
 _KEYS = [("dropout", torch.float32), ("dropout", torch.int64), ("gelu", (torch.bfloat16, "none")),
          ("gelu", (torch.float32, "tanh")), ("layer_norm", torch.bfloat16), ("rms_norm", torch.float32),
          ("gated_mlp", (torch.bfloat16, "gelu_tanh")), ("gated_mlp", (torch.float32, "silu")),
-         ("fewbit", (torch.float16, 3)), ("compress", (torch.float32, "int8")), ("compress", (torch.bfloat16, "fp8"))]
+         ("fewbit", (torch.float16, 3)), ("compress", (torch.float32, "int8")), ("compress", (torch.bfloat16, "fp8")),
+         ("dropout_add_layer_norm", (torch.bfloat16, torch.float32, torch.float32)),
+         ("dropout_add_layer_norm", (torch.bfloat16, torch.bfloat16, torch.bfloat16))]
 
 
 @interp
@@ -223,7 +229,8 @@ def test_each_op_registers_its_own_check():
     assert where == {"dropout": "leanact.ops.dropout", "gelu": "leanact.ops.gelu.function",
                      "layer_norm": "leanact.ops.layer_norm", "rms_norm": "leanact.ops.layer_norm",  # the norms' check
                      "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
-                     "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy"}
+                     "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy",
+                     "dropout_add_layer_norm": "leanact.ops.dropout_add_norm"}
 
 
 def test_setting(monkeypatch):

@@ -67,7 +67,8 @@ from .transforms import functorch_active, is_wrapped, unwrap
 from .triton import norm as _triton
 from .triton.dispatch import register_check
 
-__all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO"]
+__all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO",
+           "backward_from_output"]
 
 DEFAULT_MAX_RATIO = 8.0
 
@@ -268,19 +269,25 @@ class LayerNormFromOutput(torch.autograd.Function):
         fused = _triton.layer_norm_backward(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad)
         if fused is not None:  # CUDA: one kernel (plus the sum of dγ, dβ partials)
             return (*fused, None, None)
-        ct = compute_dtype(y.dtype)
-        r = rstd.to(ct)
-        wc = None if w is None else w.to(ct)
-        bc = None if b is None else b.to(ct)
-        xc = y.to(ct, copy=True) if bc is None else torch.sub(y, bc)  # a fresh buffer: y stays intact
-        if wc is not None:
-            xc.div_(wc)
-        xc.div_(r)
-        mask = [ctx.needs_input_grad[0], w is not None and ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]]
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy.to(ct), xc, ctx.normalized_shape, torch.zeros_like(r), r, wc, bc, mask)
-        return (None if dx is None else dx.to(dy.dtype), None if dw is None else dw.to(w.dtype),
-                None if db is None else db.to(b.dtype), None, None)
+        return (*backward_from_output(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad[:3]), None, None)
+
+
+def backward_from_output(dy, y, rstd, w, b, normalized_shape, needs) -> tuple:
+    """``(dx, dγ, dβ)`` of LayerNorm from its output y and rstd, the PyTorch path (None where
+    ``needs`` says not needed, or where γ / β is None): x̂ rebuilt from y, then torch's fused backward."""
+    ct = compute_dtype(y.dtype)
+    r = rstd.to(ct)
+    wc = None if w is None else w.to(ct)
+    bc = None if b is None else b.to(ct)
+    xc = y.to(ct, copy=True) if bc is None else torch.sub(y, bc)  # a fresh buffer: y stays intact
+    if wc is not None:
+        xc.div_(wc)
+    xc.div_(r)
+    mask = [bool(needs[0]), w is not None and bool(needs[1]), b is not None and bool(needs[2])]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy.to(ct), xc, normalized_shape, torch.zeros_like(r), r, wc, bc, mask)
+    return (None if dx is None else dx.to(dy.dtype), None if dw is None else dw.to(w.dtype),
+            None if db is None else db.to(b.dtype))
 
 
 def layer_norm(

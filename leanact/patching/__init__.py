@@ -43,6 +43,7 @@ from .. import nn as lnn
 
 from . import amp, functional_dropout, hf_alibi, hf_head, peft_lora, training_cache, weight_recast
 from .generic import replacement_for
+from .hf_residual_norm import PATCHED_CHILDREN
 from .hf_head import keep_logits
 from .modules import PatchedQuickGELU
 
@@ -466,8 +467,9 @@ def _keep_children(original: nn.Module, current: nn.Module) -> None:
     ``merge_and_unload``) stay when the original module comes back."""
     if current is original or not isinstance(current, type(original)):
         return
+    own = current.__dict__.get(PATCHED_CHILDREN, {})  # the lean children the replacement was made with
     for k, c in current._modules.items():
-        if k in original._modules and original._modules[k] is not c:
+        if k in original._modules and original._modules[k] is not c and own.get(k) is not c:
             original._modules[k] = c
 
 

@@ -17,6 +17,7 @@ from .hf_fc_mlp import hf_fc_mlp_replacement, is_hf_fc_mlp
 from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
 from .hf_moe import hf_experts_replacement, is_hf_experts
 from .hf_moe_clamped import hf_clamped_experts_replacement, is_hf_clamped_experts
+from .hf_residual_norm import hf_residual_norm_replacement, is_hf_residual_norm
 from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
 from .modules import PatchedGELU, PatchedQuickGELU, hooks_reason, quick_gelu_reason
 
@@ -112,6 +113,10 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
             return None, reason
     elif is_hf_swiglu_mlp(m):
         new, reason = hf_swiglu_replacement(m)
+        if new is None:
+            return None, reason
+    elif is_hf_residual_norm(m):
+        new, reason = hf_residual_norm_replacement(m)
         if new is None:
             return None, reason
     elif is_hf_fc_mlp(m):

@@ -167,13 +167,52 @@ def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, 
 
 
 @triton.jit
-def _ln_fwd_kernel(x_ptr, y_ptr, w_ptr, b_ptr, rstd_ptr, N, eps,
-                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One row: LayerNorm (RMS=False) or RMSNorm; stores y and rstd (float32 arithmetic)."""
+def _round(v, KIND: tl.constexpr):
+    """float32 ``v`` rounded to nearest even in the dtype of code ``KIND`` (0 float32, 1 bfloat16,
+    2 float16), returned as float32: a value the kernel does not store but torch would have (the
+    dropout output, the residual sum)."""
+    if KIND == 1:
+        if _INTERPRETED:  # (the interpreter truncates to bfloat16: integer operations, as in _store)
+            u = v.to(tl.uint32, bitcast=True)
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+        return v.to(tl.bfloat16).to(tl.float32)
+    elif KIND == 2:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _round_as(v, ptr):
+    """float32 ``v`` rounded to nearest even in ``ptr``'s element dtype, returned as float32."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return _round(v, 1)
+    elif ptr.dtype.element_ty == tl.float16:
+        return _round(v, 2)
+    else:
+        return v
+
+
+@triton.jit(do_not_specialize=["thr"])
+def _ln_fwd_kernel(x_ptr, y_ptr, w_ptr, b_ptr, rstd_ptr, N, eps, r_ptr, seed_ptr, thr, scale,
+                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, Z_KIND: tl.constexpr):
+    """One row: LayerNorm (RMS=False) or RMSNorm; stores y and rstd (float32 arithmetic).
+
+    RESIDUAL: the row normalized is z = dropout(x) + r (the sub-layer's output, dropped out, plus
+    the residual stream), neither kept nor stored: the dropout output rounded to x's dtype, the
+    sum to z's (code Z_KIND), as torch's two ops round them. The keep-mask is the dropout
+    kernel's, by element index of x (DROPOUT; else no dropout)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     m = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        if DROPOUT:
+            k0, k1 = _seed_keys(seed_ptr)
+            x = _round_as(x * _keep(row * N + cols, k0, k1, thr).to(tl.float32) * scale, x_ptr)
+        x = _round(x + tl.load(r_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32), Z_KIND)
     if RMS:
         xc = x
     else:
@@ -190,11 +229,18 @@ def _ln_fwd_kernel(x_ptr, y_ptr, w_ptr, b_ptr, rstd_ptr, N, eps,
     tl.store(rstd_ptr + row, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["thr"])
 def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, rows_per_prog,
+                   dh_ptr, seed_ptr, thr, scale,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
-                   NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr):
+                   NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RESIDUAL: tl.constexpr, NEED_DH: tl.constexpr, DROPOUT: tl.constexpr, Z_KIND: tl.constexpr):
     """Rows pid*rows_per_prog ...: dx, and this program's partial sums of dγ, dβ (float32).
+
+    RESIDUAL (the forward normalized z = dropout(h) + r): dx is dz rounded to z's dtype (code
+    Z_KIND), stored (NEED_DX) as r's gradient; dh (NEED_DH) is that rounded to h's dtype times the
+    regenerated keep-mask and the dropout scale (DROPOUT), as torch's backward of the add and
+    leanact's dropout round them.
 
     LayerNorm from output: x̂ = (y − β)/γ, g = dy·γ, dx = rstd·(g − mean(g) − x̂·mean(g·x̂)),
     dγ += dy·x̂, dβ += dy. RMSNorm: no mean(g) term; from output x̂ = y/γ and the dγ partial is
@@ -220,6 +266,8 @@ def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
     t_next = tl.load(t_ptr + base + cols, mask=mn, other=0.0)
     dy_next = tl.load(dy_ptr + base + cols, mask=mn, other=0.0)
     rstd_next = tl.load(rstd_ptr + tl.minimum(start, M - 1))  # rows M >= 1: an index in bounds
+    if DROPOUT:
+        k0, k1 = _seed_keys(seed_ptr)
     for r in range(start, end):
         t = t_next.to(tl.float32)
         dy = dy_next.to(tl.float32)
@@ -240,7 +288,7 @@ def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
         g = dy
         if HAS_W:
             g = dy * w
-        if NEED_DX:
+        if NEED_DX or NEED_DH:
             if RMS and FROM_OUTPUT:
                 c1 = tl.sum(dy * t, axis=0) / N  # g·x̂ = dy·y
             else:
@@ -249,7 +297,15 @@ def _ln_bwd_kernel(dy_ptr, t_ptr, w_ptr, b_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr
                 dx = (g - xh * c1) * rstd
             else:
                 dx = (g - tl.sum(g, axis=0) / N - xh * c1) * rstd
-            _store(dx_ptr + base + cols, dx, m)
+            if RESIDUAL:
+                dx = _round(dx, Z_KIND)
+                if NEED_DH:
+                    dh = dx
+                    if DROPOUT:
+                        dh = _round_as(dh, dh_ptr) * _keep(base + cols, k0, k1, thr).to(tl.float32) * scale
+                    _store(dh_ptr + base + cols, dh, m)
+            if NEED_DX:
+                _store(dx_ptr + base + cols, dx, m)
         if NEED_DW:
             if RMS and FROM_OUTPUT:
                 dw_acc += dy * t
@@ -268,20 +324,39 @@ def _warps(block_n: int) -> int:
     return max(1, min(16, block_n // 256))
 
 
-def norm_forward(x: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, n: int, weight, bias, eps: float, rms: bool):
-    """y (x's shape and dtype) and rstd (float32, one per row) of contiguous x viewed as (rows, n)."""
+#: dtype -> the code :func:`_round` takes
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def norm_forward(x: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, n: int, weight, bias, eps: float, rms: bool,
+                 residual: torch.Tensor | None = None, seed: torch.Tensor | None = None, thr: int = 0,
+                 scale: float = 1.0, z_dtype: torch.dtype = torch.float32):
+    """y (its own dtype, x's shape) and rstd (float32, one per row) of contiguous x viewed as (rows, n).
+
+    With ``residual`` (contiguous, x's shape): of z = dropout(x) + residual instead, the dropout
+    from ``seed`` with keep threshold ``thr`` and factor ``scale`` (no dropout when ``seed`` is
+    None), z rounded to ``z_dtype``; launched without FMA contraction, so that the dropout's product
+    is rounded before the sum, as torch's two ops do."""
     rows = rstd.numel()
     if rows:
         block_n = triton.next_power_of_2(n)
+        add = residual is not None
         _ln_fwd_kernel[(rows,)](x, y, weight if weight is not None else x, bias if bias is not None else x, rstd,
-                                n, eps, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
-                                BLOCK_N=block_n, num_warps=_warps(block_n), **FUSED)
+                                n, eps, residual if add else x, seed if seed is not None else rstd, thr, scale,
+                                HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
+                                BLOCK_N=block_n, RESIDUAL=add, DROPOUT=add and seed is not None,
+                                Z_KIND=_KINDS[z_dtype], num_warps=_warps(block_n), **(UNFUSED if add else FUSED))
 
 
 def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight, bias, dx, dw, db, n: int, rms: bool,
-                  from_output: bool):
+                  from_output: bool, residual: bool = False, dh=None, seed: torch.Tensor | None = None, thr: int = 0,
+                  scale: float = 1.0, z_dtype: torch.dtype = torch.float32):
     """dx (or None) and the per-program partial sums of dγ, dβ (float32 (programs, n), or
-    None); ``dw.shape[0]`` (or ``db``'s) programs share the rows; one program without partials."""
+    None); ``dw.shape[0]`` (or ``db``'s) programs share the rows; one program without partials.
+
+    ``residual`` (the forward of :func:`norm_forward` with a residual): dx (or None) is the
+    residual's gradient, dz rounded to ``z_dtype`` then to dx's dtype; ``dh`` (or None) the
+    gradient of the dropout's input (``seed``, ``thr``, ``scale`` as in the forward)."""
     rows = rstd.numel()
     parts = dw if dw is not None else db
     p = parts.shape[0] if parts is not None else max(1, min(rows, 1024))
@@ -291,10 +366,12 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
         _ln_bwd_kernel[(p,)](dy, t, weight if weight is not None else dummy, bias if bias is not None else dummy,
                              rstd, dx if dx is not None else dummy, dw if dw is not None else dummy,
                              db if db is not None else dummy, rows, n, triton.cdiv(rows, p),
+                             dh if dh is not None else dummy, seed if seed is not None else rstd, thr, scale,
                              HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, FROM_OUTPUT=from_output,
                              NEED_DX=dx is not None, NEED_DW=dw is not None, NEED_DB=db is not None, BLOCK_N=block_n,
+                             RESIDUAL=residual, NEED_DH=residual and dh is not None,
+                             DROPOUT=residual and seed is not None, Z_KIND=_KINDS[z_dtype],
                              num_warps=_warps(block_n), **FUSED)
-
 
 
 @triton.jit

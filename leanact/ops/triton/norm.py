@@ -16,7 +16,8 @@ import torch
 
 from . import dispatch as _d
 
-__all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward"]
+__all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
+           "dropout_add_layer_norm_forward", "dropout_add_layer_norm_backward"]
 
 #: Largest normalized size handled by the one-block-per-row norm kernels (larger: the PyTorch path).
 MAX_N = 32768
@@ -70,6 +71,49 @@ def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
         return None
     grads = _param_grads(k, "layer_norm", y, pw, pb, weight, bias, n, div_w=False)
     return None if grads is None else (dx, *grads)
+
+
+def dropout_add_layer_norm_forward(h, residual, shape, weight, bias, eps: float, seed, thr: int, scale: float,
+                                   z_dtype: torch.dtype, norm_dtype: torch.dtype):
+    """``(y, rstd)`` of LayerNorm over z = dropout(h) + residual (z rounded to ``z_dtype``, then
+    normalized in ``norm_dtype``, y's dtype; no dropout when ``seed`` is None), from one kernel that
+    writes y and rstd only, or None. rstd as ``layer_norm_forward`` returns it."""
+    k = _d._usable(h, residual, weight, bias, seed)
+    n = math.prod(shape)
+    if (not _norm_ok(k, h, n, weight, bias) or residual.dtype not in _d._DTYPES or norm_dtype not in _d._DTYPES
+            or residual.shape != h.shape or thr >= 1 << 32):
+        return None
+    y = torch.empty(h.shape, dtype=norm_dtype, device=h.device)
+    rstd = torch.empty(h.numel() // n, dtype=torch.float32, device=h.device)
+    if _d._launch("dropout_add_layer_norm", h, k.norm_forward, h.contiguous(), y, rstd, n, _flat(weight), _flat(bias),
+                  float(eps), rms=False, residual=residual.contiguous(),
+                  seed=None if seed is None else seed.reshape(()), thr=thr, scale=scale, z_dtype=z_dtype,
+                  check_key=(h.dtype, residual.dtype, norm_dtype)) is _d._FAILED:
+        return None
+    rstd = rstd.view(_stat_shape(h, len(shape)))
+    return y, (rstd.to(norm_dtype) if h.device.type == "cpu" and not _d._STATE["fake"] else rstd)
+
+
+def dropout_add_layer_norm_backward(dy, y, rstd, weight, bias, shape, seed, thr: int, scale: float,
+                                    z_dtype: torch.dtype, h_dtype: torch.dtype, r_dtype: torch.dtype, needs):
+    """``(dh, dresidual, dγ, dβ)`` of :func:`dropout_add_layer_norm_forward` from its output (None
+    where ``needs`` says not needed), from the norm's backward kernel and its partial sums, or None."""
+    k = _d._usable(dy, y, rstd, weight, bias, seed)
+    n = math.prod(shape)
+    if (not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _d._DTYPES or h_dtype not in _d._DTYPES
+            or r_dtype not in _d._DTYPES):
+        return None
+    _, pw, pb = _d._grad_outputs(dy, y, n, False, weight is not None and needs[2], bias is not None and needs[3])
+    dr = torch.empty(y.shape, dtype=r_dtype, device=y.device) if needs[1] else None
+    dh = torch.empty(y.shape, dtype=h_dtype, device=y.device) if needs[0] else None
+    w, b = _flat(weight), _flat(bias)
+    if _d._launch("dropout_add_layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), w,
+                  b, dr, pw, pb, n, rms=False, from_output=True, residual=True, dh=dh,
+                  seed=None if seed is None else seed.reshape(()), thr=thr, scale=scale, z_dtype=z_dtype,
+                  check_key=(h_dtype, r_dtype, y.dtype)) is _d._FAILED:
+        return None
+    grads = _param_grads(k, "layer_norm", y, pw, pb, weight, bias, n, div_w=False)  # (the norms' partials sum)
+    return None if grads is None else (dh, dr, *grads)
 
 
 def _param_grads(k, name: str, t, pw, pb, weight, bias, n: int, div_w: bool):
