@@ -18,7 +18,7 @@ from leanact.ops.triton import dispatch
 #: aten operations that start no kernel (allocation, metadata)
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "view", "_unsafe_view", "select", "slice", "detach", "alias",
               "as_strided", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "_reshape_alias",
-              "reshape", "lift_fresh"}
+              "reshape", "lift_fresh", "promote_types", "result_type"}  # (the last two: dtype arithmetic)
 
 
 class _Aten(TorchDispatchMode):

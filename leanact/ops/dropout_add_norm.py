@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .amp import no_autocast_backward, norm_inputs
+from .amp import autocast_dtype, no_autocast_backward
 from .backward import once_differentiable
 from .dropout import _apply as _dropout_apply, dropout
 from .layer_norm import DEFAULT_MAX_RATIO, backward_from_output, from_output_ok, layer_norm
@@ -126,10 +126,11 @@ def dropout_add_layer_norm(
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not _fusable(h, residual, weight, bias, p):
         return layer_norm(dropout(h, p, training) + residual, shape, weight, bias, eps, max_ratio=max_ratio)
-    z_dtype = torch.result_type(h, residual)
-    probe = torch.empty((), dtype=z_dtype, device=h.device)
-    probe, weight, bias = norm_inputs(probe, weight, bias)  # autocast's policy for layer_norm (ops.amp)
-    norm_dtype = probe.dtype
+    z_dtype = torch.promote_types(h.dtype, residual.dtype)  # (same shapes: the add's result_type)
+    norm_dtype = z_dtype
+    if h.device.type == "cuda" and autocast_dtype("cuda") is not None:  # autocast's policy for layer_norm
+        norm_dtype = torch.float32  # (as ops.amp.norm_inputs casts the norm's input and parameters)
+        weight, bias = (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (weight, bias))
     if not from_output_ok(weight, bias, math.prod(shape), norm_dtype, max_ratio):
         return layer_norm(dropout(h, p, training) + residual, shape, weight, bias, eps, from_output=False)
     seed = draw_seed(h.device, generator) if p > 0.0 else None
