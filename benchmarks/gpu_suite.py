@@ -547,6 +547,12 @@ def op_cases(device: str = "cuda", tokens: int = 16384):
         cases.append(("LayerNorm", dt, (tokens, 1024), lambda x, w=w, b=b: layer_norm(x, (1024,), w, b),
                       lambda x, w=w, b=b: F.layer_norm(x, (1024,), w, b),
                       (lambda x, w=w, b=b: liger["ln"](x, w, b, 1e-5)) if liger else None))
+        # BERT's sub-layer end under autocast: h (the dense output) in dt, the residual stream, γ, β and y
+        # in fp32; the residual needs a gradient too (cleared per call: no accumulation kernel timed)
+        r = torch.randn(tokens, 1024, device=device, requires_grad=True)
+        cases.append(("sub-layer end (dropout, add, LayerNorm)", dt, (tokens, 1024),
+                      lambda x, r=r: LF.dropout_add_layer_norm(x, _fresh(r), 1024, w1k, b1k, 1e-5, 0.1),
+                      lambda x, r=r: F.layer_norm(F.dropout(x, 0.1) + _fresh(r), (1024,), w1k, b1k, 1e-5), None))
         cases.append(("RMSNorm", dt, (tokens, 2048), lambda x, w=w2: rms_norm(x, (2048,), w, 1e-6),
                       lambda x, w=w2: F.rms_norm(x, (2048,), w, 1e-6),
                       (lambda x, w=w2: liger["rms"](x, w, 1e-6)) if liger else None))
@@ -560,13 +566,20 @@ def op_cases(device: str = "cuda", tokens: int = 16384):
     return cases
 
 
+def _fresh(t):
+    """``t`` with its ``.grad`` cleared (a leaf's gradient is then stored, not accumulated)."""
+    t.grad = None
+    return t
+
+
 #: Bytes leanact's kernels move per element of the op's input, forward + backward, for an element
 #: size s (docs/triton.md): GELU writes y and a bit, its backward reads y, the bit and dy and writes
 #: dx; dropout reads and writes once each way (the mask is rebuilt from the seed); the norms' forward
-#: reads x and writes y, their backward reads y and dy and writes dx (per-row statistics and the
+#: reads x and writes y, their backward reads y and dy and writes dx; the sub-layer end reads h and the
+#: residual and writes y, then reads dy and y and writes both gradients (per-row statistics and the
 #: dγ/dβ partials are below 5% at these widths and left out). None: not bandwidth-bound (the MLP).
 MOVED = {"GELU": lambda s: 5 * s + 0.25, "dropout": lambda s: 4 * s, "LayerNorm": lambda s: 5 * s,
-         "RMSNorm": lambda s: 5 * s}
+         "RMSNorm": lambda s: 5 * s, "sub-layer end": lambda s: 2 * s + 20}  # (h in s; residual, y, dy fp32)
 #: Datasheet memory bandwidth (GB/s) by device name, for when torch does not report the memory clock.
 PEAK_GBS = {"H200": 4800, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "GH200": 4000, "A100-SXM4-80GB": 2039,
             "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "A10": 600,

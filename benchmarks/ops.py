@@ -21,10 +21,29 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import leanact.functional as LF
 from leanact import nn as lnn
 from leanact.memory import saved_bytes
+
+
+class SubLayerEnd(nn.Module):
+    """BERT's sub-layer end after its dense: LayerNorm(dropout(x) + residual); the residual stream is a
+    parameter here (it needs a gradient, and the meter leaves parameters out), torch's ops or leanact's
+    one op (:func:`leanact.functional.dropout_add_layer_norm`)."""
+
+    def __init__(self, hidden: int, rows: int, lean: bool, p: float = 0.1):
+        super().__init__()
+        self.norm, self.p, self.lean = nn.LayerNorm(hidden), p, lean
+        self.residual = nn.Parameter(torch.zeros(rows, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.norm
+        if self.lean:
+            return LF.dropout_add_layer_norm(x, self.residual, n.normalized_shape, n.weight, n.bias, n.eps, self.p)
+        return n(F.dropout(x, self.p) + self.residual)
 
 
 def cases(rows: int, hidden: int):
@@ -35,6 +54,8 @@ def cases(rows: int, hidden: int):
         ("LayerNorm", (rows, hidden), lambda: nn.LayerNorm(hidden), lambda: lnn.LayerNorm(hidden)),
         ("RMSNorm", (rows, hidden), lambda: nn.RMSNorm(hidden), lambda: lnn.RMSNorm(hidden)),
         ("Dropout p=0.1", (rows, hidden), lambda: nn.Dropout(0.1), lambda: lnn.Dropout(0.1)),
+        ("dropout + add + LayerNorm", (rows, hidden), lambda: SubLayerEnd(hidden, rows, False),
+         lambda: SubLayerEnd(hidden, rows, True)),
     ]
 
 
@@ -45,7 +66,7 @@ def _fill(module: nn.Module) -> nn.Module:
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for name, p in module.named_parameters():
-            if name == "weight":
+            if name.rsplit(".", 1)[-1] == "weight":
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))

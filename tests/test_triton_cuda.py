@@ -143,6 +143,37 @@ def test_norms(monkeypatch, dtype, rms):
         assert _close(a, c, dtype, length)
 
 
+@pytest.mark.parametrize("h_dtype,autocast", [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_dropout_add_layer_norm(monkeypatch, h_dtype, autocast):
+    """The sub-layer end's compiled kernels against its PyTorch path on this GPU: the same tensors kept,
+    the same mask, y and the gradients within float32 rounding (BERT-Large's width and rows)."""
+    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+
+    torch.manual_seed(2)
+    n = 1024
+    r_dtype = torch.float32 if autocast or h_dtype == torch.float32 else h_dtype
+    h = torch.randn(64, 33, n, device="cuda").to(h_dtype)
+    r = torch.randn(64, 33, n, device="cuda").to(r_dtype)
+    w, b = torch.rand(n, device="cuda") + 0.5, torch.randn(n, device="cuda") * 0.1
+    if not autocast:
+        w, b = w.to(r_dtype), b.to(r_dtype)
+
+    def run():
+        hh, rr, ww, bb = (t.clone().requires_grad_() for t in (h, r, w, b))
+        torch.manual_seed(7)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = dropout_add_layer_norm(hh, rr, n, ww, bb, 1e-5, 0.1)
+        saved = [(t.dtype, t.shape) for t in y.grad_fn.saved_tensors if t is not None]
+        y.backward(torch.ones_like(y) + torch.arange(n, device="cuda") / n)
+        return [y.detach(), hh.grad, rr.grad, ww.grad, bb.grad], saved
+
+    (out, saved), (ref, saved0) = run(), _torch_path(monkeypatch, run)
+    assert saved == saved0 and out[0].dtype == (torch.float32 if autocast else r_dtype)
+    assert torch.equal(out[1] == 0, ref[1] == 0)  # the seeded mask
+    for a, c, length in zip(out, ref, (n, n, n, 64 * 33 * n, 64 * 33 * n)):
+        assert _close(a, c, a.dtype, length)
+
+
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_patched_tiny_model_matches_the_torch_path(monkeypatch, family):
     pytest.importorskip("transformers")
@@ -191,7 +222,9 @@ _CHECK_KEYS = [("dropout", torch.int64)] + [("dropout", dt) for dt in (torch.flo
     (name, dt) for name in ("layer_norm", "rms_norm") for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
     ("gated_mlp", (dt, kind)) for dt in (torch.float32, torch.bfloat16) for kind in ("silu", "gelu", "gelu_tanh")] + [
     ("fewbit", (dt, bits)) for dt in (torch.float32, torch.bfloat16) for bits in (1, 2, 4)] + [
-    ("compress", (dt, fmt)) for dt in (torch.float32, torch.bfloat16) for fmt in ("fp8", "int8")]
+    ("compress", (dt, fmt)) for dt in (torch.float32, torch.bfloat16) for fmt in ("fp8", "int8")] + [
+    ("dropout_add_layer_norm", key) for key in ((torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.float32),
+                                                (torch.bfloat16,) * 3, (torch.float16, torch.float32, torch.float32))]
 
 
 @pytest.mark.parametrize("name,key", _CHECK_KEYS, ids=str)

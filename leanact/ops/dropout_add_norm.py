@@ -127,12 +127,13 @@ def dropout_add_layer_norm(
     if not _fusable(h, residual, weight, bias, p):
         return layer_norm(dropout(h, p, training) + residual, shape, weight, bias, eps, max_ratio=max_ratio)
     z_dtype = torch.promote_types(h.dtype, residual.dtype)  # (same shapes: the add's result_type)
-    norm_dtype = z_dtype
-    if h.device.type == "cuda" and autocast_dtype("cuda") is not None:  # autocast's policy for layer_norm
-        norm_dtype = torch.float32  # (as ops.amp.norm_inputs casts the norm's input and parameters)
-        weight, bias = (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (weight, bias))
+    autocast = h.device.type == "cuda" and autocast_dtype("cuda") is not None
+    norm_dtype = torch.float32 if autocast else z_dtype  # autocast's policy for layer_norm (ops.amp.norm_inputs)
+    # decided on the parameters themselves (a cast is a new tensor per call: the cached decision is per tensor)
     if not from_output_ok(weight, bias, math.prod(shape), norm_dtype, max_ratio):
         return layer_norm(dropout(h, p, training) + residual, shape, weight, bias, eps, from_output=False)
+    if autocast:
+        weight, bias = (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (weight, bias))
     seed = draw_seed(h.device, generator) if p > 0.0 else None
     return keeping_output(lambda: DropoutAddLayerNorm.apply(h, residual, weight, bias, seed, p, shape, eps, z_dtype,
                                                             norm_dtype))
