@@ -33,16 +33,14 @@ import leanact  # noqa: E402
 TINY = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=1000)
 
 
-def _step(model_name: str, lean: bool, device: str):
+def build_model(model_name: str, device: str):
+    """(model in training mode, its inputs with labels): BERT-Large MLM at b=32, s=512, or the
+    Llama-3.2-1B geometry at b=4, s=2048, on CUDA; the same layer counts at tiny widths elsewhere."""
     cuda = device == "cuda"
     if model_name == "bert-large":
         seq, batch = (512, 32) if cuda else (16, 2)
         model = gb.build("sdpa", None, "bf16", "autocast", seq, device, **({} if cuda else TINY))
-        if lean:
-            leanact.patch(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-        step = gb.make_step(model, opt, "bf16", "autocast", seq)
-        return lambda: step(batch)
+        return model, gb.make_batch(batch, seq, model.config.vocab_size, device)
     import transformers
 
     from leanact.models.geometries import GEOMETRIES
@@ -55,14 +53,19 @@ def _step(model_name: str, lean: bool, device: str):
     g = dataclasses.replace(g, kwargs={**g.kwargs, **kwargs})
     with torch.device(device):
         model = getattr(transformers, g.model_cls)(g.make_config(attn="sdpa", dropout=0.0)).train()
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def _step(model_name: str, lean: bool, device: str):
+    model, inputs = build_model(model_name, device)
     if lean:
         leanact.patch(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
 
     def step():
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**inputs).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -31,7 +31,8 @@ import torch
 
 from leanact._local import setting
 
-__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient", "keeping_output"]
+__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient", "keeping_output",
+           "unobserved_ambient"]
 
 _state = threading.local()
 #: the number the next autograd node made on this thread gets (a private torch API: where it is
@@ -216,6 +217,21 @@ def _foreign_hooks() -> bool:
         return True
     top = _top_hooks(False) if _top_hooks is not None else None
     return top is not None and top[0] is not _pack
+
+
+def unobserved_ambient() -> tuple[bool, "SavedTensorTransform | None"]:
+    """``(True, the ambient transform or None)`` when no saved tensor passes through any hooks now
+    (no pipeline member active, no saved-tensor hooks pushed, no torch.func transform, grad on, not
+    compiling): an op may then give its own saved tensors per-tensor hooks after it ran
+    (``register_hooks`` on its node's saved tensors) instead of pushing hooks around it, and nobody
+    misses a save. Else ``(False, None)``."""
+    stacks = _stacks()
+    if (stacks[0] or stacks[1] or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        return False, None
+    if _top_hooks is None or _top_hooks(False) is not None:
+        return False, None
+    return True, _state.__dict__.get("ambient")
 
 
 class with_ambient:  # noqa: N801 - a context manager used like a function

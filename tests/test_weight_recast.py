@@ -9,8 +9,11 @@
   (batch-independent), with bit-identical losses and gradients; off, unpatch, copies, checkpointing
   and torch.compile (fallback) behave.
 """
+import contextlib
 import copy
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -418,3 +421,64 @@ def test_patched_linear_double_backward():
     assert torch.equal(grads[0][0], grads[1][0])
     for a, b in zip(grads[0][1:], grads[1][1:]):
         torch.testing.assert_close(a, b, rtol=0, atol=4 * 2**-8 * b.abs().max().item())
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Weak references to every fp32 -> 16-bit ``_to_copy`` of a tensor that needs grad (autocast's casts
+    of weights and inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func.overloadpacket is torch.ops.aten._to_copy and args[0].dtype == torch.float32 and out.dtype in LOW
+                and args[0].requires_grad):  # (casts in the graph: not GELU's tables, built once)
+            self.refs.append((weakref.ref(out), isinstance(args[0], nn.Parameter)))
+        return out
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
+def test_no_cast_kept_by_the_hook_free_path(family, monkeypatch):
+    """A plain patched step (nothing observing saves: no meter, no strategy) gives the patched Linears'
+    saved tensors per-tensor hooks after each matmul (leanact.ops.weight_recast.hook_matmul_saves). After
+    the forward the same fp32 -> 16-bit casts are alive as with the hooks pushed around each Linear
+    (a meter active: the path the byte counts above measure): no weight's, none of a norm's output
+    (BERT: none at all; LLaMA's attention keeps its q, k casts), and the loss and gradients are
+    bitwise those of that path."""
+    import leanact.patching.weight_recast as patch_recast
+
+    calls = []
+    real = patch_recast.hook_matmul_saves
+    monkeypatch.setattr(patch_recast, "hook_matmul_saves", lambda *a: calls.append(1) or real(*a))
+    base = _model(family)
+    batch = _batch(2)
+    results, kept, hooked = [], [], []
+    for observed in (False, True):
+        calls.clear()
+        m = leanact.patch(copy.deepcopy(base))
+        meter = SavedTensorMeter(m) if observed else contextlib.nullcontext()
+        casts = _Casts()
+        with meter, casts, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(**batch).loss
+        gc.collect()
+        assert casts.refs
+        kept.append(sorted((tuple(r().shape), param) for r, param in casts.refs if r() is not None))
+        hooked.append(len(calls))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert kept[0] == kept[1] and not any(param for _, param in kept[0]), kept
+    assert hooked[0] > 0 and hooked[1] == 0
+    if family == "bert":
+        assert kept[0] == []
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+    unpatched = copy.deepcopy(base)
+    casts = _Casts()
+    with casts, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = unpatched(**batch).loss
+    gc.collect()
+    assert any(param for r, param in casts.refs if r() is not None)  # (the test sees HF keep its weight casts)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..saved import SavedTensorTransform, _check_version
 from .amp import autocast_dtype
 
-__all__ = ["RecastWeight", "recast_weight", "linear", "LOW_DTYPES"]
+__all__ = ["RecastWeight", "recast_weight", "linear", "hook_matmul_saves", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -72,6 +72,42 @@ class recast_weight:  # noqa: N801 - used as a function: ``with recast_weight(w,
 
     def __exit__(self, *exc) -> None:
         self._transform.__exit__(*exc)
+
+
+#: autograd nodes of a Linear's matmul and the names of its saved (input, weight): aten's linear
+#: (CompositeImplicitAutograd, the same on every device) is ``addmm`` with a bias, ``mm`` without, on
+#: the input flattened to 2-D, then a view back (GPT-2's Conv1D: ``addmm`` and a view)
+_MATMUL_SAVES = {"AddmmBackward0": ("_saved_mat1", "_saved_mat2"), "MmBackward0": ("_saved_self", "_saved_mat2")}
+_VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0")
+
+
+def hook_matmul_saves(y: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor,
+                      transform: SavedTensorTransform | None = None) -> torch.Tensor:
+    """``y``, just made by a matmul of ``cast`` (``weight.to(dtype)``: an ``F.linear``, or an ``addmm``
+    as GPT-2's Conv1D), after giving the tensors its node saved per-tensor hooks (``register_hooks``)
+    that keep what :func:`recast_weight` keeps for the cast (the parameter and the view's geometry)
+    and what ``transform`` (the ambient cast recipes) keeps for the input: the same as pushing hooks
+    around the op, with one Python call per tensor replaced and none per tensor left, and no hooks to
+    push and pop. Only where nothing observes saves (:func:`leanact.saved.unobserved_ambient`). A node
+    of another kind (never seen: aten's linear is ``addmm`` with a bias, ``mm`` without, on the input
+    flattened to 2-D, then a view back, on every device) keeps what it saved, as autocast would."""
+    node = y.grad_fn
+    if node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    names = _MATMUL_SAVES.get(type(node).__name__) if node is not None else None
+    if names is None:
+        return y
+    kept_input, kept_weight = (getattr(node, n) for n in names)  # (None where not saved)
+    if kept_weight is not None:
+        recast = RecastWeight(weight, cast)
+        packed = recast.pack(kept_weight)
+        if packed is not None:
+            getattr(node, "_raw" + names[1]).register_hooks(lambda _t, p=packed: p, recast.unpack)
+    if kept_input is not None and transform is not None:
+        claim = transform.pack(kept_input)
+        if claim is not None:
+            getattr(node, "_raw" + names[0]).register_hooks(lambda _t, c=claim: c, transform.unpack)
+    return y
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -31,10 +31,10 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..ops.amp import autocast_dtype
-from ..ops.weight_recast import LOW_DTYPES, recast_weight
+from ..ops.weight_recast import LOW_DTYPES, hook_matmul_saves, recast_weight
 from ..recompute.context_forward import ContextForward, unwrap_forward
 from ..recompute.recipes import foreign_hooks
-from ..saved import with_ambient
+from ..saved import unobserved_ambient, with_ambient
 
 __all__ = ["RecastForward", "apply", "remove", "recast_dtype", "wraps_linears", "NOTE"]
 
@@ -66,13 +66,17 @@ def recast_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
     if not isinstance(x, torch.Tensor) or not torch.is_grad_enabled():
         return None
     # a Parameter (a weight computed in forward, e.g. by a parametrization, would have to stay alive
-    # in fp32 to be recast: more than its copy), plain (not a DTensor shard: FSDP2 / TP keep theirs)
-    if (not isinstance(weight, nn.Parameter) or weight.dtype != torch.float32 or is_traceable_wrapper_subclass(weight)
-            or weight.device.type != x.device.type):
+    # in fp32 to be recast: more than its copy), plain (not a DTensor shard: FSDP2 / TP keep theirs;
+    # an exact nn.Parameter is plain, the common case checked first: this runs per Linear call)
+    if type(weight) is not nn.Parameter and (not isinstance(weight, nn.Parameter)
+                                             or is_traceable_wrapper_subclass(weight)):
         return None
-    if not (weight.requires_grad or x.requires_grad):
+    if weight.dtype != torch.float32 or not (weight.requires_grad or x.requires_grad):
         return None
-    dtype = autocast_dtype(x.device.type)
+    device = x.device.type
+    if weight.device.type != device:
+        return None
+    dtype = autocast_dtype(device)
     if dtype not in LOW_DTYPES or torch.compiler.is_compiling() or foreign_hooks():
         return None
     return dtype
@@ -90,6 +94,11 @@ class RecastForward(ContextForward):
             return forward(*args, **kwargs)
         m, x = self.module, args[0]
         dtype = recast_dtype(m.weight, x)
+        if dtype is not None:
+            quiet, transform = unobserved_ambient()
+            if quiet:  # nothing observes saves: hooks on the matmul's saved tensors, none pushed around it
+                cast = m.weight.to(dtype)
+                return hook_matmul_saves(compute(m, x, cast), m.weight, cast, transform)
         with with_ambient():  # the autocast recipes, where the model's forward set them (patching.amp)
             if dtype is None:
                 return forward(x)

@@ -15,7 +15,8 @@ same conversion kernel (round to nearest even) and gives the bitwise same tensor
 * a tensor about to be kept (or the tensor it is a view of) whose autograd node is a ``_to_copy``
   of a tagged output, unmodified since, with the same shape and dense layout, gets a recipe
   ``src.to(dtype)`` (:func:`cast_recipe`), which the transform then keeps instead (the recipe
-  pins ``src``, kept anyway: the cast costs nothing).
+  pins ``src``, kept anyway: the cast costs nothing). The casts of one source to one dtype (Q's,
+  K's and V's of a norm's output) share one recipe: backward rebuilds the cast once for all of them.
 
 Only casts between floating dtypes of an output whose node is tagged are recognised; everything
 else (a cast of a plain tensor kept by nobody, a cast of a parameter, a view's cast) stays as
@@ -30,6 +31,7 @@ import torch
 __all__ = ["tag_kept", "cast_recipe"]
 
 _TAG = "_leanact_kept"
+_SHARED = "_leanact_cast_recipes"  # on a tagged node: {dtype: weakref to the recipe of that cast of its output}
 
 
 def tag_kept(t: torch.Tensor) -> None:
@@ -84,4 +86,20 @@ def cast_recipe(t: torch.Tensor, make_recipe) -> object | None:
     src = _source(c)
     if src is None or not src.is_floating_point() or src.dtype == c.dtype:
         return None
-    return make_recipe("cast", _cast(c.dtype), (src,), c)
+    # Q, K and V each cast the same norm output: one recipe serves the three casts (bitwise the same
+    # tensor), rebuilt once in backward for all of them (held weakly on the source's node)
+    node = src.grad_fn
+    shared = getattr(node, _SHARED, None)
+    if shared is None:
+        shared = {}
+        try:
+            setattr(node, _SHARED, shared)
+        except (AttributeError, TypeError, RuntimeError):
+            pass
+    ref = shared.get(c.dtype)
+    r = ref() if ref is not None else None
+    if r is None:
+        r = make_recipe("cast", _cast(c.dtype), (src,), c)
+        if r is not None:
+            shared[c.dtype] = weakref.ref(r)
+    return r

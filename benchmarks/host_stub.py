@@ -1,0 +1,105 @@
+"""A training step's host time on the CUDA code path, measured on a CPU: kernels stubbed, parts ablated.
+
+    python benchmarks/host_stub.py [--model bert-large|llama-1b] [--steps 15]
+
+What a GPU step costs the host (Python, autograd, dispatch) decides the step time when the GPU
+waits for it (BERT-Large at b=32 on an H100: 118 ms of kernels, a 166 ms step). This script runs
+the CUDA path of every lean op on tiny CPU tensors with the Triton launches replaced by nothing
+(``dispatch.use_kernels(SHAPES_ONLY)``: outputs allocated, no kernel run) and times whole steps
+(fp32 weights + bf16 autocast; the model's layer count, tiny widths), Hugging Face's next to
+leanact's, interleaved, medians. The optimizer steps nothing (the stubbed gradients are garbage, and
+the norms would fall back on garbage γ) but runs its step hooks. Attention is HF's SDPA on both
+sides: on CUDA leanact's attention with dropout is SDPA's fused kernel too (its CPU path is not).
+
+Rows: leanact as patched; without the autocast cast recipes (Linears keep autocast's 16-bit copy of
+a norm's output); without those and the weight recast (they keep autocast's copy of the weight too):
+what each memory saving costs the host. Launch costs (Triton's launcher, CUDA's) are not in these
+numbers; ``host_profile.py`` on a GPU has them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from host_profile import build_model
+
+import leanact
+import leanact.patching.amp as patch_amp
+from leanact.ops.triton import dispatch
+
+
+class NoStep(torch.optim.SGD):
+    """An optimizer whose step changes nothing (its step hooks still run: the norms' per-step decision)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return None
+
+
+class _NoRecipes(patch_amp.AutocastRecipes):
+    """The patched model's autocast context without its cast recipes."""
+
+    def __enter__(self):
+        self._local.__dict__.setdefault("stack", []).append(None)
+        return self
+
+
+VARIANTS = {"HF": None, "leanact": {}, "leanact, no cast recipes": {"recipes": False},
+            "leanact, no cast recipes, no weight recast": {"recipes": False, "recast_weights": False}}
+
+
+def make_step(model_name: str, variant: dict | None):
+    """One stubbed training step of ``model_name`` patched as ``variant`` says (None: HF's)."""
+    model, inputs = build_model(model_name, "cpu")
+    if variant is not None:
+        leanact.patch(model, attention=False, recast_weights=variant.get("recast_weights", True))
+        if not variant.get("recipes", True):
+            for m in model.modules():
+                context = getattr(m.__dict__.get("forward"), "context", None)
+                if isinstance(context, patch_amp.AutocastRecipes):
+                    context.__class__ = _NoRecipes
+    opt = NoStep(model.parameters(), lr=0.0)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["bert-large", "llama-1b"], default="bert-large")
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False):
+        steps = {name: make_step(args.model, v) for name, v in VARIANTS.items()}
+        for s in steps.values():  # warm-up: the norms' decisions, tables, caches
+            s()
+            s()
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(args.steps):
+            for k, s in steps.items():
+                t0 = time.perf_counter()
+                s()
+                times[k].append(time.perf_counter() - t0)
+    hf = statistics.median(times["HF"])
+    print(f"{args.model}, CUDA code path with the kernels stubbed, on the CPU: host ms per step "
+          f"(median of {args.steps} interleaved)")
+    print("| step | host ms | vs HF |")
+    print("|---|---|---|")
+    for k, v in times.items():
+        print(f"| {k} | {statistics.median(v) * 1e3:.1f} | {statistics.median(v) / hf:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
