@@ -8,8 +8,8 @@ the CUDA path of every lean op on tiny CPU tensors with the Triton launches repl
 (``dispatch.use_kernels(SHAPES_ONLY)``: outputs allocated, no kernel run) and times whole steps
 (fp32 weights + bf16 autocast; the model's layer count, tiny widths), Hugging Face's next to
 leanact's, interleaved, medians. The optimizer steps nothing (the stubbed gradients are garbage, and
-the norms would fall back on garbage γ) but runs its step hooks. Attention is HF's SDPA on both
-sides: on CUDA leanact's attention with dropout is SDPA's fused kernel too (its CPU path is not).
+the norms would fall back on garbage γ) but runs its step hooks. leanact's attention takes its
+CUDA path too (with dropout: SDPA's fused kernel, here the CPU's), not its CPU one.
 
 Rows: leanact as patched; without the autocast cast recipes (Linears keep autocast's 16-bit copy of
 a norm's output); without those and the weight recast (they keep autocast's copy of the weight too):
@@ -19,6 +19,7 @@ numbers; ``host_profile.py`` on a GPU has them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ import torch
 from host_profile import build_model
 
 import leanact
+import leanact.ops.attention as attention_op
 import leanact.patching.amp as patch_amp
 from leanact.ops.triton import dispatch
 
@@ -48,6 +50,18 @@ class _NoRecipes(patch_amp.AutocastRecipes):
         return self
 
 
+@contextlib.contextmanager
+def _attention_as_on_cuda():
+    """leanact's attention takes the path it takes for CUDA tensors: SDPA with dropout, whose output
+    counts as lean (on CUDA a fused kernel's; the CPU's SDPA runs its math path with dropout, as for HF)."""
+    real = attention_op._device_type, attention_op._lean_node
+    attention_op._device_type, attention_op._lean_node = (lambda t: "cuda"), (lambda out: True)
+    try:
+        yield
+    finally:
+        attention_op._device_type, attention_op._lean_node = real
+
+
 VARIANTS = {"HF": None, "leanact": {}, "leanact, no cast recipes": {"recipes": False},
             "leanact, no cast recipes, no weight recast": {"recipes": False, "recast_weights": False}}
 
@@ -56,7 +70,7 @@ def make_step(model_name: str, variant: dict | None):
     """One stubbed training step of ``model_name`` patched as ``variant`` says (None: HF's)."""
     model, inputs = build_model(model_name, "cpu")
     if variant is not None:
-        leanact.patch(model, attention=False, recast_weights=variant.get("recast_weights", True))
+        leanact.patch(model, recast_weights=variant.get("recast_weights", True))
         if not variant.get("recipes", True):
             for m in model.modules():
                 context = getattr(m.__dict__.get("forward"), "context", None)
@@ -80,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False):
+    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False), _attention_as_on_cuda():
         steps = {name: make_step(args.model, v) for name, v in VARIANTS.items()}
         for s in steps.values():  # warm-up: the norms' decisions, tables, caches
             s()
