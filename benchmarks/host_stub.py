@@ -11,8 +11,8 @@ leanact's, interleaved, medians. The optimizer steps nothing (the stubbed gradie
 the norms would fall back on garbage γ) but runs its step hooks. leanact's attention takes its
 CUDA path too (with dropout: SDPA's fused kernel, here the CPU's), not its CPU one.
 
-Rows: leanact as patched; without the autocast cast recipes (Linears keep autocast's 16-bit copy of
-a norm's output); without those and the weight recast (they keep autocast's copy of the weight too):
+Rows: leanact as patched; with ``cast_recipes=False`` (Linears keep autocast's 16-bit copy of a
+norm's output); with ``recast_weights=False`` too (they keep autocast's copy of the weight too):
 what each memory saving costs the host. Launch costs (Triton's launcher, CUDA's) are not in these
 numbers; ``host_profile.py`` on a GPU has them.
 """
@@ -30,7 +30,6 @@ from host_profile import build_model
 
 import leanact
 import leanact.ops.attention as attention_op
-import leanact.patching.amp as patch_amp
 from leanact.ops.triton import dispatch
 
 
@@ -40,14 +39,6 @@ class NoStep(torch.optim.SGD):
     @torch.no_grad()
     def step(self, closure=None):
         return None
-
-
-class _NoRecipes(patch_amp.AutocastRecipes):
-    """The patched model's autocast context without its cast recipes."""
-
-    def __enter__(self):
-        self._local.__dict__.setdefault("stack", []).append(None)
-        return self
 
 
 @contextlib.contextmanager
@@ -62,20 +53,15 @@ def _attention_as_on_cuda():
         attention_op._device_type, attention_op._lean_node = real
 
 
-VARIANTS = {"HF": None, "leanact": {}, "leanact, no cast recipes": {"recipes": False},
-            "leanact, no cast recipes, no weight recast": {"recipes": False, "recast_weights": False}}
+VARIANTS = {"HF": None, "leanact": {}, "leanact, cast_recipes=False": {"cast_recipes": False},
+            "leanact, cast_recipes=False, recast_weights=False": {"cast_recipes": False, "recast_weights": False}}
 
 
 def make_step(model_name: str, variant: dict | None):
     """One stubbed training step of ``model_name`` patched as ``variant`` says (None: HF's)."""
     model, inputs = build_model(model_name, "cpu")
     if variant is not None:
-        leanact.patch(model, recast_weights=variant.get("recast_weights", True))
-        if not variant.get("recipes", True):
-            for m in model.modules():
-                context = getattr(m.__dict__.get("forward"), "context", None)
-                if isinstance(context, patch_amp.AutocastRecipes):
-                    context.__class__ = _NoRecipes
+        leanact.patch(model, **variant)
     opt = NoStep(model.parameters(), lr=0.0)
 
     def step():

@@ -237,3 +237,31 @@ def test_ambient_recipes_under_a_strategy(strategy, monkeypatch):
     (kept_a, loss_a, grads_a), (kept_w, loss_w, grads_w) = results[True], results[False]
     assert kept_a == kept_w
     assert torch.equal(loss_a, loss_w) and all(torch.equal(grads_a[k], grads_w[k]) for k in grads_w)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_cast_recipes_off_keeps_autocasts_copies(family):
+    """``patch(cast_recipes=False)``: autocast's 16-bit casts of the norms' outputs are kept, as HF
+    keeps them (one per consumer: Q, K, V, the MLP's first projections, BERT's head transform), bitwise
+    the same loss and gradients; everything else kept is the same."""
+    from _tiny import tiny_batch, tiny_hf
+
+    batch = tiny_batch()
+    tokens, h = batch["input_ids"].numel(), 32
+    kept, results = {}, {}
+    for recipes in (True, False):
+        m = leanact.patch(tiny_hf(family), cast_recipes=recipes)
+        meter = SavedTensorMeter(m, exclude=list(batch.values()))
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(**batch).loss
+        loss.backward()
+        kept[recipes] = meter.total_bytes
+        results[recipes] = (loss.detach(), [p.grad for p in m.parameters() if p.grad is not None])
+    # BERT (1 layer): Q, K, V and the intermediate dense cast a norm output, so does the head's transform;
+    # LLaMA (1 layer): Q, K, V, gate and up
+    casts = 3 + 1 + 1 if family == "bert" else 3 + 2
+    assert kept[False] - kept[True] == casts * tokens * h * 2, kept
+    assert torch.equal(results[True][0], results[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
+    with pytest.raises(TypeError, match="cast_recipes="):
+        leanact.patch(tiny_hf(family), cast_recipes="no")

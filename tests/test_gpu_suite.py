@@ -340,7 +340,8 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     assert "no Liger row" in head or "| Liger" in head
     steps = sections[parts.index("steps")]
     expect = [("Llama-3.2-1B geometry", "HF sdpa"), ("Llama-3.2-1B geometry", "leanact"),
-              ("BERT-Large MLM", "HF sdpa"), ("BERT-Large MLM", "leanact")]
+              ("BERT-Large MLM", "HF sdpa"), ("BERT-Large MLM", "leanact"),
+              ("BERT-Large MLM", "leanact, cast_recipes=False, recast_weights=False")]
     assert [tuple(r[:2]) for r in _rows(steps) if r[1] != "Liger"] == expect, steps
     assert all(float(r[3]) > 0 and r[5] == "n/a" for r in _rows(steps)), steps  # CPU: times, no peaks
     assert "no Liger row" in steps or "Liger: apply_liger" in steps or "Liger: _apply" in steps

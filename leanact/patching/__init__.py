@@ -373,7 +373,8 @@ def _check_not_inside_patched(model: nn.Module) -> None:
 
 
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
-          lossy: str | dict | None = None, fused_loss: bool = True, recast_weights: bool = True) -> nn.Module:
+          lossy: str | dict | None = None, fused_loss: bool = True, recast_weights: bool = True,
+          cast_recipes: bool = True) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
 
     ``attention``: "recompute" (default; keeps q, k, v, output and one statistic per row),
@@ -389,9 +390,16 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     ``Conv1D`` keep their fp32 weight (a parameter, free) instead of autocast's 16-bit copy of it and
     cast it again in backward: 2 bytes per parameter less, gradients bit-identical
     (:mod:`leanact.patching.weight_recast`); False = keep autocast's copies.
+    ``cast_recipes``: True (default) = under ``torch.autocast``, the 16-bit casts autocast makes of a
+    kept fp32 tensor (a norm's output, cast again for Q, K, V and the MLP) are not kept but rebuilt
+    in backward (:mod:`leanact.patching.amp`); False = keep autocast's casts (2 bytes per element
+    per source more, less host time per step: no saved-tensor hooks for them). With both False a
+    patched model under autocast keeps what its lean ops keep and autocast's copies, as HF does.
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
     _check_module("patch", model)
+    if not isinstance(cast_recipes, bool):
+        raise TypeError(f"leanact.patch(cast_recipes={cast_recipes!r}): use True (default) or False")
     if attention not in (False, *_ATTENTION_MODES):
         raise ValueError(f"attention must be one of {_ATTENTION_MODES} or False, got {attention!r}")
     if getattr(model, _ATTR, None) is not None:
@@ -411,7 +419,8 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
-    object.__setattr__(model, _ATTR, _PatchState(summary, originals, records, amp.install(model)))
+    object.__setattr__(model, _ATTR, _PatchState(summary, originals, records,
+                                                 amp.install(model) if cast_recipes else None))
     try:
         if lossy:
             _option("lossy").apply(model, lossy)
