@@ -37,9 +37,25 @@ def _cases():
     return cases
 
 
+def _offset_cases():
+    """Gemma's γ = 1 + w (fp32), w of any dtype: passing, γ = 0 (w = -1), γ subnormal, NaN, overflow."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, generator=g) * 0.3
+    return [
+        (w, None, 16, torch.float32, math.inf, True), (w.to(torch.bfloat16), None, 16, torch.bfloat16, math.inf, True),
+        (w.clone().index_fill_(0, torch.tensor([4]), -1.0), None, 16, torch.float32, math.inf, True),  # γ = 0
+        (w.clone().index_fill_(0, torch.tensor([4]), -1.0 + 2.0**-24), None, 16, torch.float32, math.inf, True),
+        (w.clone().index_fill_(0, torch.tensor([6]), math.nan), None, 16, torch.float32, math.inf, True),
+        (w * 40000, None, 16, torch.float16, math.inf, True),  # |1 + w|·√n above fp16's max
+        (w.double(), None, 16, torch.float64, math.inf, True),
+        (w.clone().index_fill_(0, torch.tensor([0]), -1.0), None, 16, torch.float32, math.inf, False),  # γ = w
+    ]
+
+
 def test_the_same_verdicts_as_one_at_a_time():
-    cases = _cases()
-    one = [LN._check(w, b, n, dt, r) if (w if w is not None else b).numel() else True for w, b, n, dt, r in cases]
+    cases = _cases() + _offset_cases()
+    one = [LN._check(*c) if (c[0] if c[0] is not None else c[1]).numel() else True for c in cases]
+    assert one[-len(_offset_cases()):] == [True, True, False, True, False, False, True, True]
     assert guard_batch.check_many(cases) == one
     assert True in one and False in one  # both kinds are exercised
     for i in range(len(cases)):  # and alone, and in every position

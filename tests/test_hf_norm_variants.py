@@ -185,6 +185,35 @@ def test_cuda_rstd_is_the_composite_one(variant):
     torch.testing.assert_close(fused, composite, rtol=2 * 50 * 2**-24, atol=0)
 
 
+def test_gemma_norms_decide_in_the_one_batch_per_step(monkeypatch):
+    """Gemma's γ = 1 + w norms join the other norms' one batch per optimizer step (one sync), the
+    same verdicts as alone; a w set to -1 (γ = 0) by a step moves its norm to the fallback."""
+    import leanact.ops.layer_norm as L
+
+    L.clear_decision_cache()
+    norms = nn.ModuleList([hf_rms_norm_replacement(_norm("offset", seed=i))[0] for i in range(3)]
+                          + [hf_rms_norm_replacement(_norm("llama", seed=3))[0]])
+    opt = torch.optim.SGD(norms.parameters(), lr=0.0)
+    x = torch.randn(2, H, requires_grad=True)
+    batches, singles = [], []
+    check_many, check = L.check_many, L._check
+    monkeypatch.setattr(L, "check_many", lambda items: batches.append([it[-1] for it in items]) or check_many(items))
+    monkeypatch.setattr(L, "_check", lambda *a: singles.append(1) or check(*a))
+
+    def step():
+        sum(m(x).sum() for m in norms).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    assert len(singles) == 4 and batches == [[True, True, True, False]] * 2  # (offset flags, per norm)
+    with torch.no_grad():
+        norms[1].weight[2] = -1.0
+    L._STEPS[0] += 1  # (as the step post-hook counts)
+    assert norms[0](x).grad_fn.from_output and not norms[1](x).grad_fn.from_output
+    assert len(batches) == 3 and len(singles) == 4
+
+
 @pytest.mark.parametrize("variant", ["llama", "offset"])
 def test_decided_once_per_step_and_once_when_frozen(monkeypatch, variant):
     """The from-output decision of a patched HF norm is cached: once per optimizer step (not once

@@ -22,11 +22,11 @@ __all__ = ["check_many"]
 _PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
 
 
-def _compute_dtype(ref: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    key = (ref.dtype, dtype)
+def _compute_dtype(ref: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    key = (ref, dtype)
     ct = _PROMOTED.get(key)
     if ct is None:
-        ct = _PROMOTED[key] = torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
+        ct = _PROMOTED[key] = torch.promote_types(torch.promote_types(ref, dtype), torch.float32)
     return ct
 
 
@@ -35,20 +35,29 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_many(items: list[tuple]) -> list[bool]:
-    """For each ``(weight, bias, n, dtype, max_ratio)`` (weight or bias may be None, not both; all
-    on one device), whether every channel satisfies |γ| ≥ tiny, |β| ≤ max_ratio·|γ| and
-    |γ|·√n + |β| ≤ max with γ, β finite (tiny, max of ``dtype``; γ = 1 where there is no weight)."""
+    """For each ``(weight, bias, n, dtype, max_ratio[, offset])`` (weight or bias may be None, not
+    both; all on one device), whether every channel satisfies |γ| ≥ tiny, |β| ≤ max_ratio·|γ| and
+    |γ|·√n + |β| ≤ max with γ, β finite (tiny, max of ``dtype``; γ = 1 where there is no weight,
+    γ = 1 + weight in float32 with ``offset``: Gemma's RMSNorm)."""
+    items = [it if len(it) == 6 else (*it, False) for it in items]
     out: list[bool | None] = [None] * len(items)
     groups: dict[torch.dtype, list[int]] = {}
-    for i, (w, b, n, dtype, ratio) in enumerate(items):
+    for i, (w, b, n, dtype, ratio, offset) in enumerate(items):
         if (w if w is not None else b).numel() == 0:
             out[i] = True  # no channel fails
             continue
-        groups.setdefault(_compute_dtype(w if w is not None else b, dtype), []).append(i)
+        gamma_dtype = torch.float32 if offset else (w if w is not None else b).dtype
+        groups.setdefault(_compute_dtype(gamma_dtype, dtype), []).append(i)
     for ct, idx in groups.items():
         for i, ok in zip(idx, _check_group([items[i] for i in idx], ct)):
             out[i] = ok
     return out  # type: ignore[return-value]
+
+
+def _gamma(w: torch.Tensor | None, offset: bool, count: int, ct: torch.dtype, dev) -> torch.Tensor:
+    if w is None:
+        return torch.ones(count, dtype=ct, device=dev)
+    return _flat(1.0 + w.to(torch.float32)) if offset else _flat(w)  # (leanact.ops.layer_norm.offset_gamma)
 
 
 def _check_group(items: list[tuple], ct: torch.dtype) -> list[bool]:
@@ -57,10 +66,10 @@ def _check_group(items: list[tuple], ct: torch.dtype) -> list[bool]:
     counts = [(w if w is not None else b).numel() for w, b, *_ in items]
     total = sum(counts)
     with torch.no_grad():
-        g = torch.cat([_flat(w) if w is not None else torch.ones(c, dtype=ct, device=dev)
-                       for (w, _, *_), c in zip(items, counts)]).to(ct).abs()
+        g = torch.cat([_gamma(w, offset, c, ct, dev)
+                       for (w, _, _, _, _, offset), c in zip(items, counts)]).to(ct).abs()
         consts = []
-        for w, b, n, dtype, ratio in items:
+        for w, b, n, dtype, ratio, _ in items:
             fi = torch.finfo(dtype)
             consts.append((fi.tiny, fi.max, math.sqrt(n), ratio))
         reps = torch.tensor(counts, dtype=torch.int64).to(dev)

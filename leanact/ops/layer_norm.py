@@ -68,7 +68,7 @@ from .triton import norm as _triton
 from .triton.dispatch import register_check
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO",
-           "backward_from_output"]
+           "backward_from_output", "offset_gamma"]
 
 DEFAULT_MAX_RATIO = 8.0
 
@@ -106,7 +106,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
+def offset_gamma(w: torch.Tensor) -> torch.Tensor:
+    """γ = 1 + w in float32 (Gemma's RMSNorm: :func:`from_output_ok` with ``offset=True``)."""
+    return 1.0 + w.to(torch.float32)
+
+
+def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
+    if offset:
+        weight = offset_gamma(weight.detach())
     fi = torch.finfo(dtype)
     ref = weight if weight is not None else bias
     ct = torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
@@ -122,12 +129,14 @@ def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
         return bool(ok.all())
 
 
-def _check_unwrapped(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
+def _check_unwrapped(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
     """:func:`_check` on the values under functorch wrappers. Under ``vmap`` these carry batch
     dimensions (anywhere) that γ and β need not share: then the rule is applied to the extremes,
     min|γ| against max|β| (a sufficient condition for every channel of every batch entry)."""
     w = None if weight is None else unwrap(weight)
     b = None if bias is None else unwrap(bias)
+    if offset:
+        w, weight = offset_gamma(w), offset_gamma(weight)
     if all(u is None or u.shape == t.shape for u, t in ((w, weight), (b, bias))):
         return _check(w, b, n, dtype, max_ratio)
     ref = w if w is not None else b
@@ -150,29 +159,31 @@ def _identity(t: torch.Tensor):
         return None
 
 
-def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = DEFAULT_MAX_RATIO) -> bool:
+def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = DEFAULT_MAX_RATIO,
+                   offset: bool = False) -> bool:
     """True when x̂ can be recovered from a ``dtype`` output y = γ·x̂ + β accurately (see module doc).
 
-    ``n`` is the number of normalized elements per row. Cached per weight on (data_ptr, _version)
-    and the optimizer step count; functorch-wrapped γ, β (``torch.func``) are checked by value
-    (under ``vmap``: every batch entry must pass), uncached. Under torch.compile it graph-breaks.
+    ``n`` is the number of normalized elements per row. ``offset``: γ = 1 + ``weight`` in float32
+    (Gemma's RMSNorm; no bias). Cached per weight on (data_ptr, _version) and the optimizer step
+    count; functorch-wrapped γ, β (``torch.func``) are checked by value (under ``vmap``: every batch
+    entry must pass), uncached. Under torch.compile it graph-breaks.
     """
     if torch.compiler.is_compiling():
-        return _from_output_ok_eagerly(weight, bias, n, dtype, max_ratio)
-    return _from_output_ok_on_host(weight, bias, n, dtype, max_ratio)  # eager: no compiler.disable wrapper
+        return _from_output_ok_eagerly(weight, bias, n, dtype, max_ratio, offset)
+    return _from_output_ok_on_host(weight, bias, n, dtype, max_ratio, offset)  # eager: no compiler.disable wrapper
 
 
-def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio: float) -> bool:
+def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
     if weight is None and bias is None:
         return True
     if any(t is not None and is_wrapped(t) for t in (weight, bias)):
         with torch._C._DisableFuncTorch():
-            return _check_unwrapped(weight, bias, n, dtype, max_ratio)
+            return _check_unwrapped(weight, bias, n, dtype, max_ratio, offset)
     ref = weight if weight is not None else bias
     ids = tuple(None if t is None else _identity(t) for t in (weight, bias))
     if any(t is not None and i is None for t, i in zip((weight, bias), ids)):
-        return _check(weight, bias, n, dtype, max_ratio)  # no storage identity to cache on
-    key = ids + (_step_of(weight, bias), n, dtype, max_ratio)
+        return _check(weight, bias, n, dtype, max_ratio, offset)  # no storage identity to cache on
+    key = ids + (_step_of(weight, bias), n, dtype, max_ratio, offset)
     hit = _DECISIONS.get(ref)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -180,8 +191,8 @@ def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio:
         hit = _DECISIONS.get(ref)  # every norm of the last step decided again, in one pass
         if hit is not None and hit[0] == key:
             return hit[1]
-    ok = _check(weight, bias, n, dtype, max_ratio)
-    _DECISIONS[ref] = (key, ok, _args(weight, bias, n, dtype, max_ratio))
+    ok = _check(weight, bias, n, dtype, max_ratio, offset)
+    _DECISIONS[ref] = (key, ok, _args(weight, bias, n, dtype, max_ratio, offset))
     return ok
 
 
@@ -194,10 +205,10 @@ def _step_of(weight, bias) -> int:
     return _STEPS[0] if any(t is not None and t.requires_grad for t in (weight, bias)) else _FROZEN
 
 
-def _args(weight, bias, n, dtype, max_ratio) -> tuple:
+def _args(weight, bias, n, dtype, max_ratio, offset) -> tuple:
     """What a later step needs to decide again for the same norm (γ, β held weakly)."""
     return (None if weight is None else weakref.ref(weight), None if bias is None else weakref.ref(bias), n, dtype,
-            max_ratio)
+            max_ratio, offset)
 
 
 def _intact(t: torch.Tensor) -> bool:
@@ -224,20 +235,20 @@ def _refresh_stale(device: torch.device) -> bool:
     for ref, (key, _ok, args) in list(_DECISIONS.items()):
         if key[2] in (_STEPS[0], _FROZEN):
             continue
-        wr, br, n, dtype, max_ratio = args
+        wr, br, n, dtype, max_ratio, offset = args
         w, b = (None if r is None else r() for r in (wr, br))
         if (wr is not None and w is None) or (br is not None and b is None) or ref.device != device:
             continue
         if is_fake(ref) or not all(t is None or _intact(t) for t in (w, b)):
             continue
         refs.append(ref)
-        items.append((w, b, n, dtype, max_ratio))
+        items.append((w, b, n, dtype, max_ratio, offset))
     if len(items) < 2:
         return False
-    for ref, (w, b, n, dtype, max_ratio), ok in zip(refs, items, check_many(items)):
+    for ref, (w, b, n, dtype, max_ratio, offset), ok in zip(refs, items, check_many(items)):
         key = (None if w is None else _identity(w), None if b is None else _identity(b), _step_of(w, b), n, dtype,
-               max_ratio)
-        _DECISIONS[ref] = (key, ok, _args(w, b, n, dtype, max_ratio))
+               max_ratio, offset)
+        _DECISIONS[ref] = (key, ok, _args(w, b, n, dtype, max_ratio, offset))
     return True
 
 

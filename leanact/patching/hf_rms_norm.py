@@ -45,11 +45,10 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.backward import once_differentiable
 from ..saved import keeping_output
-from ..ops.layer_norm import _identity, _step_of, compute_dtype, from_output_ok
+from ..ops.layer_norm import compute_dtype, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
@@ -274,31 +273,12 @@ class _LeanHFRMSNorm:
             out_dtype = hidden_states.dtype if variant in ("offset", "fp32_mul") else \
                 torch.promote_types(w.dtype, hidden_states.dtype)
             n = hidden_states.shape[-1]
-            from_output = (_offset_decision(w, n, out_dtype) if variant == "offset"
-                           else from_output_ok(w, None, n, out_dtype, math.inf))
+            # (Gemma's γ = 1 + w: decided on w, in the one batch per optimizer step with the other norms)
+            from_output = from_output_ok(w, None, n, out_dtype, math.inf, offset=variant == "offset")
         eps = float(getattr(self, _EPS[variant]))
         # its output (when kept) is the source of autocast's casts (leanact.patching.amp)
         return keeping_output(lambda: _HFRMSNormFunction.apply(hidden_states, w, self, eps, bool(from_output), variant),
                               bool(from_output))
-
-
-#: w -> (key, decision) for Gemma's γ = 1 + w (held weakly, like the rule's own cache)
-_OFFSET_DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _offset_decision(w: torch.Tensor, n: int, dtype: torch.dtype) -> bool:
-    """The from-output rule for Gemma's γ = 1 + w (fp32), cached on w as the rule caches its own
-    (w's storage and _version, and the optimizer step count unless w is frozen): γ is a new tensor
-    at each call, which the rule's cache cannot recognise."""
-    ident = None if torch.compiler.is_compiling() else _identity(w)
-    key = None if ident is None else (ident, _step_of(w, None), n, dtype)
-    hit = _OFFSET_DECISIONS.get(w) if key is not None else None
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    ok = from_output_ok(_gamma(w.detach(), "offset", torch.float32), None, n, dtype, math.inf)
-    if key is not None:
-        _OFFSET_DECISIONS[w] = (key, ok)
-    return ok
 
 
 def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
