@@ -53,14 +53,14 @@ def value_decisions(real_of: dict[int, torch.Tensor]):
 
     original = ln.from_output_ok
 
-    def wrapper(weight, bias, n, dtype, max_ratio=ln.DEFAULT_MAX_RATIO):
+    def wrapper(weight, bias, n, dtype, max_ratio=ln.DEFAULT_MAX_RATIO, offset=False):
         if not any(t is not None and is_fake(t) for t in (weight, bias)):
-            return original(weight, bias, n, dtype, max_ratio)
+            return original(weight, bias, n, dtype, max_ratio, offset)
         real = [None if t is None else real_of.get(id(t)) for t in (weight, bias)]
         if any(t is not None and (r is None or r.device.type == "meta") for t, r in zip((weight, bias), real)):
             return True  # built from a config, or meta weights (no values): default initialisation
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            return original(real[0], real[1], n, dtype, max_ratio)
+            return original(real[0], real[1], n, dtype, max_ratio, offset)
 
     patched = [m for m in list(sys.modules.values())
                if m is not None and getattr(m, "__name__", "").startswith("leanact")
