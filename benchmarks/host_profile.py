@@ -14,8 +14,10 @@ import argparse
 import cProfile
 import dataclasses
 import io
+import os
 import pathlib
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         steps["leanact"]()
     _sync(device)
     prof.disable()
-    for order, pattern in (("tottime", ""), ("cumulative", "leanact")):
+    # leanact's own files (by their directory: a virtual environment's path may contain "leanact" too)
+    package = re.escape(str(pathlib.Path(leanact.__file__).resolve().parent) + os.sep)
+    for order, pattern in (("tottime", ""), ("cumulative", package)):
         out = io.StringIO()
         restrictions = (pattern, args.top) if pattern else (args.top,)
         pstats.Stats(prof, stream=out).sort_stats(order).print_stats(*restrictions)
