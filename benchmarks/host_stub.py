@@ -14,12 +14,16 @@ CUDA path too (with dropout: SDPA's fused kernel, here the CPU's), not its CPU o
 Rows: leanact as patched; with ``cast_recipes=False`` (Linears keep autocast's 16-bit copy of a
 norm's output); with ``recast_weights=False`` too (they keep autocast's copy of the weight too):
 what each memory saving costs the host. Launch costs (Triton's launcher, CUDA's) are not in these
-numbers; ``host_profile.py`` on a GPU has them.
+numbers; ``host_profile.py`` on a GPU has them. The last column counts the function calls of one
+step (cProfile's count: Python functions and the builtins they call): unlike the times, it does not
+move with the machine's load, so it tells a change of the host path's work from noise.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -82,9 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False), _attention_as_on_cuda():
         steps = {name: make_step(args.model, v) for name, v in VARIANTS.items()}
-        for s in steps.values():  # warm-up: the norms' decisions, tables, caches
+        calls: dict[str, int] = {}
+        for k, s in steps.items():  # warm-up: the norms' decisions, tables, caches; then one step counted
             s()
             s()
+            profile = cProfile.Profile()
+            profile.runcall(s)
+            calls[k] = pstats.Stats(profile).total_calls
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(args.steps):
             for k, s in steps.items():
@@ -94,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = statistics.median(times["HF"])
     print(f"{args.model}, CUDA code path with the kernels stubbed, on the CPU: host ms per step "
           f"(median of {args.steps} interleaved)")
-    print("| step | host ms | vs HF |")
-    print("|---|---|---|")
+    print("| step | host ms | vs HF | function calls per step |")
+    print("|---|---|---|---|")
     for k, v in times.items():
-        print(f"| {k} | {statistics.median(v) * 1e3:.1f} | {statistics.median(v) / hf:.2f}x |")
+        print(f"| {k} | {statistics.median(v) * 1e3:.1f} | {statistics.median(v) / hf:.2f}x | {calls[k]:,} |")
     return 0
 
 

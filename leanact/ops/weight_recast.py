@@ -79,6 +79,22 @@ class recast_weight:  # noqa: N801 - used as a function: ``with recast_weight(w,
 #: the input flattened to 2-D, then a view back (GPT-2's Conv1D: ``addmm`` and a view)
 _MATMUL_SAVES = {"AddmmBackward0": ("_saved_mat1", "_saved_mat2"), "MmBackward0": ("_saved_self", "_saved_mat2")}
 _VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0")
+#: node type -> (input name, weight name, their raw SavedVariable names), None for a view node, or
+#: absent: another node (learned per type on first sight: this runs per Linear call)
+_NODE_KINDS: dict[type, tuple[str, str, str, str] | None] = {}
+
+
+def _node_kind(node) -> tuple[str, str, str, str] | None | bool:
+    t = type(node)
+    kind = _NODE_KINDS.get(t, False)
+    if kind is False:
+        name = t.__name__
+        names = _MATMUL_SAVES.get(name)
+        if names is not None:
+            kind = _NODE_KINDS[t] = (*names, "_raw" + names[0], "_raw" + names[1])
+        elif name in _VIEW_NODES:
+            kind = _NODE_KINDS[t] = None
+    return kind
 
 
 def hook_matmul_saves(y: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor,
@@ -92,21 +108,27 @@ def hook_matmul_saves(y: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor,
     of another kind (never seen: aten's linear is ``addmm`` with a bias, ``mm`` without, on the input
     flattened to 2-D, then a view back, on every device) keeps what it saved, as autocast would."""
     node = y.grad_fn
-    if node is not None and type(node).__name__ in _VIEW_NODES:
-        node = node.next_functions[0][0]
-    names = _MATMUL_SAVES.get(type(node).__name__) if node is not None else None
-    if names is None:
+    if node is None:
         return y
-    kept_input, kept_weight = (getattr(node, n) for n in names)  # (None where not saved)
+    kind = _node_kind(node)
+    if kind is None:  # a view back to the input's shape: the matmul is its input's node
+        node = node.next_functions[0][0]
+        kind = _node_kind(node) if node is not None else False
+    if not kind:
+        return y
+    input_name, weight_name, raw_input, raw_weight = kind
+    kept_weight = getattr(node, weight_name)  # (None where not saved)
     if kept_weight is not None:
         recast = RecastWeight(weight, cast)
         packed = recast.pack(kept_weight)
         if packed is not None:
-            getattr(node, "_raw" + names[1]).register_hooks(lambda _t, p=packed: p, recast.unpack)
-    if kept_input is not None and transform is not None:
-        claim = transform.pack(kept_input)
-        if claim is not None:
-            getattr(node, "_raw" + names[0]).register_hooks(lambda _t, c=claim: c, transform.unpack)
+            getattr(node, raw_weight).register_hooks(lambda _t, p=packed: p, recast.unpack)
+    if transform is not None:
+        kept_input = getattr(node, input_name)
+        if kept_input is not None:
+            claim = transform.pack(kept_input)
+            if claim is not None:
+                getattr(node, raw_input).register_hooks(lambda _t, c=claim: c, transform.unpack)
     return y
 
 

@@ -61,8 +61,9 @@ def _compute_for(m: nn.Module) -> Callable | None:
     return None
 
 
-def recast_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
-    """The dtype to recast ``weight`` to for a call on ``x`` (None: run the module's own forward)."""
+def _eligible_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
+    """:func:`recast_dtype` before its compile and foreign-hooks checks (the per-call fast path
+    learns those from :func:`leanact.saved.unobserved_ambient`)."""
     if not isinstance(x, torch.Tensor) or not torch.is_grad_enabled():
         return None
     # a Parameter (a weight computed in forward, e.g. by a parametrization, would have to stay alive
@@ -77,7 +78,13 @@ def recast_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
     if weight.device.type != device:
         return None
     dtype = autocast_dtype(device)
-    if dtype not in LOW_DTYPES or torch.compiler.is_compiling() or foreign_hooks():
+    return dtype if dtype in LOW_DTYPES else None
+
+
+def recast_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
+    """The dtype to recast ``weight`` to for a call on ``x`` (None: run the module's own forward)."""
+    dtype = _eligible_dtype(weight, x)
+    if dtype is None or torch.compiler.is_compiling() or foreign_hooks():
         return None
     return dtype
 
@@ -88,21 +95,23 @@ class RecastForward(ContextForward):
     weight (None: inert, the module's own forward)."""
 
     def __call__(self, *args, **kwargs):
-        forward = self._forward()
         compute = self.context
         if compute is None or len(args) != 1 or kwargs:
-            return forward(*args, **kwargs)
+            return self._forward()(*args, **kwargs)
         m, x = self.module, args[0]
-        dtype = recast_dtype(m.weight, x)
+        weight = m.weight
+        dtype = _eligible_dtype(weight, x)
         if dtype is not None:
-            quiet, transform = unobserved_ambient()
+            quiet, transform = unobserved_ambient()  # (quiet: not compiling, no hooks of anyone's)
             if quiet:  # nothing observes saves: hooks on the matmul's saved tensors, none pushed around it
-                cast = m.weight.to(dtype)
-                return hook_matmul_saves(compute(m, x, cast), m.weight, cast, transform)
+                cast = weight.to(dtype)
+                return hook_matmul_saves(compute(m, x, cast), weight, cast, transform)
+            if torch.compiler.is_compiling() or foreign_hooks():
+                dtype = None
         with with_ambient():  # the autocast recipes, where the model's forward set them (patching.amp)
             if dtype is None:
-                return forward(x)
-            with recast_weight(m.weight, dtype) as w:
+                return self._forward()(x)
+            with recast_weight(weight, dtype) as w:
                 return compute(m, x, w)
 
 

@@ -79,12 +79,12 @@ def cast_recipe(t: torch.Tensor, make_recipe) -> object | None:
     """If ``t`` (or its base) is a cast of a tagged kept tensor, ``make_recipe(name, fn, inputs, c)``
     for the cast ``c`` (the recipe then describes ``c``'s storage; ``t`` may be a view of it)."""
     c = t if t._base is None else t._base
-    if not c.is_floating_point() or not c.requires_grad or not c.is_contiguous() or c.storage_offset() != 0:
+    src = _source(c)  # (first: most saved tensors are no cast, and this says so from their node alone)
+    if src is None or not c.is_floating_point() or not c.is_contiguous() or c.storage_offset() != 0:
         return None
     if c.untyped_storage().nbytes() != c.numel() * c.element_size():
         return None
-    src = _source(c)
-    if src is None or not src.is_floating_point() or src.dtype == c.dtype:
+    if not src.is_floating_point() or src.dtype == c.dtype:
         return None
     # Q, K and V each cast the same norm output: one recipe serves the three casts (bitwise the same
     # tensor), rebuilt once in backward for all of them (held weakly on the source's node)

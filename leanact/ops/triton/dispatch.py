@@ -89,14 +89,29 @@ def available() -> bool:
 _ON, _OFF = ("", "1", "on", "true", "strict"), ("0", "off", "false")
 
 
-_SETTINGS: dict[str, str] = {}  # raw LEANACT_TRITON value -> its setting (read at every call, parsed once)
+_SETTINGS: dict = {}  # raw LEANACT_TRITON value -> its setting (read at every call, parsed once)
+_ENV = os.environ
+# the environment's own mapping (what os.environ reads and writes): one dict lookup per op call
+# instead of os.environ.get's key encoding and KeyError when the variable is unset
+_ENV_DATA, _ENV_KEY = getattr(_ENV, "_data", None), None
+if isinstance(_ENV_DATA, dict):
+    try:
+        _ENV_KEY = _ENV.encodekey("LEANACT_TRITON")
+    except Exception:  # noqa: BLE001 - another os.environ: read it the plain way
+        _ENV_DATA = None
+else:
+    _ENV_DATA = None
 
 
 def _setting() -> str:
-    raw = os.environ.get("LEANACT_TRITON", "")
+    if _ENV_DATA is not None and os.environ is _ENV:
+        raw = _ENV_DATA.get(_ENV_KEY)
+    else:
+        raw = os.environ.get("LEANACT_TRITON")
     value = _SETTINGS.get(raw)
     if value is None:
-        value = raw.strip().lower()
+        value = "" if raw is None else (raw if isinstance(raw, str) else _ENV.decodevalue(raw))
+        value = value.strip().lower()
         if value not in _ON + _OFF:
             raise ValueError(f"LEANACT_TRITON={value!r} is not a setting: use 1 (the default: Triton kernels on CUDA), "
                              "0 (the PyTorch path everywhere) or strict (a kernel that fails raises instead of falling "
