@@ -263,7 +263,9 @@ class Recipe:
             _COUNTS[f"recompute:{self.name}"] += 1
         full = self._cache
         self._served.add(requester)
-        if all(u in self._served for u in list(self._users)):
+        # every requester is a user (a claim, or a parent recipe once it has users of its own), and
+        # both sets lose their dead members alike: all live users served <=> as many served as users
+        if len(self._served) >= len(self._users):
             self.drop_cache()
         return full
 
