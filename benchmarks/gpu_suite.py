@@ -1497,6 +1497,29 @@ def _step_rows(rec: Recorder, model: str, shape: str, modes: list[Mode]) -> None
                     len(m.times))
 
 
+@contextlib.contextmanager
+def _decision_timer():
+    """Yields a list that collects the seconds of each batched decision of leanact's norms
+    (``leanact.ops.layer_norm._refresh_stale``: the first norm of a step, one device-to-host sync)."""
+    from leanact.ops import layer_norm
+
+    real = layer_norm._refresh_stale
+    seconds: list[float] = []
+
+    def timed(device):
+        t0 = time.perf_counter()
+        try:
+            return real(device)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    layer_norm._refresh_stale = timed
+    try:
+        yield seconds
+    finally:
+        layer_norm._refresh_stale = real
+
+
 def part_steps(rec: Recorder, limit_s: float) -> None:
     os.environ["LEANACT_TRITON"] = "1"
     start = time.perf_counter()
@@ -1510,7 +1533,13 @@ def part_steps(rec: Recorder, limit_s: float) -> None:
     runs = [("Llama-3.2-1B geometry", lb, ls, llama_builders, 0.6), ("BERT-Large MLM", bb, bs, bert_builders, 1.0)]
     for name, batch, seq, builders, share in runs:
         deadline = start + share * (limit_s - 10)
-        modes = compare(rec, name, builders(rec, batch, seq), rounds, deadline=deadline)
+        with _decision_timer() as decisions:
+            modes = compare(rec, name, builders(rec, batch, seq), rounds, deadline=deadline)
+        if decisions:
+            rec.note(f"{name}: the norms' per-step decision (one batch, one sync: leanact.ops.guard_batch) ran "
+                     f"{len(decisions)} times, median {statistics.median(decisions) * 1e3:.1f} ms: the host waits "
+                     "there until the GPU has run everything queued before it (the previous step's backward and "
+                     "optimizer), then enqueues the forward from an empty queue")
         _step_rows(rec, name, f"{batch}x{seq}", modes)
         by = {m.label: m for m in modes}
         hf, lean = by["HF sdpa"], by["leanact"]

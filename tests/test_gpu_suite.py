@@ -345,6 +345,8 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     assert [tuple(r[:2]) for r in _rows(steps) if r[1] != "Liger"] == expect, steps
     assert all(float(r[3]) > 0 and r[5] == "n/a" for r in _rows(steps)), steps  # CPU: times, no peaks
     assert "no Liger row" in steps or "Liger: apply_liger" in steps or "Liger: _apply" in steps
+    # the patched models' steps time the norms' one sync per step (what a host-bound step waits there)
+    assert "BERT-Large MLM: the norms' per-step decision (one batch, one sync" in steps, steps
 
 
 def test_smoke_needs_an_out_file_other_than_results_md():
