@@ -244,6 +244,20 @@ def test_setting(monkeypatch):
     with pytest.raises(ValueError, match="'on' or 'off'"):
         with dispatch.forced("sometimes"):
             pass
+    monkeypatch.setenv("LEANACT_TRITON", "0")
+    assert not dispatch.enabled()
+    monkeypatch.delenv("LEANACT_TRITON")  # read from the environment's mapping at every call: unset again
+    assert dispatch.enabled()
+
+
+def test_setting_with_os_environ_replaced(monkeypatch):
+    """A replaced ``os.environ`` (not the mapping read directly) is read the plain way."""
+    import os
+
+    monkeypatch.setattr(os, "environ", {"LEANACT_TRITON": "0"})
+    assert not dispatch.enabled()
+    monkeypatch.setattr(os, "environ", {})
+    assert dispatch.enabled()
 
 
 def test_in_subprocess():
