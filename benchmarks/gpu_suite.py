@@ -1483,50 +1483,8 @@ def bert_builders(rec: Recorder, batch: int, seq: int) -> list:
     # the last mode: without the two autocast memory savings, whose saved-tensor hooks cost host time
     # (benchmarks/host_stub.py): what they cost a host-bound step, and what they save
     fast = dict(cast_recipes=False, recast_weights=False)
-
-    def unsynced():
-        step = build({})
-
-        def step_without_the_sync():
-            with _verdicts_reused():
-                step()
-
-        return step_without_the_sync
-
     return [("HF sdpa", lambda: build(None)), ("leanact", lambda: build({})),
-            ("leanact, cast_recipes=False, recast_weights=False", lambda: build(fast)),
-            (UNSYNCED, unsynced)]
-
-
-#: The steps part's timing experiment: leanact's BERT step with the norms' per-step decision (one
-#: sync) replaced by the verdicts of the first step. Not a mode users get (a norm whose γ, β an
-#: optimizer moves out of the from-output rule would not be seen): it measures what the sync costs.
-UNSYNCED = "leanact, norms' verdicts reused (timing experiment: no per-step sync)"
-
-
-@contextlib.contextmanager
-def _verdicts_reused():
-    """While active, the norms' batched per-step decision re-keys every cached verdict to the
-    current γ, β and step without checking them again (no device work, no sync)."""
-    from leanact.ops import layer_norm
-
-    real = layer_norm._refresh_stale
-
-    def reuse(device):
-        for ref, (key, ok, args) in list(layer_norm._DECISIONS.items()):
-            wr, br, n, dtype, max_ratio, offset = args
-            w, b = (None if r is None else r() for r in (wr, br))
-            if (wr is not None and w is None) or (br is not None and b is None):
-                continue
-            ids = (None if w is None else layer_norm._identity(w), None if b is None else layer_norm._identity(b))
-            layer_norm._DECISIONS[ref] = (ids + (layer_norm._step_of(w, b), n, dtype, max_ratio, offset), ok, args)
-        return True
-
-    layer_norm._refresh_stale = reuse
-    try:
-        yield
-    finally:
-        layer_norm._refresh_stale = real
+            ("leanact, cast_recipes=False, recast_weights=False", lambda: build(fast))]
 
 
 def _step_rows(rec: Recorder, model: str, shape: str, modes: list[Mode]) -> None:
@@ -1541,12 +1499,15 @@ def _step_rows(rec: Recorder, model: str, shape: str, modes: list[Mode]) -> None
 
 @contextlib.contextmanager
 def _decision_timer():
-    """Yields a list that collects the seconds of each batched decision of leanact's norms
-    (``leanact.ops.layer_norm._refresh_stale``: the first norm of a step, one device-to-host sync)."""
+    """Yields ``(seconds, syncs)``: the seconds of each per-step decision of leanact's norms
+    (``leanact.ops.layer_norm._refresh_stale``, at the first norm of a step: verdicts that stand
+    under Adam's step bound, the others checked in one batch) and the item counts of the batched
+    checks (``check_many``: one device-to-host sync each)."""
     from leanact.ops import layer_norm
 
-    real = layer_norm._refresh_stale
+    real, real_check = layer_norm._refresh_stale, layer_norm.check_many
     seconds: list[float] = []
+    syncs: list[int] = []
 
     def timed(device):
         t0 = time.perf_counter()
@@ -1555,11 +1516,15 @@ def _decision_timer():
         finally:
             seconds.append(time.perf_counter() - t0)
 
-    layer_norm._refresh_stale = timed
+    def counted(items, **kw):
+        syncs.append(len(items))
+        return real_check(items, **kw)
+
+    layer_norm._refresh_stale, layer_norm.check_many = timed, counted
     try:
-        yield seconds
+        yield seconds, syncs
     finally:
-        layer_norm._refresh_stale = real
+        layer_norm._refresh_stale, layer_norm.check_many = real, real_check
 
 
 def part_steps(rec: Recorder, limit_s: float) -> None:
@@ -1575,13 +1540,13 @@ def part_steps(rec: Recorder, limit_s: float) -> None:
     runs = [("Llama-3.2-1B geometry", lb, ls, llama_builders, 0.6), ("BERT-Large MLM", bb, bs, bert_builders, 1.0)]
     for name, batch, seq, builders, share in runs:
         deadline = start + share * (limit_s - 10)
-        with _decision_timer() as decisions:
+        with _decision_timer() as (decisions, syncs):
             modes = compare(rec, name, builders(rec, batch, seq), rounds, deadline=deadline)
         if decisions:
-            rec.note(f"{name}: the norms' per-step decision (one batch, one sync: leanact.ops.guard_batch) ran "
-                     f"{len(decisions)} times, median {statistics.median(decisions) * 1e3:.1f} ms: the host waits "
-                     "there until the GPU has run everything queued before it (the previous step's backward and "
-                     "optimizer), then enqueues the forward from an empty queue")
+            rec.note(f"{name}: the norms' per-step decision ran {len(decisions)} times (median "
+                     f"{statistics.median(decisions) * 1e3:.2f} ms), {len(syncs)} of them a batched check with "
+                     "its one sync (leanact.ops.guard_batch; the others: verdicts standing under AdamW's step "
+                     "bound, leanact.ops.guard_drift)")
         _step_rows(rec, name, f"{batch}x{seq}", modes)
         by = {m.label: m for m in modes}
         hf, lean = by["HF sdpa"], by["leanact"]

@@ -78,7 +78,7 @@ def test_one_batch_per_optimizer_step(monkeypatch):
     x = torch.randn(4, 16, requires_grad=True)
     batches, singles = [], []
     check_many, check = guard_batch.check_many, LN._check
-    monkeypatch.setattr(LN, "check_many", lambda items: batches.append(len(items)) or check_many(items))
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
     monkeypatch.setattr(LN, "_check", lambda *a: singles.append(1) or check(*a))
 
     def step():
@@ -113,11 +113,11 @@ def test_no_batch_under_a_dispatch_mode(monkeypatch):
     x = torch.randn(4, 16, requires_grad=True)
     model(x)
     _stepped(model)
-    monkeypatch.setattr(LN, "check_many", lambda items: pytest.fail("batched under a dispatch mode"))
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: pytest.fail("batched under a dispatch mode"))
     with Passthrough():
         model(x)
     batches = []
-    monkeypatch.setattr(LN, "check_many", lambda items: batches.append(len(items)) or guard_batch.check_many(items))
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or guard_batch.check_many(items, **kw))
     _stepped(model)
     model(x)
     assert batches == [4]  # without the mode: batched
@@ -152,7 +152,7 @@ def test_only_parameters_an_optimizer_steps_are_batched(monkeypatch):
     copies(x)
     batches = []
     check_many = guard_batch.check_many
-    monkeypatch.setattr(LN, "check_many", lambda items: batches.append(items) or check_many(items))
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(items) or check_many(items, **kw))
     _stepped(stepped)
     stepped(x)
     assert [len(b) for b in batches] == [4]

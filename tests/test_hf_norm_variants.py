@@ -197,7 +197,7 @@ def test_gemma_norms_decide_in_the_one_batch_per_step(monkeypatch):
     x = torch.randn(2, H, requires_grad=True)
     batches, singles = [], []
     check_many, check = L.check_many, L._check
-    monkeypatch.setattr(L, "check_many", lambda items: batches.append([it[-1] for it in items]) or check_many(items))
+    monkeypatch.setattr(L, "check_many", lambda items, **kw: batches.append([it[-1] for it in items]) or check_many(items, **kw))
     monkeypatch.setattr(L, "_check", lambda *a: singles.append(1) or check(*a))
 
     def step():
@@ -221,9 +221,11 @@ def test_decided_once_per_step_and_once_when_frozen(monkeypatch, variant):
     import leanact.ops.layer_norm as L
 
     calls = []
-    check = L._check
-    monkeypatch.setattr(L, "_check", lambda *a: calls.append(1) or check(*a))
+    check, check_many = L._check, L.check_many
     lean, _ = hf_rms_norm_replacement(_norm(variant))
+    monkeypatch.setattr(L, "_check", lambda *a: calls.append(1) or check(*a))
+    monkeypatch.setattr(L, "check_many", lambda items, **kw: calls.extend(
+        1 for it in items if it[0] is lean.weight) or check_many(items, **kw))
     x = torch.randn(2, H, requires_grad=True)
     opt = torch.optim.SGD(lean.parameters(), lr=0.1)
     for step in range(2):

@@ -90,11 +90,13 @@ def test_decision_checked_once_per_optimizer_step(monkeypatch):
     monkeypatch.setattr(ln_mod, "_check", lambda *a: calls.append(1) or check(*a))
     # (after a step, norms of earlier tests still alive in this process may be decided with it, in one batch)
     monkeypatch.setattr(ln_mod, "check_many",
-                        lambda items: calls.extend(1 for it in items if it[0] is m.weight) or check_many(items))
+                        lambda items, **kw: calls.extend(1 for it in items if it[0] is m.weight) or check_many(items, **kw))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
     x = torch.randn(8, H, requires_grad=True)
-    for step in range(3):
-        for _ in range(2):  # e.g. gradient accumulation: two forwards per step, one check
+    for step in range(4):
+        for _ in range(2):  # e.g. gradient accumulation: two forwards per step, at most one check
             m(x).sum().backward()
-        assert len(calls) == step + 1
+        # checked at the first forward and after the first step (the batched check, which gives the
+        # verdict's slack); then AdamW's bounded steps stay within it: no check (leanact.ops.guard_drift)
+        assert len(calls) == min(step + 1, 2)
         opt.step()

@@ -33,7 +33,9 @@ tensor, keyed on (data_ptr, _version) of γ and β and on the number of optimize
 AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step; the
 first norm to run after a step decides again, at once, for every norm of the previous step whose γ
 and β are parameters an optimizer updated in place (``leanact.ops.guard_batch``: one sync per step,
-not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Frozen
+not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Under
+Adam / AdamW a passing verdict stands without that check while the steps since it cannot have
+moved γ, β out of the rule (``leanact.ops.guard_drift``: no sync on most steps). Frozen
 γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while their storage and
 ``_version`` stay the same. Writes
 outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
@@ -61,6 +63,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .amp import no_autocast_backward, norm_inputs
 from .backward import once_differentiable
+from . import guard_drift
 from .guard_batch import check_many
 from ..saved import keeping_output
 from .transforms import functorch_active, is_wrapped, unwrap
@@ -73,6 +76,9 @@ __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decisio
 DEFAULT_MAX_RATIO = 8.0
 
 _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: ref -> (slack, weight's drift baseline, bias's) of a passing verdict of the batched check: while
+#: the optimizer steps since stay within the slack (leanact.ops.guard_drift), it stands unchecked
+_SLACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
 
 
@@ -99,6 +105,7 @@ def clear_decision_cache() -> None:
     """Forget cached from-output decisions (needed only after writes outside an optimizer step that
     skip ``_version``, e.g. ``p.data.copy_(...)``)."""
     _DECISIONS.clear()
+    _SLACKS.clear()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -226,13 +233,15 @@ def _intact(t: torch.Tensor) -> bool:
 
 
 def _refresh_stale(device: torch.device) -> bool:
-    """Decide again, in one batch (:func:`leanact.ops.guard_batch.check_many`: one sync), for every
-    cached norm on ``device`` whose decision predates this optimizer step; False (nothing done)
-    where that cannot help: fewer than two such norms, or a dispatch mode (fake tensors) active."""
+    """Decide again for every cached norm on ``device`` whose decision predates this optimizer step:
+    a passing verdict whose γ, β only Adam/AdamW steps moved, by less than its slack, stands
+    (:mod:`leanact.ops.guard_drift`: no device work, no sync); the others are decided in one batch
+    (:func:`leanact.ops.guard_batch.check_many`: one sync), which also gives their slack. False
+    (nothing done) where that cannot help: no such norm, or a dispatch mode (fake tensors) active."""
     if _get_current_dispatch_mode() is not None:
         return False
-    refs, items = [], []
-    for ref, (key, _ok, args) in list(_DECISIONS.items()):
+    refs, items, stood = [], [], 0
+    for ref, (key, ok, args) in list(_DECISIONS.items()):
         if key[2] in (_STEPS[0], _FROZEN):
             continue
         wr, br, n, dtype, max_ratio, offset = args
@@ -241,15 +250,39 @@ def _refresh_stale(device: torch.device) -> bool:
             continue
         if is_fake(ref) or not all(t is None or _intact(t) for t in (w, b)):
             continue
+        if ok and _stands(ref, w, b):
+            _DECISIONS[ref] = (_key_of(w, b, n, dtype, max_ratio, offset), True, args)
+            stood += 1
+            continue
         refs.append(ref)
         items.append((w, b, n, dtype, max_ratio, offset))
-    if len(items) < 2:
-        return False
-    for ref, (w, b, n, dtype, max_ratio, offset), ok in zip(refs, items, check_many(items)):
-        key = (None if w is None else _identity(w), None if b is None else _identity(b), _step_of(w, b), n, dtype,
-               max_ratio, offset)
-        _DECISIONS[ref] = (key, ok, _args(w, b, n, dtype, max_ratio, offset))
+    if not items:
+        return stood > 0
+    for ref, (w, b, n, dtype, max_ratio, offset), (ok, slack, w_max, b_max) in zip(
+            refs, items, check_many(items, slack=True)):
+        _DECISIONS[ref] = (_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset))
+        if ok and slack > 0.0:
+            _SLACKS[ref] = (slack, None if w is None else guard_drift.track(w, w_max),
+                            None if b is None else guard_drift.track(b, b_max))
+        else:
+            _SLACKS.pop(ref, None)
     return True
+
+
+def _key_of(w, b, n, dtype, max_ratio, offset) -> tuple:
+    return (None if w is None else _identity(w), None if b is None else _identity(b), _step_of(w, b), n, dtype,
+            max_ratio, offset)
+
+
+def _stands(ref, w, b) -> bool:
+    """Whether ``ref``'s passing verdict still holds: its γ, β moved since its check by bounded
+    optimizer steps only, within its slack (:func:`leanact.ops.guard_drift.within`)."""
+    rec = _SLACKS.get(ref)
+    if rec is None:
+        return False
+    slack, w_base, b_base = rec
+    return all(t is None or (base is not None and guard_drift.within(t, base, slack))
+               for t, base in ((w, w_base), (b, b_base)))
 
 
 # reads values on the host: outside any compiled graph (the graph break names from_output_ok)

@@ -1,0 +1,177 @@
+"""How far optimizer steps can move a norm's γ and β: what lets a from-output verdict outlive a
+step without a check (no device-to-host sync).
+
+The norms decide once per optimizer step whether their output determines x̂
+(:mod:`leanact.ops.layer_norm`): one batched check and one sync per step
+(:mod:`leanact.ops.guard_batch`). The sync makes the host wait for the GPU to finish the previous
+step before it enqueues the next forward: in a host-bound step, time lost (BERT-Large b=32 on an
+H100: ~11 ms of a 185 ms step). For ``torch.optim.Adam`` and ``AdamW`` the check can be skipped
+for many steps, exactly:
+
+* **Adam's step is bounded whatever the gradients.** With m, v started at zero (as torch starts
+  them), ``|m_t| ≤ a·sqrt(v_t)`` element-wise for every t, where ``a² = (1−β1)² / ((1−β2)(1−β1²/β2))``
+  (Cauchy–Schwarz on the recursions m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g²: the bound holds at
+  t = 0 and is its own fixed point), so the update ``lr·(m/bc1)/(sqrt(v/bc2) + eps)`` is at most
+  ``lr·a·F`` with ``F = sup_t sqrt(1−β2^t)/(1−β1^t)`` (≈ 7.3·lr for the default betas), whatever
+  the gradients, the gradient scale, clipping, ``amsgrad`` (a larger denominator) or ``maximize``.
+  Weight decay coupled to the gradient (Adam) is inside that bound; decoupled (AdamW) adds
+  ``lr·wd·|θ|``. The parameter's own rounding adds ``eps(dtype)·|θ|``.
+* **A verdict has a slack.** The batched check also returns, per norm, the largest change δ of
+  every element of γ and β that cannot break the rule (``|γ| ≥ tiny``, ``|β| ≤ r·|γ|``,
+  ``|γ|·sqrt(N) + |β| ≤ max``) and the largest ``|γ|``, ``|β|``.
+
+A per-parameter accumulator (:class:`Drift`) adds each Adam/AdamW step's bound (a global step
+post-hook; the learning rate and betas read from the parameter's group at that step). A passing
+verdict then stands while the drift since its check is at most half its slack (the other half
+covers the rule's own rounding in the compute dtype) and the parameter was written by nothing else:
+its ``_version`` is the one the last step left, and was the check's when that step began (a step
+pre-hook). Any other optimizer (SGD's step has no such bound), a learning rate or betas held as
+CUDA tensors, ``eps = 0``, ``β1² ≥ β2`` or a write outside a step ends the bound: the next step
+checks again, as before. Assumed, as torch's Adam itself does: a state that started at zero with
+these betas (a state loaded from another optimizer's configuration is not one).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["Drift", "track", "within", "step_bound", "ratio_bound"]
+
+
+class Drift:
+    """What optimizer steps may have done to one parameter since it was tracked: ``total`` (the sum
+    of the steps' bounds on any element's change), ``epoch`` (advanced where no bound holds: a
+    verdict of an earlier epoch no longer stands), ``version`` (the ``_version`` the last step, or
+    the check, left), ``mbound`` (a bound on max |θ| now), ``eps`` (the dtype's unit of rounding)."""
+
+    __slots__ = ("total", "epoch", "version", "mbound", "eps")
+
+    def __init__(self, p: torch.Tensor):
+        self.total, self.epoch, self.version = 0.0, 0, p._version
+        self.mbound = math.inf
+        self.eps = torch.finfo(p.dtype).eps if p.is_floating_point() else math.inf
+
+
+_DRIFT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> Drift
+_GENERATION = [0]  # advanced when a parameter is first tracked (the per-optimizer lists are rebuilt)
+_BY_OPTIMIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (key, [(group, pairs)])
+
+
+def track(p: torch.Tensor, max_abs: float) -> tuple[float, int]:
+    """Start or refresh ``p``'s drift at a check that read its values now (max |p| = ``max_abs``);
+    returns the baseline ``(total, epoch)`` a verdict of that check compares with (:func:`within`)."""
+    d = _DRIFT.get(p)
+    if d is None:
+        d = _DRIFT[p] = Drift(p)
+        _GENERATION[0] += 1
+    d.version, d.mbound = p._version, max_abs
+    return d.total, d.epoch
+
+
+def within(p: torch.Tensor, baseline: tuple[float, int], slack: float) -> bool:
+    """Whether every element of ``p`` is within ``slack / 2`` of its value at the check that gave
+    ``baseline``: only bounded optimizer steps since, and no other write."""
+    d = _DRIFT.get(p)
+    return (d is not None and d.epoch == baseline[1] and d.version == p._version
+            and d.total - baseline[0] <= 0.5 * slack)
+
+
+_RATIO_BOUNDS: dict[tuple[float, float], float] = {}
+
+
+def ratio_bound(beta1: float, beta2: float) -> float | None:
+    """``a·F`` (module doc): the largest ``|m̂|/sqrt(v̂)`` Adam can produce with these betas, or None
+    where no finite bound is derived (``β1² ≥ β2``, β1 beyond 0.9999, betas outside [0, 1))."""
+    key = (beta1, beta2)
+    if key not in _RATIO_BOUNDS:
+        bound = None
+        if 0.0 <= beta1 <= 0.9999 and 0.0 < beta2 < 1.0 and beta1 * beta1 < beta2:
+            a = (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2))
+            # F: the bias corrections' ratio; past a few hundred thousand steps β1^t is 0 in float64
+            # and the ratio tends to 1 from below
+            f, p1, p2 = 1.0, 1.0, 1.0
+            for _ in range(400_000):
+                p1 *= beta1
+                p2 *= beta2
+                f = max(f, math.sqrt(1.0 - p2) / (1.0 - p1))
+                if p1 < 1e-300:
+                    break
+            bound = a * f * 1.001  # (and the update's own rounding in float32, far below 0.1%)
+        _RATIO_BOUNDS[key] = bound
+    return _RATIO_BOUNDS[key]
+
+
+def _scalar(v) -> float | None:
+    """A hyperparameter as a float without a device sync (None for one held on an accelerator)."""
+    if isinstance(v, torch.Tensor):
+        return float(v) if v.device.type == "cpu" and v.numel() == 1 else None
+    return float(v)
+
+
+def step_bound(optimizer, group: dict) -> tuple[float, float] | None:
+    """``(c, k)``: one step of ``optimizer`` on ``group`` changes each element of a parameter by at
+    most ``c + k·|θ|`` (module doc); None where no bound is known."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    try:
+        lr, eps, wd = _scalar(group["lr"]), _scalar(group["eps"]), _scalar(group["weight_decay"])
+        b1, b2 = (_scalar(b) for b in group["betas"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if None in (lr, eps, wd, b1, b2) or not (lr >= 0.0 and eps > 0.0 and wd >= 0.0):
+        return None
+    ab = ratio_bound(b1, b2)
+    if ab is None or not math.isfinite(lr * ab):
+        return None
+    decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+    return lr * ab, (lr * wd if decoupled else 0.0)
+
+
+def _tracked(optimizer) -> list[tuple[dict, list[tuple[torch.Tensor, Drift]]]]:
+    """(group, [(parameter, drift)]) for the tracked parameters of ``optimizer``, cached until a
+    parameter is tracked anew or the groups change."""
+    groups = optimizer.param_groups
+    key = (_GENERATION[0], len(groups), sum(len(g["params"]) for g in groups))
+    hit = _BY_OPTIMIZER.get(optimizer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    out = []
+    for g in groups:
+        pairs = [(p, d) for p in g["params"] if (d := _DRIFT.get(p)) is not None]
+        if pairs:
+            out.append((g, pairs))
+    _BY_OPTIMIZER[optimizer] = (key, out)
+    return out
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    if not _DRIFT:
+        return
+    for _g, pairs in _tracked(optimizer):
+        for p, d in pairs:
+            if p._version != d.version:  # written since the check or the last step: not a bounded change
+                d.epoch += 1
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    if not _DRIFT:
+        return
+    for g, pairs in _tracked(optimizer):
+        bound = step_bound(optimizer, g)
+        for p, d in pairs:
+            if bound is None:
+                d.epoch += 1
+            else:
+                c, k = bound
+                delta = c + (k + d.eps) * d.mbound
+                d.total += delta
+                d.mbound += delta
+            d.version = p._version
+
+
+register_optimizer_step_pre_hook(_before_step)
+register_optimizer_step_post_hook(_after_step)

@@ -1,0 +1,199 @@
+"""Verdicts that outlive Adam's steps (leanact.ops.guard_drift): the step bound holds whatever the
+gradients, the slack keeps the rule, and a verdict stands only while both say so; anything else
+(another optimizer, a write outside a step) is checked as before."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import leanact
+from leanact.ops import guard_batch, guard_drift, layer_norm as LN
+
+
+def _gradients(kind: str, steps: int, gen: torch.Generator) -> list[torch.Tensor]:
+    if kind == "growing":  # Cauchy–Schwarz's equality case: |m|/sqrt(v) tends to the bound (after
+        # enough steps that the bias corrections are ~1)
+        return ([torch.full((4,), 1e-3, dtype=torch.float64)] * 3000
+                + [torch.full((4,), 1e-3 * (0.999 / 0.9) ** i, dtype=torch.float64) for i in range(steps)])
+    if kind == "spikes":
+        return [torch.randn(4, generator=gen, dtype=torch.float64) * (1e6 if i % 17 == 0 else 1e-6)
+                for i in range(steps)]
+    if kind == "heavy":
+        return [torch.randn(4, generator=gen, dtype=torch.float64) ** 5 for i in range(steps)]
+    return [torch.full((4,), (-1.0) ** i * (i % 5), dtype=torch.float64) for i in range(steps)]  # alternating
+
+
+@pytest.mark.parametrize("kind", ["growing", "spikes", "heavy", "alternating"])
+@pytest.mark.parametrize("opt_kind,kwargs", [
+    ("Adam", {}), ("AdamW", {"weight_decay": 0.1}), ("Adam", {"weight_decay": 0.5}),
+    ("Adam", {"amsgrad": True, "maximize": True}), ("AdamW", {"betas": (0.5, 0.9), "eps": 1e-12}),
+    ("AdamW", {"foreach": True}), ("Adam", {"fused": True})])
+def test_one_step_moves_no_element_further_than_its_bound(kind, opt_kind, kwargs):
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, generator=gen, dtype=torch.float64))
+    opt = getattr(torch.optim, opt_kind)([p], lr=0.01, **kwargs)
+    ratio = 0.0
+    for g in _gradients(kind, 300, gen):
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        c, k = guard_drift.step_bound(opt, opt.param_groups[0])
+        moved = (p.detach() - before).abs().max().item()
+        assert moved <= c + k * before.abs().max().item() + 4 * 2**-52 * before.abs().max().item(), (moved, c, k)
+        if not kwargs.get("weight_decay"):
+            ratio = max(ratio, moved / c)
+    if kind == "growing" and not kwargs:
+        assert ratio > 0.9  # the bound is nearly reached: the test exercises its edge
+
+
+def test_no_bound_where_none_is_derived():
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert guard_drift.ratio_bound(0.9, 0.999) == pytest.approx(7.27, abs=0.01)
+    assert guard_drift.ratio_bound(0.99, 0.9) is None  # β1² ≥ β2
+    assert guard_drift.step_bound(torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p], lr=0.1).param_groups[0]) is None
+    adam = torch.optim.Adam([p], lr=0.1, eps=0.0)
+    assert guard_drift.step_bound(adam, adam.param_groups[0]) is None  # 0/0 possible
+    adam = torch.optim.Adam([p], lr=torch.tensor(0.1))
+    assert guard_drift.step_bound(adam, adam.param_groups[0]) == pytest.approx((0.1 * 7.27, 0.0), abs=1e-3)
+
+
+def test_the_slack_keeps_the_rule_and_is_the_rules_distance():
+    gen = torch.Generator().manual_seed(1)
+    items = []
+    for n in (8, 64):
+        w = torch.rand(n, generator=gen) + 0.2
+        b = torch.randn(n, generator=gen)
+        items += [(w, b, n, torch.bfloat16, 8.0, False), (w, None, n, torch.float32, 8.0, False),
+                  (None, b.clamp(-2, 2), n, torch.float16, 8.0, False), (w - 1.0, None, n, torch.float32, 8.0, True),
+                  (w, None, n, torch.bfloat16, math.inf, False)]  # (RMSNorm's: no ratio rule)
+    out = guard_batch.check_many(items, slack=True)
+    assert [o[0] for o in out] == guard_batch.check_many(items)
+    for (w, b, n, dtype, ratio, offset), (ok, slack, w_max, b_max) in zip(items, out):
+        assert ok and slack > 0
+        assert w_max == (0.0 if w is None else w.abs().max().item())
+        assert b_max == (0.0 if b is None else b.abs().max().item())
+        # every element moved by the slack in the worst direction: |γ| down, |β| up; the rule holds
+        w2 = None if w is None else w - torch.sign(w + (1.0 if offset else 0.0)) * slack
+        b2 = None if b is None else b + torch.sign(b) * slack
+        assert LN._check(w2, b2, n, dtype, ratio, offset)
+    # one channel, γ = 1, β = 0.5: the ratio's distance (8·1 − 0.5)/9
+    (ok, slack, *_), = guard_batch.check_many([(torch.ones(1), torch.tensor([0.5]), 4, torch.float32, 8.0)],
+                                              slack=True)
+    assert 7.5 / 9 - 2e-5 <= slack < 7.5 / 9  # (less a guard of 8 float32 units for the rule's own rounding)
+    assert guard_batch.check_many([(torch.zeros(3), None, 3, torch.float32, 8.0)], slack=True)[0][:2] == (False, 0.0)
+
+
+def _norms():
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([leanact.nn.LayerNorm(16), leanact.nn.LayerNorm(16), leanact.nn.RMSNorm(16)])
+
+
+def _decide(norms, x):
+    for m in norms:
+        m(x)
+
+
+def _truth(m) -> bool:
+    return LN._check(m.weight, getattr(m, "bias", None), 16, torch.float32, getattr(m, "max_ratio", LN.DEFAULT_MAX_RATIO))
+
+
+def test_verdicts_stand_under_adam_until_its_steps_could_break_the_rule(monkeypatch):
+    """γ pushed down and β up by Adam (lr 0.01: β > 8γ after ~89 steps): the cached verdicts are the
+    rule's at every step, with far fewer checks than steps; the verdict flips at the step the rule does."""
+    LN.clear_decision_cache()
+    norms = _norms()
+    opt = torch.optim.Adam(norms.parameters(), lr=0.01)
+    x = torch.randn(4, 16, requires_grad=True)
+    batches = []
+    check_many = guard_batch.check_many
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    flipped = None
+    for step in range(120):
+        _decide(norms, x)
+        verdicts = [LN._DECISIONS[m.weight][1] for m in norms]
+        assert verdicts == [_truth(m) for m in norms], step
+        if flipped is None and not verdicts[0]:
+            flipped = step
+        for m in norms:
+            m.weight.grad = torch.ones_like(m.weight)
+            if getattr(m, "bias", None) is not None:
+                m.bias.grad = -torch.ones_like(m.bias)
+        opt.step()
+    assert flipped is not None and 85 <= flipped <= 92
+    # checks grow more frequent as the slack shrinks near the rule's edge, and none after the flip
+    # (a failing verdict is checked every step: it may pass again)
+    assert len(batches) < 100, batches
+
+
+def test_a_usual_fine_tuning_run_checks_once(monkeypatch):
+    """γ = 1, β = 0 at lr 1e-4 (Adam moves each element by at most ~7.3e-4 a step): the verdicts of
+    the first batched check stand for hundreds of steps."""
+    LN.clear_decision_cache()
+    norms = _norms()
+    opt = torch.optim.AdamW(norms.parameters(), lr=1e-4, weight_decay=0.01)
+    x = torch.randn(4, 16, requires_grad=True)
+    batches = []
+    check_many = guard_batch.check_many
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    for step in range(200):
+        _decide(norms, x)
+        assert all(LN._DECISIONS[m.weight][1] for m in norms)
+        sum(m(x).pow(2).sum() for m in norms).backward()
+        opt.step()
+        opt.zero_grad()
+    assert batches == [3]
+
+
+@pytest.mark.parametrize("when", ["after the step", "before the step"])
+def test_a_write_outside_the_optimizer_is_checked(monkeypatch, when):
+    LN.clear_decision_cache()
+    norms = _norms()
+    opt = torch.optim.AdamW(norms.parameters(), lr=1e-4)
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(3):
+        _decide(norms, x)
+        sum(m(x).sum() for m in norms).backward()
+        if when == "before the step" and _ == 2:
+            with torch.no_grad():
+                norms[1].bias[3] = 100.0  # |β| > 8|γ|: the rule fails
+        opt.step()
+        opt.zero_grad()
+    if when == "after the step":
+        with torch.no_grad():
+            norms[1].bias[3] = 100.0
+    _decide(norms, x)
+    assert [LN._DECISIONS[m.weight][1] for m in norms] == [True, False, True]
+    assert not getattr(norms[1](x).grad_fn, "from_output", False)  # the fallback keeps the input
+
+
+def test_other_optimizers_check_every_step(monkeypatch):
+    LN.clear_decision_cache()
+    norms = _norms()
+    opt = torch.optim.SGD(norms.parameters(), lr=1e-4, momentum=0.9)
+    x = torch.randn(4, 16, requires_grad=True)
+    batches = []
+    check_many = guard_batch.check_many
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    for _ in range(4):
+        _decide(norms, x)
+        sum(m(x).sum() for m in norms).backward()
+        opt.step()
+    assert batches == [3, 3, 3]
+
+
+def test_the_step_bound_accumulates_per_parameter():
+    p = torch.nn.Parameter(torch.ones(3))
+    base = guard_drift.track(p, 1.0)
+    opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    c, k = guard_drift.step_bound(opt, opt.param_groups[0])
+    d = guard_drift._DRIFT[p]
+    assert d.total - base[0] == pytest.approx(c + (k + 2**-23) * 1.0)
+    assert guard_drift.within(p, base, 2 * (c + k + 2**-23) * 1.0001)
+    assert not guard_drift.within(p, base, 2 * c)
+    with torch.no_grad():
+        p.add_(0.0)  # a write: _version moves
+    assert not guard_drift.within(p, base, math.inf)
