@@ -90,6 +90,16 @@ def _norms():
     return torch.nn.ModuleList([leanact.nn.LayerNorm(16), leanact.nn.LayerNorm(16), leanact.nn.RMSNorm(16)])
 
 
+def _setup(monkeypatch, optimizer, **kwargs):
+    """Fresh norms, their optimizer, an input, and the list of the batched checks' sizes."""
+    LN.clear_decision_cache()
+    norms = _norms()
+    batches = []
+    check_many = guard_batch.check_many
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    return norms, optimizer(norms.parameters(), **kwargs), torch.randn(4, 16, requires_grad=True), batches
+
+
 def _decide(norms, x):
     for m in norms:
         m(x)
@@ -102,13 +112,7 @@ def _truth(m) -> bool:
 def test_verdicts_stand_under_adam_until_its_steps_could_break_the_rule(monkeypatch):
     """γ pushed down and β up by Adam (lr 0.01: β > 8γ after ~89 steps): the cached verdicts are the
     rule's at every step, with far fewer checks than steps; the verdict flips at the step the rule does."""
-    LN.clear_decision_cache()
-    norms = _norms()
-    opt = torch.optim.Adam(norms.parameters(), lr=0.01)
-    x = torch.randn(4, 16, requires_grad=True)
-    batches = []
-    check_many = guard_batch.check_many
-    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    norms, opt, x, batches = _setup(monkeypatch, torch.optim.Adam, lr=0.01)
     flipped = None
     for step in range(120):
         _decide(norms, x)
@@ -130,13 +134,7 @@ def test_verdicts_stand_under_adam_until_its_steps_could_break_the_rule(monkeypa
 def test_a_usual_fine_tuning_run_checks_once(monkeypatch):
     """γ = 1, β = 0 at lr 1e-4 (Adam moves each element by at most ~7.3e-4 a step): the verdicts of
     the first batched check stand for hundreds of steps."""
-    LN.clear_decision_cache()
-    norms = _norms()
-    opt = torch.optim.AdamW(norms.parameters(), lr=1e-4, weight_decay=0.01)
-    x = torch.randn(4, 16, requires_grad=True)
-    batches = []
-    check_many = guard_batch.check_many
-    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    norms, opt, x, batches = _setup(monkeypatch, torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
     for step in range(200):
         _decide(norms, x)
         assert all(LN._DECISIONS[m.weight][1] for m in norms)
@@ -169,13 +167,7 @@ def test_a_write_outside_the_optimizer_is_checked(monkeypatch, when):
 
 
 def test_other_optimizers_check_every_step(monkeypatch):
-    LN.clear_decision_cache()
-    norms = _norms()
-    opt = torch.optim.SGD(norms.parameters(), lr=1e-4, momentum=0.9)
-    x = torch.randn(4, 16, requires_grad=True)
-    batches = []
-    check_many = guard_batch.check_many
-    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
+    norms, opt, x, batches = _setup(monkeypatch, torch.optim.SGD, lr=1e-4, momentum=0.9)
     for _ in range(4):
         _decide(norms, x)
         sum(m(x).sum() for m in norms).backward()
