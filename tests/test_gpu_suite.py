@@ -641,3 +641,23 @@ def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
     assert "modeling_llama.LlamaRMSNorm" in note and "modeling_llama.apply_rotary_pos_emb" in note
     assert f"{2 * layers + 1} LigerRMSNorm" in note  # two per layer and the final norm
 
+
+
+@pytest.mark.parametrize("mode", ["sync", "drift"])
+def test_norm_sync_ab_runs_the_steps_part_with_and_without_the_per_step_check(mode):
+    """benchmarks/norm_sync_ab.py (smoke sizes, CPU): ``sync`` checks every verdict after each step
+    (as many batched checks as decisions), ``drift`` lets them stand under AdamW's bound (fewer)."""
+    import os
+    import re
+    import subprocess
+
+    script = _PATH.parent / "norm_sync_ab.py"
+    env = dict(os.environ, LEANACT_GPU_SUITE_SMOKE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(mode + " "))
+    note = re.search(r"BERT-Large MLM: the norms' per-step decision ran (\d+) times \(median [0-9.]+ ms\), (\d+) of",
+                     line)
+    assert note, line
+    ran, checked = int(note.group(1)), int(note.group(2))
+    assert ran >= 2 and (checked == ran if mode == "sync" else checked < ran), line
