@@ -661,3 +661,19 @@ def test_norm_sync_ab_runs_the_steps_part_with_and_without_the_per_step_check(mo
     assert note, line
     ran, checked = int(note.group(1)), int(note.group(2))
     assert ran >= 2 and (checked == ran if mode == "sync" else checked < ran), line
+
+
+def test_op_host_smoke_reports_every_op(tmp_path, capsys):
+    """benchmarks/op_host.py --smoke (CPU, kernels stubbed): a row of positive times per op, the
+    launch line and the profile; --out gets the same report."""
+    spec = importlib.util.spec_from_file_location("op_host", _PATH.parent / "op_host.py")
+    op_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(op_host)
+    out = tmp_path / "op_host.md"
+    assert op_host.main(["--smoke", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert report.strip() == capsys.readouterr().out.strip()
+    rows = [ln for ln in report.splitlines() if ln.startswith("| ") and not ln.startswith("| op ")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["GELU", "LayerNorm", "sub-layer end (dropout, add, LayerNorm)"]
+    assert all(float(c) > 0 for r in rows for c in r.strip(" |").split(" | ")[1:]), rows
+    assert "n/a (no CUDA)" in report and "cProfile of 5 leanact GELU" in report
