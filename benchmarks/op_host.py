@@ -13,7 +13,8 @@ shapes, this prints per forward+backward call:
   torch's op, for leanact's, and for leanact's with the Triton launches replaced by nothing
   (``dispatch.use_kernels(SHAPES_ONLY)``: outputs allocated, no kernel): the difference is what the
   launches cost (Triton's launcher in Python, then the driver);
-* one launch of a trivial Triton kernel with as many arguments as the norms' backward (host µs);
+* the host µs of one launch: a trivial Triton kernel (12 arguments), with leanact's launch option,
+  leanact's GELU forward kernel from its launcher, then through its dispatch;
 * cProfile of leanact's GELU calls (functions by own time).
 
 Medians of interleaved calls.
@@ -120,12 +121,16 @@ def measure(device: str, rows: int, gelu: int, norm: int, calls: int) -> list[tu
     return out
 
 
-def bare_launch_us(calls: int) -> float | None:
-    """Host µs of one launch of a trivial Triton kernel with 12 arguments (None without CUDA)."""
+def launch_us(calls: int) -> list[tuple[str, str]] | None:
+    """Host µs of one launch, from a bare Triton kernel to leanact's GELU forward through its
+    dispatch, each step adding one layer (None without CUDA): where a launch's host time goes."""
     if not torch.cuda.is_available():
         return None
     import triton
     import triton.language as tl
+
+    from leanact.ops.gelu import minimum, tables
+    from leanact.ops.triton import gelu as gelu_launchers, kernels
 
     @triton.jit
     def _nop(a, b, c, d, e, f, g, h, n, m, eps, BLOCK: tl.constexpr):
@@ -134,17 +139,36 @@ def bare_launch_us(calls: int) -> float | None:
         tl.store(a + offs, tl.load(b + offs, mask=offs < n, other=0.0), mask=offs < n)
 
     t = [torch.zeros(1024, device="cuda") for _ in range(8)]
-    for _ in range(3):
-        _nop[(1,)](*t, 1024, 1024, 1e-5, BLOCK=1024)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        for _ in range(20):
-            _nop[(1,)](*t, 1024, 1024, 1e-5, BLOCK=1024)
-        samples.append((time.perf_counter() - t0) / 20 * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    x = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    y, bits = torch.empty_like(x), torch.empty(128, dtype=torch.uint8, device="cuda")
+    table = tables._ACCESSORS["y16", tables._dtype_name(x.dtype), "none"]("cuda")
+    u = minimum._THRESHOLDS[x.dtype]["none"][1]
+    steps = [
+        ("a trivial Triton kernel, 12 arguments", lambda: _nop[(1,)](*t, 1024, 1024, 1e-5, BLOCK=1024)),
+        ("the same with enable_fp_fusion=True (leanact's launch option)",
+         lambda: _nop[(1,)](*t, 1024, 1024, 1e-5, BLOCK=1024, enable_fp_fusion=True)),
+        ("leanact's GELU forward kernel, its launcher (kernels.gelu_forward16)",
+         lambda: kernels.gelu_forward16(x, y, bits, table, u)),
+        ("leanact's GELU forward through its dispatch (outputs allocated, checks)",
+         lambda: gelu_launchers.gelu_forward(x, "none", True)),
+    ]
+    out = []
+    for label, fn in steps:
+        try:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                samples.append((time.perf_counter() - t0) / 20 * 1e6)
+                torch.cuda.synchronize()
+            out.append((label, f"{statistics.median(samples):.1f}"))
+        except Exception as e:  # noqa: BLE001 - a row that says why, the other rows still measured
+            out.append((label, f"failed: {type(e).__name__}: {str(e)[:200]}"))
+    return out
 
 
 def profile_gelu(device: str, rows: int, gelu: int, calls: int) -> str:
@@ -175,14 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (smoke run, kernels stubbed)"
     with (_stubbed() if args.smoke else contextlib.nullcontext()):  # (the CPU has no kernels to launch)
         rows = measure(device, size["rows"], size["gelu"], size["norm"], size["calls"])
-        launch = bare_launch_us(size["calls"])
+        launches = launch_us(size["calls"])
         prof = profile_gelu(device, size["rows"], size["gelu"], size["calls"])
     lines = [f"{name}, torch {torch.__version__}; bf16 forward+backward per call, µs, medians of {size['calls']}",
              "", "| op | torch wall | leanact wall | torch host | leanact host | leanact host, launches stubbed |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {n} | {tw:.0f} | {lw:.0f} | {th:.0f} | {lh:.0f} | {sh:.0f} |" for n, tw, lw, th, lh, sh in rows]
-    lines += ["", f"one launch of a trivial Triton kernel with 12 arguments: "
-                  f"{'n/a (no CUDA)' if launch is None else f'{launch:.1f} µs of host time'}", "", prof]
+    lines += ["", "host µs of one launch (the GPU idle, 20 launches in a row):"]
+    lines += ["- n/a (no CUDA)"] if launches is None else [f"- {label}: {us}" for label, us in launches]
+    lines += ["", prof]
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -676,4 +676,4 @@ def test_op_host_smoke_reports_every_op(tmp_path, capsys):
     rows = [ln for ln in report.splitlines() if ln.startswith("| ") and not ln.startswith("| op ")]
     assert [r.split(" | ")[0][2:] for r in rows] == ["GELU", "LayerNorm", "sub-layer end (dropout, add, LayerNorm)"]
     assert all(float(c) > 0 for r in rows for c in r.strip(" |").split(" | ")[1:]), rows
-    assert "n/a (no CUDA)" in report and "cProfile of 5 leanact GELU" in report
+    assert "- n/a (no CUDA)" in report and "cProfile of 5 leanact GELU" in report
