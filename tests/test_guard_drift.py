@@ -189,3 +189,19 @@ def test_the_step_bound_accumulates_per_parameter():
     with torch.no_grad():
         p.add_(0.0)  # a write: _version moves
     assert not guard_drift.within(p, base, math.inf)
+
+
+def test_a_slack_serves_only_the_rule_it_was_computed_for():
+    """The same γ used with another dtype (fp16's max, not fp32's) decides again, alone, and the
+    slack of the fp32 rule is dropped: it never lets an fp16 verdict stand."""
+    LN.clear_decision_cache()
+    norms = _norms()
+    opt = torch.optim.AdamW(norms.parameters(), lr=1e-4)
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):
+        _decide(norms, x)
+        opt.step()
+    ln = norms[0]
+    assert ln.weight in LN._SLACKS
+    assert LN.from_output_ok(ln.weight, ln.bias, 16, torch.float16)
+    assert ln.weight not in LN._SLACKS

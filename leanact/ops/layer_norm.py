@@ -200,6 +200,7 @@ def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio:
             return hit[1]
     ok = _check(weight, bias, n, dtype, max_ratio, offset)
     _DECISIONS[ref] = (key, ok, _args(weight, bias, n, dtype, max_ratio, offset))
+    _SLACKS.pop(ref, None)  # (a slack of the rule for other n, dtype or ratio: not this decision's)
     return ok
 
 
