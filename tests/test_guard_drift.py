@@ -146,10 +146,7 @@ def test_a_usual_fine_tuning_run_checks_once(monkeypatch):
 
 @pytest.mark.parametrize("when", ["after the step", "before the step"])
 def test_a_write_outside_the_optimizer_is_checked(monkeypatch, when):
-    LN.clear_decision_cache()
-    norms = _norms()
-    opt = torch.optim.AdamW(norms.parameters(), lr=1e-4)
-    x = torch.randn(4, 16, requires_grad=True)
+    norms, opt, x, _batches = _setup(monkeypatch, torch.optim.AdamW, lr=1e-4)
     for _ in range(3):
         _decide(norms, x)
         sum(m(x).sum() for m in norms).backward()
@@ -191,13 +188,10 @@ def test_the_step_bound_accumulates_per_parameter():
     assert not guard_drift.within(p, base, math.inf)
 
 
-def test_a_slack_serves_only_the_rule_it_was_computed_for():
+def test_a_slack_serves_only_the_rule_it_was_computed_for(monkeypatch):
     """The same γ used with another dtype (fp16's max, not fp32's) decides again, alone, and the
     slack of the fp32 rule is dropped: it never lets an fp16 verdict stand."""
-    LN.clear_decision_cache()
-    norms = _norms()
-    opt = torch.optim.AdamW(norms.parameters(), lr=1e-4)
-    x = torch.randn(4, 16, requires_grad=True)
+    norms, opt, x, _batches = _setup(monkeypatch, torch.optim.AdamW, lr=1e-4)
     for _ in range(2):
         _decide(norms, x)
         opt.step()
