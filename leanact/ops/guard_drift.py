@@ -39,7 +39,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Drift", "track", "within", "step_bound", "ratio_bound"]
+__all__ = ["Drift", "Stand", "track", "step_bound", "ratio_bound"]
 
 
 class Drift:
@@ -63,7 +63,7 @@ _BY_OPTIMIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimi
 
 def track(p: torch.Tensor, max_abs: float) -> tuple[float, int]:
     """Start or refresh ``p``'s drift at a check that read its values now (max |p| = ``max_abs``);
-    returns the baseline ``(total, epoch)`` a verdict of that check compares with (:func:`within`)."""
+    returns the baseline ``(total, epoch)`` a verdict of that check compares with (:class:`Stand`)."""
     d = _DRIFT.get(p)
     if d is None:
         d = _DRIFT[p] = Drift(p)
@@ -72,12 +72,33 @@ def track(p: torch.Tensor, max_abs: float) -> tuple[float, int]:
     return d.total, d.epoch
 
 
-def within(p: torch.Tensor, baseline: tuple[float, int], slack: float) -> bool:
-    """Whether every element of ``p`` is within ``slack / 2`` of its value at the check that gave
-    ``baseline``: only bounded optimizer steps since, and no other write."""
-    d = _DRIFT.get(p)
-    return (d is not None and d.epoch == baseline[1] and d.version == p._version
-            and d.total - baseline[0] <= 0.5 * slack)
+class Stand:
+    """A passing verdict's standing (checked per step at the first norm, on the host's critical path:
+    attribute reads only, no dictionary of weak keys): the tensors it read, weakly, each with its
+    :class:`Drift`, the drift's baseline at the check, and the storage bytes its values need."""
+
+    __slots__ = ("half_slack", "parts")
+
+    def __init__(self, slack: float, tensors: list[tuple[torch.Tensor, float]]):
+        self.half_slack = 0.5 * slack
+        parts = []
+        for t, max_abs in tensors:
+            total, epoch = track(t, max_abs)
+            span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            parts.append((weakref.ref(t), _DRIFT[t], total, epoch, (t.storage_offset() + span) * t.element_size()))
+        self.parts = tuple(parts)
+
+    def holds(self) -> bool:
+        """Whether the verdict still stands: every tensor within half the slack of its values at the
+        check (only bounded optimizer steps since, no other write: its ``_version`` is the one the last
+        step left, its epoch the check's) and its storage still holding them."""
+        half = self.half_slack
+        for ref, d, total, epoch, nbytes in self.parts:
+            t = ref()
+            if (t is None or d.epoch != epoch or d.version != t._version or d.total - total > half
+                    or t.untyped_storage().nbytes() < nbytes):
+                return False
+        return True
 
 
 _RATIO_BOUNDS: dict[tuple[float, float], float] = {}

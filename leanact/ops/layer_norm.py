@@ -75,15 +75,16 @@ __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decisio
 
 DEFAULT_MAX_RATIO = 8.0
 
+#: ref (γ, else β) -> [key, ok, args, stand]: the cached decision, what deciding it again needs, and
+#: for a passing verdict of the batched check its :class:`~leanact.ops.guard_drift.Stand` (None
+#: otherwise): while the optimizer steps since stay within its slack, it stands unchecked
 _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: ref -> (slack, weight's drift baseline, bias's) of a passing verdict of the batched check: while
-#: the optimizer steps since stay within the slack (leanact.ops.guard_drift), it stands unchecked
-_SLACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
 
 
-#: the parameters of every optimizer that has stepped (their values are current right after a step)
-_OPTIMIZED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: id -> weak reference of the parameters of every optimizer that has stepped (their values are
+#: current right after a step); by id, not a dictionary of weak keys: looked up per norm and step
+_OPTIMIZED: dict[int, weakref.ref] = {}
 _OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters it had
 
 
@@ -93,7 +94,16 @@ def _count_step(optimizer, args, kwargs) -> None:
     if _OPTIMIZERS.get(optimizer) != len(params):  # new, or a param group added since
         _OPTIMIZERS[optimizer] = len(params)
         for p in params:
-            _OPTIMIZED[p] = True
+            if _optimized(p):
+                continue
+            key = id(p)
+            _OPTIMIZED[key] = weakref.ref(p, lambda _r, key=key: _OPTIMIZED.pop(key, None)
+                                          if _OPTIMIZED.get(key) is _r else None)
+
+
+def _optimized(t: torch.Tensor) -> bool:
+    r = _OPTIMIZED.get(id(t))
+    return r is not None and r() is t
 
 
 # Every torch.optim.Optimizer's step() runs the global post-hooks, fused kernels included: the
@@ -105,7 +115,6 @@ def clear_decision_cache() -> None:
     """Forget cached from-output decisions (needed only after writes outside an optimizer step that
     skip ``_version``, e.g. ``p.data.copy_(...)``)."""
     _DECISIONS.clear()
-    _SLACKS.clear()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -199,8 +208,7 @@ def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio:
         if hit is not None and hit[0] == key:
             return hit[1]
     ok = _check(weight, bias, n, dtype, max_ratio, offset)
-    _DECISIONS[ref] = (key, ok, _args(weight, bias, n, dtype, max_ratio, offset))
-    _SLACKS.pop(ref, None)  # (a slack of the rule for other n, dtype or ratio: not this decision's)
+    _DECISIONS[ref] = [key, ok, _args(weight, bias, n, dtype, max_ratio, offset), None]  # (no slack: checked alone)
     return ok
 
 
@@ -225,7 +233,7 @@ def _intact(t: torch.Tensor) -> bool:
     Not so for copies refreshed just before their layer runs, e.g. FSDP's unsharded parameters (the
     optimizer steps the shards; after the forward FSDP may free the storage and keep the shape):
     such norms decide alone when they run, as before."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t not in _OPTIMIZED or is_wrapped(t) or not t.numel():
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or not _optimized(t) or is_wrapped(t) or not t.numel():
         return False
     if _identity(t) is None:
         return False
@@ -236,24 +244,29 @@ def _intact(t: torch.Tensor) -> bool:
 def _refresh_stale(device: torch.device) -> bool:
     """Decide again for every cached norm on ``device`` whose decision predates this optimizer step:
     a passing verdict whose γ, β only Adam/AdamW steps moved, by less than its slack, stands
-    (:mod:`leanact.ops.guard_drift`: no device work, no sync); the others are decided in one batch
-    (:func:`leanact.ops.guard_batch.check_many`: one sync), which also gives their slack. False
+    (:class:`leanact.ops.guard_drift.Stand`: no device work, no sync); the others are decided in one
+    batch (:func:`leanact.ops.guard_batch.check_many`: one sync), which also gives their slack. False
     (nothing done) where that cannot help: no such norm, or a dispatch mode (fake tensors) active."""
     if _get_current_dispatch_mode() is not None:
         return False
+    step = _STEPS[0]
     refs, items, stood = [], [], 0
-    for ref, (key, ok, args) in list(_DECISIONS.items()):
-        if key[2] in (_STEPS[0], _FROZEN):
+    for ref, entry in list(_DECISIONS.items()):
+        key = entry[0]
+        if key[2] == step or key[2] == _FROZEN:
             continue
-        wr, br, n, dtype, max_ratio, offset = args
+        stand = entry[3]
+        if stand is not None and stand.holds():  # (any device: the verdict needs no check)
+            wr, br = entry[2][:2]
+            w, b = (None if r is None else r() for r in (wr, br))
+            entry[0] = (None if w is None else _identity(w), None if b is None else _identity(b), step, *key[3:])
+            stood += 1
+            continue
+        wr, br, n, dtype, max_ratio, offset = entry[2]
         w, b = (None if r is None else r() for r in (wr, br))
         if (wr is not None and w is None) or (br is not None and b is None) or ref.device != device:
             continue
         if is_fake(ref) or not all(t is None or _intact(t) for t in (w, b)):
-            continue
-        if ok and _stands(ref, w, b):
-            _DECISIONS[ref] = (_key_of(w, b, n, dtype, max_ratio, offset), True, args)
-            stood += 1
             continue
         refs.append(ref)
         items.append((w, b, n, dtype, max_ratio, offset))
@@ -261,29 +274,17 @@ def _refresh_stale(device: torch.device) -> bool:
         return stood > 0
     for ref, (w, b, n, dtype, max_ratio, offset), (ok, slack, w_max, b_max) in zip(
             refs, items, check_many(items, slack=True)):
-        _DECISIONS[ref] = (_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset))
+        stand = None
         if ok and slack > 0.0:
-            _SLACKS[ref] = (slack, None if w is None else guard_drift.track(w, w_max),
-                            None if b is None else guard_drift.track(b, b_max))
-        else:
-            _SLACKS.pop(ref, None)
+            stand = guard_drift.Stand(slack, [(t, m) for t, m in ((w, w_max), (b, b_max)) if t is not None])
+        _DECISIONS[ref] = [_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset),
+                           stand]
     return True
 
 
 def _key_of(w, b, n, dtype, max_ratio, offset) -> tuple:
     return (None if w is None else _identity(w), None if b is None else _identity(b), _step_of(w, b), n, dtype,
             max_ratio, offset)
-
-
-def _stands(ref, w, b) -> bool:
-    """Whether ``ref``'s passing verdict still holds: its γ, β moved since its check by bounded
-    optimizer steps only, within its slack (:func:`leanact.ops.guard_drift.within`)."""
-    rec = _SLACKS.get(ref)
-    if rec is None:
-        return False
-    slack, w_base, b_base = rec
-    return all(t is None or (base is not None and guard_drift.within(t, base, slack))
-               for t, base in ((w, w_base), (b, b_base)))
 
 
 # reads values on the host: outside any compiled graph (the graph break names from_output_ok)
