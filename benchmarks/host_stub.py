@@ -8,7 +8,8 @@ the CUDA path of every lean op on tiny CPU tensors with the Triton launches repl
 (``dispatch.use_kernels(SHAPES_ONLY)``: outputs allocated, no kernel run) and times whole steps
 (fp32 weights + bf16 autocast; the model's layer count, tiny widths), Hugging Face's next to
 leanact's, interleaved, medians. The optimizer steps nothing (the stubbed gradients are garbage, and
-the norms would fall back on garbage γ) but runs its step hooks. leanact's attention takes its
+the norms would fall back on garbage γ) but runs its step hooks, bounded like AdamW's (a zero bound:
+it moves nothing), so the norms' verdicts stand between steps as in AdamW training. leanact's attention takes its
 CUDA path too (with dropout: SDPA's fused kernel, here the CPU's), not its CPU one.
 
 Rows: leanact as patched; with ``cast_recipes=False`` (Linears keep autocast's 16-bit copy of a
@@ -34,6 +35,7 @@ from host_profile import build_model
 
 import leanact
 import leanact.ops.attention as attention_op
+from leanact.ops import guard_drift
 from leanact.ops.triton import dispatch
 
 
@@ -43,6 +45,19 @@ class NoStep(torch.optim.SGD):
     @torch.no_grad()
     def step(self, closure=None):
         return None
+
+
+@contextlib.contextmanager
+def _no_step_is_bounded():
+    """NoStep's steps move no parameter: a step bound of 0 (leanact.ops.guard_drift), so the norms'
+    verdicts stand between steps as under AdamW (no batched check, no sync), the host path of an
+    AdamW training step."""
+    real = guard_drift.step_bound
+    guard_drift.step_bound = lambda opt, group: (0.0, 0.0) if type(opt) is NoStep else real(opt, group)
+    try:
+        yield
+    finally:
+        guard_drift.step_bound = real
 
 
 @contextlib.contextmanager
@@ -84,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False), _attention_as_on_cuda():
+    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False), _attention_as_on_cuda(), \
+            _no_step_is_bounded():
         steps = {name: make_step(args.model, v) for name, v in VARIANTS.items()}
         calls: dict[str, int] = {}
         for k, s in steps.items():  # warm-up: the norms' decisions, tables, caches; then one step counted
