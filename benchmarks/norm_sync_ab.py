@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     suite = importlib.util.module_from_spec(spec)
     sys.modules["gpu_suite"] = suite  # (its dataclasses look their module up)
     spec.loader.exec_module(suite)
-    from leanact.ops import layer_norm
+    from leanact.ops import guard_drift
 
     if argv[0] == "sync":
-        layer_norm._stands = lambda *a: False  # every verdict checked again after each step (one sync)
+        guard_drift.Stand.holds = lambda self: False  # every verdict checked again after each step (one sync)
     rec = suite.Recorder(None, suite.COLUMNS["steps"])
     suite.part_steps(rec, suite.LIMITS["steps"])
     print(argv[0], json.dumps(rec.data["rows"]), json.dumps(rec.data["notes"][-6:]))
