@@ -199,3 +199,14 @@ def test_a_slack_serves_only_the_rule_it_was_computed_for(monkeypatch):
     assert LN._DECISIONS[ln.weight][3] is not None  # a Stand
     assert LN.from_output_ok(ln.weight, ln.bias, 16, torch.float16)
     assert LN._DECISIONS[ln.weight][3] is None
+
+
+def test_a_write_seen_by_one_check_ends_every_older_verdict_on_that_tensor():
+    """A β shared by two norms, written outside a step: the check that sees the write first (one
+    norm's) does not let the other norm's older verdict stand on the new values."""
+    p = torch.nn.Parameter(torch.ones(3))
+    older = guard_drift.Stand(1.0, [(p, 1.0)])
+    with torch.no_grad():
+        p.mul_(100.0)
+    newer = guard_drift.Stand(1.0, [(p, 100.0)])  # (a check of the other norm reads the new values)
+    assert newer.holds() and not older.holds()

@@ -68,6 +68,8 @@ def track(p: torch.Tensor, max_abs: float) -> tuple[float, int]:
     if d is None:
         d = _DRIFT[p] = Drift(p)
         _GENERATION[0] += 1
+    elif d.version != p._version:  # written since last seen: no earlier verdict that read p stands
+        d.epoch += 1
     d.version, d.mbound = p._version, max_abs
     return d.total, d.epoch
 
