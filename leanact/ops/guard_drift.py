@@ -9,13 +9,16 @@ H100: ~11 ms of a 185 ms step). For ``torch.optim.Adam`` and ``AdamW`` the check
 for many steps, exactly:
 
 * **Adam's step is bounded whatever the gradients.** With m, v started at zero (as torch starts
-  them), ``|m_t| ≤ a·sqrt(v_t)`` element-wise for every t, where ``a² = (1−β1)² / ((1−β2)(1−β1²/β2))``
-  (Cauchy–Schwarz on the recursions m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g²: the bound holds at
-  t = 0 and is its own fixed point), so the update ``lr·(m/bc1)/(sqrt(v/bc2) + eps)`` is at most
-  ``lr·a·F`` with ``F = sup_t sqrt(1−β2^t)/(1−β1^t)`` (≈ 7.3·lr for the default betas), whatever
-  the gradients, the gradient scale, clipping, ``amsgrad`` (a larger denominator) or ``maximize``.
-  Weight decay coupled to the gradient (Adam) is inside that bound; decoupled (AdamW) adds
-  ``lr·wd·|θ|``. The parameter's own rounding adds ``eps(dtype)·|θ|``.
+  them), ``|m_t| ≤ A·sqrt(v_t)`` element-wise for every t, with ``A = 1/sqrt(1−β2)``, whatever β1 is
+  at each step (up to ``2β2/(1+β2)``, 0.9995 for β2 = 0.999: a schedule such as OneCycleLR's, which
+  cycles β1, included): by Cauchy–Schwarz on the recursions m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g²,
+  ``a_{t+1}² ≤ (β1²/β2)·a_t² + (1−β1)²/(1−β2)``, and A² is above that whenever ``a_t ≤ A`` (a larger
+  β2 seen earlier keeps its larger A: the largest of the group's history is used). So the update
+  ``lr·(m/bc1)/(sqrt(v/bc2) + eps)`` is at most ``lr·A·F`` with ``F = sup_t sqrt(1−β2^t)/(1−β1^t)``
+  for this step's betas (``A·F`` ≈ 31.6 for the default betas; a fixed β1 = 0.9 would give 7.3, but
+  β1 may change between steps), whatever the gradients, their scale, clipping, ``amsgrad`` (a larger
+  denominator) or ``maximize``. Weight decay coupled to the gradient (Adam) is inside that bound;
+  decoupled (AdamW) adds ``lr·wd·|θ|``. The parameter's own rounding adds ``eps(dtype)·|θ|``.
 * **A verdict has a slack.** The batched check also returns, per norm, the largest change δ of
   every element of γ and β that cannot break the rule (``|γ| ≥ tiny``, ``|β| ≤ r·|γ|``,
   ``|γ|·sqrt(N) + |β| ≤ max``) and the largest ``|γ|``, ``|β|``.
@@ -26,9 +29,10 @@ verdict then stands while the drift since its check is at most half its slack (t
 covers the rule's own rounding in the compute dtype) and the parameter was written by nothing else:
 its ``_version`` is the one the last step left, and was the check's when that step began (a step
 pre-hook). Any other optimizer (SGD's step has no such bound), a learning rate or betas held as
-CUDA tensors, ``eps = 0``, ``β1² ≥ β2`` or a write outside a step ends the bound: the next step
-checks again, as before. Assumed, as torch's Adam itself does: a state that started at zero with
-these betas (a state loaded from another optimizer's configuration is not one).
+CUDA tensors, ``eps = 0``, β1 above ``2β2/(1+β2)`` or a write outside a step ends the bound: the
+next step checks again, as before. Assumed: a state that started at zero (as torch's Adam starts
+it) under no larger β2 than this process has seen the group step with (a state loaded from a run
+with a larger β2 is not one).
 """
 from __future__ import annotations
 
@@ -103,29 +107,39 @@ class Stand:
         return True
 
 
-_RATIO_BOUNDS: dict[tuple[float, float], float] = {}
+_BIAS_FACTORS: dict[tuple[float, float], float] = {}
 
 
-def ratio_bound(beta1: float, beta2: float) -> float | None:
-    """``a·F`` (module doc): the largest ``|m̂|/sqrt(v̂)`` Adam can produce with these betas, or None
-    where no finite bound is derived (``β1² ≥ β2``, β1 beyond 0.9999, betas outside [0, 1))."""
+def moment_bound(beta2: float) -> float | None:
+    """``A = 1/sqrt(1−β2)``: ``|m| ≤ A·sqrt(v)`` for any β1 schedule (module doc); None outside (0, 1)."""
+    return 1.0 / math.sqrt(1.0 - beta2) if 0.0 < beta2 < 1.0 else None
+
+
+def ratio_bound(beta1: float, beta2: float, moment: float | None = None) -> float | None:
+    """``A·F`` (module doc): the largest ``|m̂|/sqrt(v̂)`` a step with these betas can produce, ``A``
+    the largest :func:`moment_bound` of the group's history (default: this β2's), or None where no
+    finite bound is derived (β1 above ``2β2/(1+β2)``, betas outside [0, 1))."""
+    a = moment_bound(beta2)
+    if a is None or not 0.0 <= beta1 <= min(0.9999, 2.0 * beta2 / (1.0 + beta2)):
+        return None
     key = (beta1, beta2)
-    if key not in _RATIO_BOUNDS:
-        bound = None
-        if 0.0 <= beta1 <= 0.9999 and 0.0 < beta2 < 1.0 and beta1 * beta1 < beta2:
-            a = (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2))
-            # F: the bias corrections' ratio; past a few hundred thousand steps β1^t is 0 in float64
-            # and the ratio tends to 1 from below
-            f, p1, p2 = 1.0, 1.0, 1.0
-            for _ in range(400_000):
-                p1 *= beta1
-                p2 *= beta2
-                f = max(f, math.sqrt(1.0 - p2) / (1.0 - p1))
-                if p1 < 1e-300:
-                    break
-            bound = a * f * 1.001  # (and the update's own rounding in float32, far below 0.1%)
-        _RATIO_BOUNDS[key] = bound
-    return _RATIO_BOUNDS[key]
+    f = _BIAS_FACTORS.get(key)
+    if f is None:
+        # F: the bias corrections' ratio; past a few hundred thousand steps β1^t is 0 in float64 and
+        # the ratio tends to 1
+        f, p1, p2 = 1.0, 1.0, 1.0
+        for _ in range(400_000):
+            p1 *= beta1
+            p2 *= beta2
+            f = max(f, math.sqrt(1.0 - p2) / (1.0 - p1))
+            if p1 < 1e-300:
+                break
+        _BIAS_FACTORS[key] = f
+    return max(a, moment or 0.0) * f * 1.001  # (and the update's own rounding in float32, far below 0.1%)
+
+
+#: optimizer -> {group index: the largest moment_bound its steps have had}
+_MOMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _scalar(v) -> float | None:
@@ -135,23 +149,48 @@ def _scalar(v) -> float | None:
     return float(v)
 
 
-def step_bound(optimizer, group: dict) -> tuple[float, float] | None:
-    """``(c, k)``: one step of ``optimizer`` on ``group`` changes each element of a parameter by at
-    most ``c + k·|θ|`` (module doc); None where no bound is known."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return None
+def _hyper(group: dict) -> tuple[float, float, float, float, float] | None:
+    """(lr, eps, weight decay, β1, β2) of an Adam group as floats, or None (missing, or on a device)."""
     try:
-        lr, eps, wd = _scalar(group["lr"]), _scalar(group["eps"]), _scalar(group["weight_decay"])
-        b1, b2 = (_scalar(b) for b in group["betas"])
+        values = (_scalar(group["lr"]), _scalar(group["eps"]), _scalar(group["weight_decay"]),
+                  *(_scalar(b) for b in group["betas"]))
     except (KeyError, TypeError, ValueError):
         return None
-    if None in (lr, eps, wd, b1, b2) or not (lr >= 0.0 and eps > 0.0 and wd >= 0.0):
+    return None if len(values) != 5 or None in values else values  # type: ignore[return-value]
+
+
+def step_bound(optimizer, group: dict, moment: float | None = None) -> tuple[float, float] | None:
+    """``(c, k)``: one step of ``optimizer`` on ``group`` changes each element of a parameter by at
+    most ``c + k·|θ|`` (module doc; ``moment``: the largest :func:`moment_bound` of the group's
+    history); None where no bound is known."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return None
-    ab = ratio_bound(b1, b2)
+    hyper = _hyper(group)
+    if hyper is None:
+        return None
+    lr, eps, wd, b1, b2 = hyper
+    if not (lr >= 0.0 and eps > 0.0 and wd >= 0.0):
+        return None
+    ab = ratio_bound(b1, b2, moment)
     if ab is None or not math.isfinite(lr * ab):
         return None
     decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
     return lr * ab, (lr * wd if decoupled else 0.0)
+
+
+def _moments(optimizer) -> dict[int, float] | None:
+    """Record this step's β2 for every group of an Adam/AdamW ``optimizer`` (every step, tracked or
+    not: the history a later bound needs) and return the groups' largest moment bounds."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    seen = _MOMENTS.get(optimizer)
+    if seen is None:
+        seen = _MOMENTS[optimizer] = {}
+    for i, g in enumerate(optimizer.param_groups):
+        hyper = _hyper(g)
+        a = None if hyper is None else moment_bound(hyper[4])
+        seen[i] = max(seen.get(i, 0.0), a if a is not None else math.inf)
+    return seen
 
 
 def _tracked(optimizer) -> list[tuple[dict, list[tuple[torch.Tensor, Drift]]]]:
@@ -181,10 +220,12 @@ def _before_step(optimizer, args, kwargs) -> None:
 
 
 def _after_step(optimizer, args, kwargs) -> None:
+    moments = _moments(optimizer)
     if not _DRIFT:
         return
+    index = {id(g): i for i, g in enumerate(optimizer.param_groups)} if moments else {}
     for g, pairs in _tracked(optimizer):
-        bound = step_bound(optimizer, g)
+        bound = step_bound(optimizer, g, moments.get(index.get(id(g)), math.inf) if moments else None)
         for p, d in pairs:
             if bound is None:
                 d.epoch += 1
