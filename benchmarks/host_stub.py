@@ -53,7 +53,8 @@ def _no_step_is_bounded():
     verdicts stand between steps as under AdamW (no batched check, no sync), the host path of an
     AdamW training step."""
     real = guard_drift.step_bound
-    guard_drift.step_bound = lambda opt, group: (0.0, 0.0) if type(opt) is NoStep else real(opt, group)
+    guard_drift.step_bound = lambda opt, group, moment=None: (0.0, 0.0) if type(opt) is NoStep else real(
+        opt, group, moment)
     try:
         yield
     finally:
