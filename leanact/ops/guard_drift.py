@@ -43,7 +43,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Drift", "Stand", "track", "step_bound", "ratio_bound"]
+__all__ = ["Drift", "Stand", "track", "step_bound", "ratio_bound", "storage_bytes"]
 
 
 class Drift:
@@ -78,6 +78,12 @@ def track(p: torch.Tensor, max_abs: float) -> tuple[float, int]:
     return d.total, d.epoch
 
 
+def storage_bytes(t: torch.Tensor) -> int:
+    """The bytes of storage ``t``'s elements reach (offset and strides included)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (t.storage_offset() + span) * t.element_size()
+
+
 class Stand:
     """A passing verdict's standing (checked per step at the first norm, on the host's critical path:
     attribute reads only, no dictionary of weak keys): the tensors it read, weakly, each with its
@@ -90,8 +96,7 @@ class Stand:
         parts = []
         for t, max_abs in tensors:
             total, epoch = track(t, max_abs)
-            span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-            parts.append((weakref.ref(t), _DRIFT[t], total, epoch, (t.storage_offset() + span) * t.element_size()))
+            parts.append((weakref.ref(t), _DRIFT[t], total, epoch, storage_bytes(t)))
         self.parts = tuple(parts)
 
     def holds(self) -> bool:

@@ -237,8 +237,7 @@ def _intact(t: torch.Tensor) -> bool:
         return False
     if _identity(t) is None:
         return False
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return t.untyped_storage().nbytes() >= (t.storage_offset() + span) * t.element_size()
+    return t.untyped_storage().nbytes() >= guard_drift.storage_bytes(t)
 
 
 def _refresh_stale(device: torch.device) -> bool:
