@@ -68,6 +68,16 @@ def _check(kw, data_kw=None, tol=1e-5, fused_kw=None):
     return errs
 
 
+@pytest.fixture(params=[None, 3.0], ids=["product-per-chunk", "products-of-chunks"])
+def products(request, monkeypatch):
+    """dW, dx and db as one matmul per chunk (the default for these tiny shapes) or per several
+    chunks' gradients kept in one buffer (PRODUCT_FRACTION raised: 18 one-row chunks per product
+    with TINY tiles, a ragged last product)."""
+    if request.param is not None:
+        monkeypatch.setattr(L, "PRODUCT_FRACTION", request.param)
+    return request.param
+
+
 # ---- float64 gradcheck ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [
@@ -77,7 +87,7 @@ def _check(kw, data_kw=None, tol=1e-5, fused_kw=None):
     dict(grad_in_forward=True, softcap=3.0, label_smoothing=0.1),
     dict(num_items_in_batch=torch.tensor(7.0, dtype=torch.float64), bias=False),
 ], ids=["mean", "sum-smooth", "none-softcap", "grad_in_forward", "num_items-nobias"])
-def test_gradcheck_float64(kw):
+def test_gradcheck_float64(kw, products):
     kw = dict(kw)
     bias = kw.pop("bias", True)
     x, w, b, y = _data(n=9, h=3, v=7, dtype=torch.float64, bias=bias)
@@ -92,7 +102,7 @@ def test_gradcheck_float64(kw):
 # ---- semantics matrix (fp32 vs the unfused computation) --------------------------------------
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_semantics_matrix_fp32(reduction):
+def test_semantics_matrix_fp32(reduction, products):
     for smooth, cap, scale, ignore, gif in itertools.product((0.0, 0.15), (None, 2.5), (1.0, 0.6),
                                                              ("none", "some"), (False, True)):
         _check(dict(reduction=reduction, label_smoothing=smooth, softcap=cap, scale=scale),
@@ -101,7 +111,7 @@ def test_semantics_matrix_fp32(reduction):
 
 @pytest.mark.parametrize("compact", [True, False], ids=["gathered-rows", "masked-rows"])
 @pytest.mark.parametrize("tiles", ["tiny", "one-tile", "full-vocab-rows"])
-def test_tiling_and_row_paths(compact, tiles, monkeypatch):
+def test_tiling_and_row_paths(compact, tiles, monkeypatch, products):
     monkeypatch.setattr(L, "COMPACT", 1.0 if compact else 0.0)
     fused = {"tiny": TINY, "one-tile": {}, "full-vocab-rows": dict(chunk_tokens=3, tile_elements=19 * 3)}[tiles]
     for kw, gif in ((dict(), False), (dict(reduction="none", label_smoothing=0.1, softcap=1.5), False),
@@ -168,7 +178,7 @@ def _errors(dtype, kw, fused_kw, autocast=False):
 
 @pytest.mark.parametrize("matmul", ["bf16-matmuls", "auto-matmuls"])
 @pytest.mark.parametrize("case", ["bf16", "bf16-softcap-smooth", "bf16-grad_in_forward", "autocast-bf16"])
-def test_bf16_within_2x_unfused_error(case, matmul):
+def test_bf16_within_2x_unfused_error(case, matmul, products):
     """With bf16 matmuls (as the unfused head) and with the automatic choice (fp32 on a CPU that
     emulates bf16 GEMM: more accurate still)."""
     kw = dict(softcap=5.0, label_smoothing=0.1) if "softcap" in case else {}
@@ -315,6 +325,105 @@ def test_chunk_plan():
         assert rows * v * per <= 0.05 * n * v * 4
 
 
+def test_product_plan():
+    """Several chunks' logit gradients per dW product where dW sums over chunks: as many chunks as
+    fit in half of dW's fp32 accumulator (at least one): at V = 128,256, H = 2048 and 8,192 bf16
+    tokens, 7 chunks of 261 rows, so dW's 1 GiB accumulator is read and written 5 times, not 32."""
+    v, h = 128256, 2048
+    step = L.chunk_rows(8192, v, torch.bfloat16)
+    rows = L.product_rows(8192, v, h, step, torch.bfloat16)
+    assert (step, rows, -(-8192 // rows)) == (261, 7 * 261, 5)
+    assert rows * v * 2 <= L.PRODUCT_FRACTION * v * h * 4 < (rows + step) * v * 2
+    assert L.product_rows(8192, v, h, step, torch.float32) == 3 * 261  # fp32 gradients: half the rows
+    assert L.product_rows(8192, v, 64, step, torch.bfloat16) == 261  # a narrow head: one chunk each
+    assert L.product_rows(1000, v, h, 261, torch.bfloat16) == 1000  # fewer rows than a product
+
+
+def _dw_products(n, h, v, **kw):
+    """How many matmuls wrote or added to dW (a (v, h) result) in one forward with grad_in_forward,
+    and the loss and gradients."""
+    x, w, b, y = _data(n=n, h=h, v=v)
+    seen = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.addmm_, torch.ops.aten.addmm, torch.ops.aten.mm) \
+                    and isinstance(out, torch.Tensor) and tuple(out.shape) == (v, h):
+                seen.append(func)
+            return out
+
+    xr, wr, br = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    with Count():
+        loss = linear_cross_entropy(xr, wr, y, br, grad_in_forward=True, **kw)
+    loss.backward()
+    ref = _run(REF, x, w, b, y)
+    return len(seen), [_rel(loss.detach(), ref[0])] + [_rel(a, c) for a, c in zip((xr.grad, wr.grad, br.grad), ref[1])]
+
+
+def test_dw_is_one_matmul_per_product():
+    """dW's accumulator is touched once per product of several chunks (the memory-bound read and
+    write of V·H·4 bytes on a GPU), once per chunk when products hold one chunk; same values."""
+    n, h, v, chunk = 64, 32, 19, 4  # product: 0.5·19·32·4 bytes / (19·4 bytes a row) = 16 rows, 4 chunks
+    assert L.product_rows(n, v, h, chunk, torch.float32) == 16
+    count, errs = _dw_products(n, h, v, chunk_tokens=chunk)
+    assert count == n // 16 and max(errs) < 1e-5, (count, errs)
+    count, errs = _dw_products(n, h, v, chunk_tokens=chunk, tile_elements=chunk * v)
+    assert count == n // 16
+    count1, errs1 = _dw_products(n, 4, v, chunk_tokens=chunk)  # h = 4: 2 rows fit, one chunk each
+    assert count1 == n // chunk and max(errs1) < 1e-5, (count1, errs1)
+
+
+def test_kernel_and_pytorch_chunks_in_one_product(monkeypatch):
+    """A product whose chunks took different paths (the kernel, which applies the row factor, and
+    fp32 PyTorch chunks, which leave it to dx's and x's rows): the PyTorch chunks are scaled in place
+    and the result is still exact. (A stand-in kernel: the PyTorch path's arithmetic, every other
+    call.)"""
+    from leanact.ops.triton import cross_entropy as CE
+    calls = []
+
+    def every_other(z, y, coef, lse, zy, zsum, scale, softcap, eps, stats, grad):
+        calls.append(1)
+        if len(calls) % 2 or not grad:
+            return False
+        s_lse, s_zy, s_zsum, g = CE.reference_(z, y.reshape(-1), coef, scale, softcap, eps, torch.float32)
+        if stats:
+            lse.copy_(s_lse)
+            zy.reshape(-1).copy_(s_zy)
+            if zsum is not None:
+                zsum.copy_(s_zsum)
+        z.copy_(g)
+        return True
+
+    monkeypatch.setattr(L._triton_ce, "chunk_", every_other)
+    monkeypatch.setattr(L, "PRODUCT_FRACTION", 3.0)
+    for kw in (dict(), dict(label_smoothing=0.1, softcap=2.0, scale=0.7)):
+        for gif in (True, False):
+            calls.clear()
+            errs = _check(kw, fused_kw=dict(chunk_tokens=3, grad_in_forward=gif))
+            assert len(calls) > 4 and max(errs) < 1e-5
+
+
+def test_product_buffer_transient():
+    """The transient of a forward with grad_in_forward and bf16 matmuls: the fp32 dW accumulator, the
+    product's buffer of 16-bit gradients (at most half the accumulator), one chunk's fp32 logits and
+    the row statistics; no more (a buffer of one chunk would be 16 KiB less: below the floor)."""
+    n, h, v, chunk = 512, 64, 256, 32
+    x, w, _, y = _data(n=n, h=h, v=v, dtype=torch.bfloat16, bias=False, ignore="none")
+    rows = L.product_rows(n, v, h, chunk, torch.bfloat16)
+    assert rows == 64  # 0.5·256·64·4 bytes / (256·2 bytes a row): two chunks a product
+    x.requires_grad_()
+    w.requires_grad_()
+    with NewStoragePeak() as mode:
+        loss = linear_cross_entropy(x, w, y, chunk_tokens=chunk, matmul_dtype=torch.bfloat16, grad_in_forward=True)
+    kept = n * h * 2 + v * h * 2  # dx (computed in x's dtype), dW in the parameters' dtype (kept: the gradients)
+    dw_acc, buffer, logits = v * h * 4, rows * v * 2, chunk * v * 4
+    stats = n * 64  # lse, target logit, row factors, masks, targets: under 64 bytes a token
+    transient = mode.peak - kept
+    assert dw_acc + buffer + logits <= transient <= dw_acc + buffer + logits + stats, (transient, dw_acc + buffer)
+    loss.backward()
+
+
 class _Dispatches(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -349,7 +458,7 @@ def test_launch_bound_of_a_patched_llama_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_in_forward", [False, True])
-def test_grad_output_other_than_one(dtype, grad_in_forward):
+def test_grad_output_other_than_one(dtype, grad_in_forward, products):
     """loss * w (a loss scale, a weighted sum, HF's division by num_items_in_batch): the gradients
     are w times the unit ones. fp32 within 1e-5 of the reference; bf16 no further from float64
     than 2x the unfused computation (grad_in_forward scales its kept gradients once more)."""

@@ -94,7 +94,10 @@ def _rel(a, b):
 @pytest.mark.parametrize("kw", [dict(grad_in_forward=True), dict(), dict(reduction="none"),
                                 dict(grad_in_forward=True, label_smoothing=0.1, softcap=8.0)],
                          ids=["grad_in_forward", "recompute", "none", "smooth-softcap"])
-def test_op_through_the_kernel(KM, dtype, kw):
+@pytest.mark.parametrize("fraction", [None, 4.0], ids=["product-per-chunk", "products-of-chunks"])
+def test_op_through_the_kernel(KM, dtype, kw, fraction, monkeypatch):
+    if fraction is not None:  # several chunks' gradients per dW product (fp32: 2 chunks, bf16: all 3)
+        monkeypatch.setattr(L, "PRODUCT_FRACTION", fraction)
     gen = torch.Generator().manual_seed(3)
     n, h, v = 40, 16, 300
     x = torch.randn(n, h, generator=gen).to(dtype)

@@ -3,8 +3,8 @@
     loss = F.cross_entropy(F.linear(x, W, b).float() [· scale] [→ c·tanh(·/c)], target,
                            ignore_index=, reduction=, label_smoothing=)
 
-computed over chunks of rows (tokens) × the whole vocabulary. Only one chunk of logits exists at a
-time; neither the full logits nor their fp32 copy, nor the log-softmax, is ever built.
+computed over chunks of rows (tokens) × the whole vocabulary. Neither the full logits nor their
+fp32 copy, nor the log-softmax, is ever built.
 
 Per valid token i (target ≠ ignore_index), with z the (scaled, soft-capped) logits in the
 accumulation dtype (fp32 for 16-bit inputs, fp64 for fp64), lse_i = logsumexp_v z_iv and ε the
@@ -44,9 +44,12 @@ Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without nati
 (no AVX512-BF16 / AMX), where they run in fp32 on upcast chunks (``matmul_dtype``): oneDNN emulates
 bf16 GEMM there about 4x slower than fp32, and the fp32 products are exact. Accumulation: dW over
 chunks in an fp32 buffer (W's size: ``addmm`` with ``out_dtype`` where the device has it, CUDA),
-db in fp32; dx is one matmul per chunk; each is cast to its parameter's dtype once. Transients:
-one chunk of logits (and its 16-bit copy for 16-bit matmuls), one chunk's copy of x when its
-dtype differs from the matmul dtype, dx and the fp32 dW accumulator.
+db in fp32; each is cast to its parameter's dtype once. The chunks' logit gradients stay in one
+buffer (the matmul dtype) for :func:`product_rows` rows, whose dx, dW and db are then one matmul
+each: on a GPU each sum into dW's accumulator costs a read and a write of V·H·4 bytes, so one per
+several chunks, not per chunk. Transients: that buffer (one chunk, or up to half of dW's
+accumulator when dW sums over chunks), one chunk's fp32 logits on the PyTorch path, one product's
+copy of x when its dtype differs from the matmul dtype, dx and the fp32 dW accumulator.
 
 Ignored tokens: when fewer than half the tokens are valid (masked LM), the valid rows are gathered
 first (real tensors; one host sync to count them) and ignored tokens cost nothing; otherwise (causal
@@ -67,8 +70,8 @@ from .backward import once_differentiable
 from .transforms import functorch_active
 from .triton import cross_entropy as _triton_ce
 
-__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows",
-           "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "KEPT_BYTES_PER_TOKEN"]
+__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows", "product_rows",
+           "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "PRODUCT_FRACTION", "KEPT_BYTES_PER_TOKEN"]
 
 DEFAULT_TILE_ELEMENTS = 1 << 25  # logits per chunk at most (rows x whole vocabulary: 261 rows at V = 128256)
 MIN_CHUNK_ROWS = 128  # rows per chunk at least (matmuls large enough to run at full speed)
@@ -78,6 +81,9 @@ KEPT_BYTES_PER_TOKEN = 8  # fp32 log-sum-exp + int32 target
 #: masked-LM batch); otherwise compute every row and mask (a causal-LM batch ignores only its last
 #: positions: no copy of x). Tests set 1.0 / 0.0 to force either path.
 COMPACT = 0.5
+#: the buffer of logit gradients one dW product sums is at most this fraction of dW's fp32 accumulator
+#: (:func:`product_rows`; at least one chunk)
+PRODUCT_FRACTION = 0.5
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -126,15 +132,29 @@ def chunk_rows(n: int, v: int, cdtype: torch.dtype, chunk_tokens: int | None = N
     return max(1, min(n, rows))
 
 
+def product_rows(n: int, v: int, h: int, step: int, cdtype: torch.dtype) -> int:
+    """Rows whose logit gradients one dW product sums, a whole number of chunks of ``step`` rows,
+    where dW sums over several chunks: as many chunks as fit, in the matmul dtype, in
+    :data:`PRODUCT_FRACTION` of dW's accumulator (V·H in the accumulation dtype), so dW's
+    accumulator is read and written once per product, not once per chunk. On a GPU that read and
+    write is memory-bound: at V = 128,256, H = 2048 one costs about what the chunk's whole dW
+    matmul does (2 GiB), so 32 chunks of 261 rows per 8,192 tokens became 5 products of 1,827."""
+    k = int(PRODUCT_FRACTION * v * h * _acc_dtype(cdtype).itemsize) // max(step * v * cdtype.itemsize, 1)
+    return max(1, min(n, max(k, 1) * step))
+
+
 def _starts(n: int, step: int):
     """Where the chunks start (every chunk's buffers are freed when the next one is made, so
     ``leanact.estimate`` runs only the first two and the last on fake tensors)."""
     return range(0, n, step)
 
 
-def _matmul(xc, wt, bt):
-    """A chunk's raw logits in the matmul dtype; ``wt``: the weight transposed (H, V), ``bt`` the bias."""
-    return xc @ wt if bt is None else torch.addmm(bt, xc, wt)
+def _matmul(xc, wt, bt, out=None):
+    """A chunk's raw logits in the matmul dtype (into ``out`` when given); ``wt``: the weight
+    transposed (H, V), ``bt`` the bias."""
+    if out is None:
+        return xc @ wt if bt is None else torch.addmm(bt, xc, wt)
+    return torch.mm(xc, wt, out=out) if bt is None else torch.addmm(bt, xc, wt, out=out)
 
 
 def _logits(z, acc, scale, softcap):
@@ -145,8 +165,8 @@ def _logits(z, acc, scale, softcap):
         z.mul_(scale)
     if softcap is None:
         return z, None
-    t = z.div_(softcap).tanh_()
-    return t * softcap, t
+    t = torch.tanh(z.div_(softcap))
+    return torch.mul(t, softcap, out=z), t  # (z keeps its storage: a chunk's slot in the gradient buffer)
 
 
 def _softmax_(z):
@@ -245,7 +265,9 @@ class _Chunks:
         reads the log-sum-exp off it as m − log p(argmax); the target's entry gets −(1−ε) and every
         entry −ε/V; the row factor r = coef (× the logit scale) scales p while it is rounded to the
         matmul dtype (16-bit: one pass, the values the unfused backward rounds) or scales the rows of
-        dx and of x after / before the matmuls (fp32: no pass over the chunk)."""
+        dx and of x after / before the matmuls (fp32: no pass over the chunk). The chunks' logit
+        gradients stay in one buffer for :func:`product_rows` rows, whose dx, dW and db are then one
+        matmul each: dW's fp32 accumulator is read and written once per product, not per chunk."""
         acc, na, v, h, dev, step = self.acc, self.na, self.v, self.h, self.device, self.step
         low = self.cdtype != acc  # 16-bit matmuls
         stats = lse is None
@@ -260,44 +282,59 @@ class _Chunks:
             dw = (torch.empty((v, h), dtype=self.cdtype, device=dev) if self.one
                   else torch.zeros((v, h), dtype=acc, device=dev))
         db = torch.zeros(v, dtype=acc, device=dev) if self.bc is not None and needs[2] else None
-        xs, ys, cs, lses = self.xa.split(step), self.y.split(step), coef.split(step), lse.split(step)
-        dxs = None if dx is None else dx.split(step)
+        group = step if dw is None or self.one else product_rows(na, v, h, step, self.cdtype)
+        buf = torch.empty((min(group, na), v), dtype=self.cdtype, device=dev) if na else None
+        neg = torch.full((min(step, na), 1), -(1.0 - eps), dtype=acc, device=dev)
+        ys, cs, lses = self.y.split(step), coef.split(step), lse.split(step)
         zys = None if zy is None else zy.split(step)
         zsums = None if zsum is None else zsum.split(step)
-        neg = torch.full((min(step, na), 1), -(1.0 - eps), dtype=acc, device=dev)
-        for r0 in _starts(na, step):
-            i = r0 // step
-            z = t = e = el = xc = None  # (one chunk alive at a time)
-            xc = xs[i].to(self.cdtype)  # (a copy of one chunk only, when the dtypes differ)
-            z = _matmul(xc, self.wt, self.bc)
-            if _triton_ce.chunk_(z, ys[i], cs[i], lses[i], zys[i] if stats else lses[i],
-                                 zsums[i] if zsums is not None else None, scale, softcap, eps, stats, True):
-                self._matmuls(z, xc, dxs[i] if dxs is not None else None, dw, db, acc, None)  # z: the gradient
-                continue
-            z, t = _logits(z, acc, scale, softcap)
-            if stats:
-                torch.gather(z, 1, ys[i], out=zys[i])
+        xgs, cgs = self.xa.split(group), coef.split(group)
+        dxgs = None if dx is None else dx.split(group)
+        xg = xc = zc = zg = xcs = zcs = None
+        for g0 in _starts(na, group):
+            gi, rows = g0 // group, min(group, na - g0)
+            xg = xc = zc = zg = xcs = zcs = None  # (one product's copy of x alive at a time)
+            xg = xgs[gi].to(self.cdtype)  # (a copy of one product's rows only, when the dtypes differ)
+            zg = buf if rows == buf.shape[0] else buf[:rows]
+            xcs, zcs = ((xg,), (zg,)) if rows <= step else (xg.split(step), zg.split(step))
+            raw = []
+            for c0 in _starts(rows, step):
+                i, j = (g0 + c0) // step, c0 // step
+                z = t = e = None  # (one chunk's fp32 logits alive at a time)
+                xc, zc, yc, cc = xcs[j], zcs[j], ys[i], cs[i]
+                _matmul(xc, self.wt, self.bc, zc)
+                if _triton_ce.chunk_(zc, yc, cc, lses[i], zys[i] if stats else lses[i],
+                                     zsums[i] if zsums is not None else None, scale, softcap, eps, stats, True):
+                    continue  # zc: the gradient, row factor applied
+                z, t = _logits(zc, acc, scale, softcap)
+                if stats:
+                    torch.gather(z, 1, yc, out=zys[i])
+                    if eps:
+                        torch.sum(z, 1, out=zsums[i])
+                    m, at = z.max(1, keepdim=True)
+                e = _softmax_(z)
+                if stats:  # lse = m - log p(argmax): p there is 1/Σexp(z - m), rounded once (no underflow)
+                    torch.sub(m, e.gather(1, at).log_(), out=lses[i][:, None])
+                e.scatter_add_(1, yc, neg[: e.shape[0]])
                 if eps:
-                    torch.sum(z, 1, out=zsums[i])
-                m, at = z.max(1, keepdim=True)
-            e = _softmax_(z)
-            if stats:  # lse = m - log p(argmax): p there is 1/Σexp(z - m), rounded once (no underflow)
-                torch.sub(m, e.gather(1, at).log_(), out=lses[i][:, None])
-            e.scatter_add_(1, ys[i], neg[: e.shape[0]])
-            if eps:
-                e.sub_(eps / v)
-            r = cs[i][:, None]
-            if softcap is not None:
-                e.mul_(t.mul_(t).neg_().add_(1.0))
-            if scale != 1.0:
-                r = r * scale
-            if low:  # the row factor applied while rounding to the matmul dtype: the gradient itself
-                el = torch.mul(e, r, out=torch.empty(e.shape, dtype=self.cdtype, device=dev))
-                e = None
-                self._matmuls(el, xc, dxs[i] if dxs is not None else None, dw, db, acc, None)
-            else:  # fp32: the row factor on the rows of dx and x (no pass over the chunk)
-                self._matmuls(e, xc, dxs[i] if dxs is not None else None, dw, db, acc, r)
-        z = t = e = el = xc = None  # the chunk goes before the results are cast
+                    e.sub_(eps / v)
+                if softcap is not None:
+                    e.mul_(t.mul_(t).neg_().add_(1.0))
+                if low:  # the row factor applied while rounding to the matmul dtype: the gradient itself
+                    torch.mul(e, cc[:, None] * scale if scale != 1.0 else cc[:, None], out=zc)
+                else:  # fp32: e is zc; the row factor goes on the rows of dx and x (no pass over the chunk)
+                    raw.append(j)
+            z = t = e = None
+            r = None
+            if raw:  # fp32 chunks of the PyTorch path: their row factor is still to apply
+                r = cgs[gi][:, None] * scale if scale != 1.0 else cgs[gi][:, None]
+                if len(raw) < len(zcs):  # (some chunks ran the kernel: scale the others)
+                    rs = r.split(step)
+                    for j in raw:
+                        zcs[j].mul_(rs[j])
+                    r = None
+            self._matmuls(zg, xg, None if dx is None else dxgs[gi], dw, db, acc, r)
+        buf = xg = xc = zc = zg = xcs = zcs = dxgs = None  # the gradients go before the results are cast (views of buf too)
         if na == 0 and dw is not None:
             dw.zero_()
         dx = None if dx is None else self.scatter(dx).to(dx_dtype)
@@ -305,15 +342,15 @@ class _Chunks:
         db = None if db is None else db.to(db_dtype)
         return (dx, dw, db, lse, zy, zsum) if stats else (dx, dw, db)
 
-    def _matmuls(self, g, xc, dx, dw, db, acc, r):
-        """dx rows, dW and db of a chunk from its logit gradient ``g`` (``r``: row factors still to
-        apply, None when g has them)."""
+    def _matmuls(self, g, xg, dx, dw, db, acc, r):
+        """dx rows, dW and db of a product's rows from their logit gradient ``g`` (``r``: row factors
+        still to apply, None when g has them)."""
         if dx is not None:
             torch.mm(g, self.wc, out=dx)
             if r is not None:
                 dx.mul_(r)
         if dw is not None:
-            xr = xc if r is None else xc * r
+            xr = xg if r is None else xg * r
             if self.one:
                 torch.mm(g.t(), xr, out=dw)
             else:
