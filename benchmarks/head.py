@@ -17,7 +17,7 @@ Columns: kept = bytes autograd keeps between forward and backward (``SavedTensor
 excluded); peak fwd / peak bwd = the most bytes allocated at once during the forward / during
 ``backward()`` on top of what existed before it (a dispatch mode counting new storages), gradients
 dx and dW included (both sides allocate them); logits = HF's logits size (b·s·V in the model dtype), the
-unit of the issue's targets; time = forward + backward, median of ``--repeats`` interleaved runs.
+unit the comparisons use; time = forward + backward, median of ``--repeats`` interleaved runs.
 """
 from __future__ import annotations
 
@@ -67,13 +67,15 @@ def modes(dtype, keys):
     return dict(m[k] for k in m if k in keys or k == "hf")
 
 
-def kept_bytes(fn, x, w, labels) -> int:
+def kept_bytes(fn, x, w, labels) -> tuple[int, int]:
+    """(activation bytes kept for backward, bytes of gradients computed in the forward and kept)."""
     meter = SavedTensorMeter(exclude=[x, w])
     with meter:
         loss = fn(x, w, labels)
     total = meter.total_bytes
+    grads = sum(r.storage_nbytes for r in meter.records if r.excluded == "gradient")
     del loss
-    return total
+    return total, grads
 
 
 def peaks(fn, x, w, labels) -> tuple[int, int]:
@@ -132,7 +134,7 @@ def main(argv=None):
         else:
             err = max(((a.float() - c).norm() / c.norm()).item() for a, c in zip((loss, x.grad, w.grad), ref))
             rows.setdefault(name, {})["rel. diff vs HF"] = err
-        rows.setdefault(name, {})["kept"] = kept_bytes(fn, x, w, labels)
+        rows.setdefault(name, {})["kept"], rows[name]["kept gradients"] = kept_bytes(fn, x, w, labels)
         rows[name]["peak fwd"], rows[name]["peak bwd"] = peaks(fn, x, w, labels)
     times = {name: [] for name in MODES}
     for _ in range(max(args.repeats, 0)):
@@ -148,7 +150,8 @@ def main(argv=None):
     for name, r in rows.items():
         t = statistics.median(times[name]) if times[name] else float("nan")
         t_hf = statistics.median(times["HF ForCausalLMLoss"]) if times["HF ForCausalLMLoss"] else float("nan")
-        table.append([name, mib(r["kept"]), f"{r['kept'] / hf['kept']:.4f}x", mib(r["peak fwd"]), mib(r["peak bwd"]),
+        kept = mib(r["kept"]) + (f" (+ {mib(r['kept gradients'])} of gradients)" if r["kept gradients"] else "")
+        table.append([name, kept, f"{r['kept'] / hf['kept']:.4f}x", mib(r["peak fwd"]), mib(r["peak bwd"]),
                       f"{mib(r['peak bwd'] - grads)} ({(r['peak bwd'] - grads) / logits:.1%} of logits)",
                       f"{t:.2f} s", f"{t / t_hf:.2f}x", f"{r.get('rel. diff vs HF', 0.0):.1e}"])
     title = (f"head + causal-LM loss, b={b} s={s} h={h} V={v} {args.dtype}, CPU ({torch.get_num_threads()} threads); "

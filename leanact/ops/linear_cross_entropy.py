@@ -199,16 +199,19 @@ def _fp32_addmm_works(out, a) -> bool:
     return _FP32_ADDMM[dev]
 
 
-def _accumulate_mm_(out, a, b):
+def _accumulate_mm_(out, a, b, step=None):
     """out += a @ b, ``out`` fp32 and a, b 16-bit: the products summed in fp32 (``addmm``'s
-    ``out_dtype`` where the device has it, CUDA; else an fp32 product of the upcast operands: a is
-    a chunk's gradient, b its rows of x, both far smaller than out)."""
+    ``out_dtype`` where the device has it, CUDA; else fp32 products of the upcast operands, ``step``
+    of a's columns and b's rows at a time: a is a product's gradient (transposed), b its rows of x,
+    and an upcast copy of one chunk's is far smaller than a whole product's)."""
     if a.dtype == out.dtype:
         out.addmm_(a, b)
     elif _fp32_addmm_works(out, a):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+        step = step or b.shape[0]
+        for k0 in range(0, b.shape[0], step):
+            out.addmm_(a[:, k0:k0 + step].to(out.dtype), b[k0:k0 + step].to(out.dtype))
 
 
 def _active(x, target, ignore_index, v):
@@ -354,7 +357,7 @@ class _Chunks:
             if self.one:
                 torch.mm(g.t(), xr, out=dw)
             else:
-                _accumulate_mm_(dw, g.t(), xr)
+                _accumulate_mm_(dw, g.t(), xr, self.step)
         if db is not None:
             if r is None:
                 db += g.sum(0, dtype=acc)
