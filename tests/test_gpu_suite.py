@@ -608,7 +608,7 @@ def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
     """A stand-in for Liger's apply_liger_kernel_to_llama that rebinds modeling_llama's RMSNorm class
     and RoPE function process-wide: the Liger model is built with the one and steps with the other,
     the HF and leanact models stepping in turns with it use neither, and modeling_llama is as it
-    was afterwards."""
+    was afterwards (but for leanact's rotation, which routes to HF's function)."""
     from transformers.models.llama import modeling_llama
 
     original_norm, original_rope = modeling_llama.LlamaRMSNorm, modeling_llama.apply_rotary_pos_emb
@@ -631,7 +631,10 @@ def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
                                                                    ("leanact", lambda: lambda: None)])
     rec = suite.Recorder(None, suite.COLUMNS["steps"])
     suite.part_steps(rec, 60)
-    assert modeling_llama.LlamaRMSNorm is original_norm and modeling_llama.apply_rotary_pos_emb is original_rope
+    def hf(rope):  # HF's function, or leanact's replacement routing to it
+        return getattr(rope, "_leanact_original", rope)
+
+    assert modeling_llama.LlamaRMSNorm is original_norm and hf(modeling_llama.apply_rotary_pos_emb) is hf(original_rope)
     rows = {r[1]: r for r in rec.data["rows"] if r[0].startswith("Llama")}
     assert list(rows) == ["HF sdpa", "Liger", "leanact"] and float(rows["Liger"][3]) > 0
     layers = suite.SIZES["smoke"]["llama"]["num_hidden_layers"]

@@ -1,6 +1,7 @@
 """What the interpreter cannot see: Triton's float32 ``/`` compiles on CUDA to ``div.full.f32`` (an
 approximation, up to 2 ulp) and ``tl.sqrt`` to ``sqrt.approx.f32``, while the interpreter divides and
-takes square roots correctly rounded (numpy). A kernel whose result must equal a PyTorch path
+takes square roots correctly rounded (numpy); an instruction with ``.ftz`` flushes subnormals to
+zero, which torch's kernels do not. A kernel whose result must equal a PyTorch path
 bitwise therefore passes every interpreter test and fails on a GPU. Compiled here for sm_90 without
 a GPU (Triton's bundled ptxas is not needed: the PTX is enough), every kernel of
 leanact/ops/triton is scanned for approximate instructions.
@@ -25,11 +26,13 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 _SCAN = r'''
 import re
 from leanact.ops.triton import gated_kernels as GK, gelu32_kernels as G32, kernels as K, lossy_kernels as LK
+from leanact.ops.triton import rotary_kernels as RK
 
 APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.approx\.\w+|rsqrt\.approx\.\w+"
                     r"|ex2\.approx\.\w+|lg2\.approx\.\w+|tanh\.approx\.\w+|sin\.approx\.\w+|cos\.approx\.\w+)")
 F64 = re.compile(r"\.f64\b")
-found, built, f64 = {}, set(), set()
+FTZ = re.compile(r"\b(?:add|sub|mul|fma|neg|abs|min|max|cvt)(?:\.\w+)*\.ftz\b")
+found, built, f64, ftz = {}, set(), set(), set()
 
 def scan(fn, sig, consts, **opts):
     full = dict(sig, **{k: "constexpr" for k in consts})
@@ -38,13 +41,16 @@ def scan(fn, sig, consts, **opts):
     name = fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__
     built.add(name)
     found.setdefault(name, set()).update(m.split(".")[0] + "." + m.split(".")[1] for m in APPROX.findall(c.asm["ptx"]))
+    if FTZ.search(c.asm["ptx"]):  # subnormals flushed to zero (tl.exp's ex2.approx.ftz, ...)
+        ftz.add(name)
     if F64.search(c.asm["ptx"]):
         f64.add(name)
 
 ''' + "{body}" + r'''
-kernels = {n for mod in (K, LK, GK, G32) for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
+kernels = {n for mod in (K, LK, GK, G32, RK) for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
 print("KERNELS", sorted(kernels - built), "MISSING")
 print("F64", sorted(f64))
+print("FTZ", sorted(ftz))
 for name in sorted(found):
     print("FOUND", name, sorted(found[name]))
 '''
@@ -55,7 +61,7 @@ def _compile_scripts() -> str:
     test_triton_lossy.py and test_triton_gated.py build, read from those files (importing them would
     set up the interpreter), then the variants they leave out."""
     out = []
-    for name in ("test_triton_kernels.py", "test_triton_lossy.py", "test_triton_gated.py"):
+    for name in ("test_triton_kernels.py", "test_triton_lossy.py", "test_triton_gated.py", "test_triton_rotary.py"):
         with open(os.path.join(ROOT, "tests", name)) as f:
             tree = ast.parse(f.read())
         out += [node.value.value for node in tree.body if isinstance(node, ast.Assign)
@@ -145,12 +151,13 @@ def _scan(body: str) -> dict:
     lines = r.stdout.splitlines()
     missing = next(line for line in lines if line.startswith("KERNELS"))
     f64 = eval(next(line for line in lines if line.startswith("F64 "))[4:])  # a printed list of names
+    ftz = eval(next(line for line in lines if line.startswith("FTZ "))[4:])
     found = {}
     for line in lines:
         if line.startswith("FOUND "):
             _, name, rest = line.split(" ", 2)
             found[name] = set(eval(rest))  # a printed list of strings
-    return {"missing": missing, "found": found, "f64": set(f64)}
+    return {"missing": missing, "found": found, "f64": set(f64), "ftz": set(ftz)}
 
 
 def test_no_approximate_division_or_sqrt_where_results_are_bitwise():
@@ -167,6 +174,36 @@ def test_no_kernel_uses_float64():
     interpreter computes, whose error the tests measure."""
     result = _scan(_compile_scripts())
     assert not result["f64"], result["f64"]
+
+
+#: kernels whose outputs must be torch's bitwise on subnormal values too (no instruction flushes them)
+NO_FTZ = {"_rotary_kernel"}
+
+
+def test_bitwise_kernels_keep_subnormals():
+    """The RoPE kernel's products, sums and conversions keep subnormal values as torch's kernels do
+    (its self-check compares them bitwise, subnormals included)."""
+    result = _scan(_compile_scripts())
+    assert NO_FTZ <= set(result["found"]) and not NO_FTZ & result["ftz"], result["ftz"]
+
+
+def test_the_scan_sees_a_flush_to_zero():
+    """The check can fail: a ``mul.ftz.f32`` shows in the PTX."""
+    assert _scan(_FTZ)["ftz"] == {"_ftz_kernel"}
+
+
+_FTZ = r'''
+import triton.language as tl
+
+@triton.jit
+def _ftz_kernel(x_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i)
+    y = tl.inline_asm_elementwise("mul.ftz.f32 $0, $1, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    tl.store(x_ptr + i, y)
+
+scan(_ftz_kernel, {"x_ptr": "*fp32"}, {"BLOCK": 128}, **K.UNFUSED)
+'''
 
 
 def test_the_scan_sees_float64():

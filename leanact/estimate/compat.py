@@ -292,7 +292,7 @@ def device_matmuls(kind: str):
     ``kind``, not as the fake tensors' CPU device would: its tiles' matmul dtype ("cuda": the compute
     dtype, whatever the host CPU; "cpu": this CPU's choice), and its fp32 accumulation of 16-bit
     products (``addmm`` with ``out_dtype`` into the fp32 sum where the device has it -- CUDA; this
-    CPU if it does -- else a 16-bit product per call, added: a temporary of the sum's size). The
+    CPU if it does -- else fp32 products of upcast copies, one chunk at a time). The
     fused loss itself remembers a failed ``out_dtype`` call per device type, which would make the
     estimate depend on what ran before it in the process."""
     from leanact.ops import linear_cross_entropy as lce
@@ -302,9 +302,9 @@ def device_matmuls(kind: str):
     def matmul_dtype(cdtype, device):
         return cdtype if _faking() and kind == "cuda" else saved["_matmul_dtype"](cdtype, device)
 
-    def accumulate_mm_(out, a, b):
+    def accumulate_mm_(out, a, b, step=None):
         if not (_faking() and is_fake(out)) or a.dtype == out.dtype:
-            return saved["_accumulate_mm_"](out, a, b)
+            return saved["_accumulate_mm_"](out, a, b, step)
         if kind == "cuda":
             return  # cuBLAS accumulates the 16-bit product into the fp32 sum itself: nothing allocated
             # (and fake addmm with out_dtype fails in some torch versions: 2.11 decomposes it as
@@ -312,7 +312,7 @@ def device_matmuls(kind: str):
         if _cpu_fp32_addmm():
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
         else:
-            out += a @ b
+            lce._upcast_accumulate_mm_(out, a, b, step)
 
     if "_matmul_dtype" in saved:
         lce._matmul_dtype = matmul_dtype

@@ -209,9 +209,14 @@ def _accumulate_mm_(out, a, b, step=None):
     elif _fp32_addmm_works(out, a):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
-        step = step or b.shape[0]
-        for k0 in range(0, b.shape[0], step):
-            out.addmm_(a[:, k0:k0 + step].to(out.dtype), b[k0:k0 + step].to(out.dtype))
+        _upcast_accumulate_mm_(out, a, b, step)
+
+
+def _upcast_accumulate_mm_(out, a, b, step=None):
+    """out += a @ b as fp32 products of upcast copies of ``step`` of a's columns and b's rows at a time."""
+    step = step or b.shape[0]
+    for k0 in range(0, b.shape[0], step):
+        out.addmm_(a[:, k0:k0 + step].to(out.dtype), b[k0:k0 + step].to(out.dtype))
 
 
 def _active(x, target, ignore_index, v):

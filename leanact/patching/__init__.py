@@ -17,6 +17,9 @@
 * Bloom's and Falcon's attention (ALiBi or rotary, written in the modeling code): a subclass whose
   scores -> softmax -> dropout -> @ v go through leanact's attention core
   (:mod:`leanact.patching.hf_alibi`).
+* Hugging Face's RoPE rotation of q and k (``apply_rotary_pos_emb`` of Llama's form, in most
+  decoder models): one Triton kernel per tensor and direction on CUDA, bitwise the original
+  (:mod:`leanact.patching.hf_rotary`; with ``attention=False`` left as is).
 * Hugging Face language-model heads (``*ForCausalLM``, ``*LMHeadModel``, ``*ForMaskedLM`` with an
   ``nn.Linear`` output embedding): in training mode with labels and autograd, the loss runs through
   leanact's fused linear + cross-entropy and ``logits`` come back None (:mod:`leanact.patching.hf_head`;
@@ -41,7 +44,7 @@ from torch import nn
 
 from .. import nn as lnn
 
-from . import amp, functional_dropout, hf_alibi, hf_head, peft_lora, training_cache, weight_recast
+from . import amp, functional_dropout, hf_alibi, hf_head, hf_rotary, peft_lora, training_cache, weight_recast
 from .generic import replacement_for
 from .hf_residual_norm import PATCHED_CHILDREN
 from .hf_head import keep_logits
@@ -419,6 +422,8 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     summary.functional_dropout = functional_dropout.install(model)
     if training_cache.install(model):
         summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
+    if attention and (ropes := hf_rotary.install(model)):
+        summary.notes.append(hf_rotary.NOTE.format(n=ropes))
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records,
                                                  amp.install(model) if cast_recipes else None))
     try:
@@ -461,6 +466,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
     training_cache.remove(model)
+    hf_rotary.uninstall(model)
     peft_lora.uninstall_upcasts(model)
     functional_dropout.uninstall(model)
     hf_head.uninstall(model)

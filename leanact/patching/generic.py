@@ -130,7 +130,7 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     elif t.__name__.endswith("Router") and t.__module__.startswith("transformers.models."):
         return None, None  # keeps its input (shared) and T x E probabilities: already their true size
     elif t.__name__.endswith("RotaryEmbedding") and t.__module__.startswith("transformers.models."):
-        return None, "RoPE cos/sin tables (built without autograd); q/k rotation stays in HF's attention code"
+        return None, "RoPE cos/sin tables (built without autograd)"
     elif isinstance(m, _NEUTRAL) or _is_hf_conv1d(t) or list(m.children()):
         return None, None
     else:

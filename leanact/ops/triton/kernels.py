@@ -50,6 +50,16 @@ def _store(ptr, v, mask):
         tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _load_f32(ptr, mask):
+    """``ptr``'s values as float32, exactly (interpreted, bfloat16 through its bits: the interpreter's
+    own conversion loses bfloat16 subnormals)."""
+    if ptr.dtype.element_ty == tl.bfloat16 and _INTERPRETED:
+        bits = tl.load(ptr, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
 #: Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
 #: imported: ``triton.jit`` made interpreted functions then).
 _INTERPRETED = tl.constexpr(type(_store).__name__ == "InterpretedFunction")

@@ -56,13 +56,13 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def forward_backward(function, args: tuple, dy: torch.Tensor, needs: tuple):
+def forward_backward(function, args: tuple, dy: torch.Tensor | tuple, needs: tuple):
     """``(output, gradients)`` of an autograd Function's forward and backward, called directly
-    (no graph, no engine; see the module doc)."""
+    (no graph, no engine; see the module doc); ``dy``: a tuple for a Function of several outputs."""
     ctx = _Ctx(*needs)
     with torch.no_grad():
         y = function.forward(ctx, *args)
-        grads = function.backward(ctx, dy)
+        grads = function.backward(ctx, *dy) if isinstance(dy, tuple) else function.backward(ctx, dy)
     return y, grads
 
 

@@ -1,0 +1,117 @@
+"""Rotary position embedding of q and k, one kernel per tensor and direction, bitwise Hugging Face's.
+
+Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)`` (Llama's form, copied into most decoder
+models) computes ``(x * cos) + (rotate_half(x) * sin)`` for x = q and k: a negation, a
+concatenation, two products and a sum per tensor, each a kernel that reads and writes the whole
+tensor, and about as many again in backward. Under autocast with fp32 tables the products promote
+the 16-bit q, k to fp32 (what attention then casts back). :func:`rotary` computes the same values
+in one pass per tensor: the products and the sum rounded in the promoted dtype, as torch rounds
+them, so the outputs are bitwise torch's, and the gradients bitwise autograd's (each product's
+gradient rounded in the promoted dtype and cast to x's dtype, the two contributions summed in x's
+dtype, as the engine does).
+
+Kept for backward: the tables cos and sin (what the unfused products keep: shared by every layer,
+(B or 1)·S·D each), nothing of q or k. On a CPU, under ``torch.compile`` or ``torch.func``, with
+tables that need a gradient, or where the kernel does not apply, :func:`rotary` returns None and
+the caller runs Hugging Face's function (:mod:`leanact.patching.hf_rotary`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .backward import once_differentiable
+from .triton import rotary as _kernel
+from .triton.dispatch import register_check
+from .triton.selfcheck import both, forward_backward, generator, randn, same
+
+__all__ = ["RotaryFunction", "rotary", "rotate_half", "rotary_reference", "rotary_backward_reference"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(−x₂, x₁): the second half of the last dimension negated, then the first half."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's arithmetic for one tensor x (B, H, S, D) and tables (B or 1, S, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def rotary_backward_reference(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              x_dtype: torch.dtype) -> torch.Tensor:
+    """x's gradient as autograd computes it through :func:`rotary_reference`: each product's
+    gradient in g's dtype cast to x's, rotate_half's backward, the two summed in x's dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = g.shape[-1] // 2
+    a = (g * cos).to(x_dtype)
+    b = (g * sin).to(x_dtype)
+    return torch.cat((a[..., :half] + b[..., half:], a[..., half:] - b[..., :half]), dim=-1) + 0
+
+
+class RotaryFunction(torch.autograd.Function):
+    """(q_embed, k_embed) of :func:`rotary`; keeps cos and sin. Runs the kernels (the caller checked
+    :func:`rotary`'s conditions), the PyTorch path where a kernel fails."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        outs = []
+        for x in (q, k):
+            y = _kernel.rotary_forward(x, cos, sin)
+            outs.append(rotary_reference(x, cos, sin) if y is None else y)
+        ctx.save_for_backward(cos, sin)
+        ctx.dtypes = (q.dtype, k.dtype)
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gq, gk):
+        cos, sin = ctx.saved_tensors
+        grads = []
+        for g, dtype in zip((gq, gk), ctx.dtypes):
+            if g is None:
+                grads.append(None)
+                continue
+            dx = _kernel.rotary_backward(g, cos, sin, dtype)
+            grads.append(rotary_backward_reference(g, cos, sin, dtype) if dx is None else dx)
+        return grads[0], grads[1], None, None
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``(q·cos + rotate_half(q)·sin, k·cos + rotate_half(k)·sin)`` through the kernels, or None
+    where they do not apply (module doc). q, k: (B, H, S, D) (k may have fewer heads); cos, sin:
+    (B or 1, S, D), not needing a gradient."""
+    if cos.requires_grad or sin.requires_grad or q.dtype != k.dtype:
+        return None
+    if k.dim() != 4 or q.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        return None
+    if _kernel._module(_kernel._usable(q, k, cos, sin)) is None or not _kernel._shapes_ok(q, cos, sin) \
+            or not _kernel._shapes_ok(k, cos, sin):
+        return None
+    return RotaryFunction.apply(q, k, cos, sin)
+
+
+def _check(device: torch.device, key) -> None:
+    """The kernels against the PyTorch path, bitwise, forward and backward, on ragged shapes with
+    values that round (and subnormal products), broadcast and per-sample tables."""
+    x_dtype, p = key  # the tables in the promoted dtype (read as float32 either way)
+    gen = generator(device)
+    for bt in (1, 2):
+        q = randn((2, 3, 37, 10), device, x_dtype, gen, 3.0).transpose(1, 2).contiguous().transpose(1, 2)
+        k = randn((2, 1, 37, 10), device, x_dtype, gen, 3.0)
+        cos = randn((bt, 37, 10), device, p, gen)
+        sin = randn((bt, 37, 10), device, p, gen)
+        cos[0, 0, :3] = torch.tensor([1e-30, -1e-38, 0.0], device=device).to(p)
+        g = (randn((2, 3, 37, 10), device, p, gen, 2.0), randn((2, 1, 37, 10), device, p, gen, 2.0))
+
+        def run():
+            return forward_backward(RotaryFunction, (q, k, cos, sin), g, (True, True, False, False))
+
+        (got_y, got_g), (ref_y, ref_g) = both(run)
+        for what, a, b in (("q_embed", got_y[0], ref_y[0]), ("k_embed", got_y[1], ref_y[1]),
+                           ("dq", got_g[0], ref_g[0]), ("dk", got_g[1], ref_g[1])):
+            same(f"rotary {what} ({x_dtype}, {p})", a, b)
+
+
+register_check("rotary", _check)

@@ -1,0 +1,54 @@
+"""Kernel or PyTorch path for the rotary position embedding (:mod:`leanact.ops.rotary`).
+
+Same contract as :mod:`.dispatch`: :func:`rotary_forward` / :func:`rotary_backward` return what
+the op's PyTorch path returns, from one kernel of :mod:`.rotary_kernels` per tensor (bitwise:
+the same roundings), or ``None`` (the caller then runs its PyTorch path): CUDA plain tensors,
+``LEANACT_TRITON`` on, float16/bfloat16/float32, (B, H, S, D) tensors and (B or 1, S, D) tables
+with unit stride along an even D. The kernels launch under the name ``"rotary"`` (checked per
+tensor dtype and promoted dtype), whose self-check :mod:`leanact.ops.rotary` registers.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
+
+__all__ = ["rotary_forward", "rotary_backward"]
+
+
+def _module(k):
+    return launchers(k, "rotary_kernels", "rotary")
+
+
+def _shapes_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    if x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or x.dtype not in _DTYPES:
+        return False
+    b, _, s, d = x.shape
+    return (d % 2 == 0 and cos.shape[0] in (1, b) and cos.shape[1:] == (s, d) and cos.dtype in _DTYPES
+            and sin.dtype == cos.dtype and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``x·cos + rotate_half(x)·sin`` in the promoted dtype (x's layout), or None."""
+    k = _module(_usable(x, cos, sin))
+    if k is None or not _shapes_ok(x, cos, sin):
+        return None
+    p = torch.promote_types(x.dtype, cos.dtype)
+    out = torch.empty_like(x, dtype=p)
+    if _launch("rotary", x, k.rotary, x, cos, sin, out, False, p, x.dtype, check_key=(x.dtype, p)) is _FAILED:
+        return None
+    return out
+
+
+def rotary_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
+    """The gradient of x (``x_dtype``, g's layout) from the output's gradient g, or None."""
+    k = _module(_usable(g, cos, sin))
+    if k is None or not _shapes_ok(g, cos, sin) or x_dtype not in _DTYPES:
+        return None
+    p = torch.promote_types(x_dtype, cos.dtype)
+    if g.dtype != p:
+        return None
+    dx = torch.empty_like(g, dtype=x_dtype)
+    if _launch("rotary", g, k.rotary, g, cos, sin, dx, True, p, x_dtype, check_key=(x_dtype, p)) is _FAILED:
+        return None
+    return dx
