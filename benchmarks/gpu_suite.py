@@ -517,7 +517,46 @@ def _liger():
     except Exception:
         return fns
     fns["swiglu"] = lambda g, u: LigerSiLUMulFunction.apply(g, u)
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except Exception:
+        return fns
+    fns["rope"] = lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
     return fns
+
+
+def _rope_tables(seq: int, d: int, device: str):
+    """Llama-3's (cos, sin) for positions 0..seq-1, (1, seq, d) float32 (what HF's RoPE module returns
+    under autocast: the tables in the hidden states' fp32)."""
+    import torch
+
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    freqs = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[None], emb.sin()[None]
+
+
+def _rope_hf(x, k, cos, sin):
+    """HF's apply_rotary_pos_emb on q = x viewed (B, H, S, D), as HF's attention views its projection."""
+    from transformers.models.llama import modeling_llama
+
+    fn = modeling_llama.apply_rotary_pos_emb
+    return getattr(fn, "_leanact_original", fn)(x.transpose(1, 2), k, cos, sin)[0]
+
+
+def _rope_lean(x, k, cos, sin):
+    """leanact's rotation (the kernels; where they do not apply, HF's function, as a patched model)."""
+    from leanact.ops.rotary import rotary
+
+    out = rotary(x.transpose(1, 2), k, cos, sin)
+    return _rope_hf(x, k, cos, sin) if out is None else out[0]
+
+
+def _rope_liger(fn):
+    def run(x, k, cos, sin):
+        return fn(x.transpose(1, 2), k, cos, sin)[0]
+
+    return run
 
 
 def op_cases(device: str = "cuda", tokens: int = 16384):
@@ -556,6 +595,20 @@ def op_cases(device: str = "cuda", tokens: int = 16384):
         cases.append(("RMSNorm", dt, (tokens, 2048), lambda x, w=w2: rms_norm(x, (2048,), w, 1e-6),
                       lambda x, w=w2: F.rms_norm(x, (2048,), w, 1e-6),
                       (lambda x, w=w2: liger["rms"](x, w, 1e-6)) if liger else None))
+        # RoPE of q (Llama-1B: 32 heads of 64, HF's transposed view of the projection; fp32 tables, as under
+        # autocast); k one head (1/32 of the work, no gradient)
+        seq = min(2048, tokens)
+        cos, sin = _rope_tables(seq, 64, device)
+        k = torch.randn(max(1, tokens // seq), 1, seq, 64, device=device, dtype=d)
+        rope_liger = liger.get("rope") if liger else None
+        if rope_liger is not None:  # (a Liger whose RoPE does not take these dtypes: no Liger column)
+            try:
+                rope_liger(torch.randn(1, 2, 4, 64, device=device, dtype=d), k[:1, :, :4], cos[:, :4], sin[:, :4])
+            except Exception:  # noqa: BLE001
+                rope_liger = None
+        cases.append(("RoPE (q)", dt, (max(1, tokens // seq), seq, 32, 64),
+                      lambda x, t=(k, cos, sin): _rope_lean(x, *t), lambda x, t=(k, cos, sin): _rope_hf(x, *t),
+                      (lambda x, t=(k, cos, sin), f=_rope_liger(rope_liger): f(x, *t)) if rope_liger else None))
         # SwiGLU + down projection on a fused gate_up output (tokens, 2·8192): leanact keeps g, u only
         half = 8192
         cases.append(("SwiGLU + down", dt, (tokens // 4, 2 * half),
@@ -577,9 +630,12 @@ def _fresh(t):
 #: dx; dropout reads and writes once each way (the mask is rebuilt from the seed); the norms' forward
 #: reads x and writes y, their backward reads y and dy and writes dx; the sub-layer end reads h and the
 #: residual and writes y, then reads dy and y and writes both gradients (per-row statistics and the
-#: dγ/dβ partials are below 5% at these widths and left out). None: not bandwidth-bound (the MLP).
+#: dγ/dβ partials are below 5% at these widths and left out); RoPE reads q and writes its rotation in
+#: the tables' fp32, then reads that gradient and writes q's (the tables, shared by the heads, from
+#: cache). None: not bandwidth-bound (the MLP).
 MOVED = {"GELU": lambda s: 5 * s + 0.25, "dropout": lambda s: 4 * s, "LayerNorm": lambda s: 5 * s,
-         "RMSNorm": lambda s: 5 * s, "sub-layer end": lambda s: 2 * s + 20}  # (h in s; residual, y, dy fp32)
+         "RMSNorm": lambda s: 5 * s, "sub-layer end": lambda s: 2 * s + 20,  # (h in s; residual, y, dy fp32)
+         "RoPE": lambda s: 2 * s + 8}  # q read, its fp32 rotation written; fp32 dy read, dq written
 #: Datasheet memory bandwidth (GB/s) by device name, for when torch does not report the memory clock.
 PEAK_GBS = {"H200": 4800, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "GH200": 4000, "A100-SXM4-80GB": 2039,
             "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "A10": 600,

@@ -139,3 +139,18 @@ def test_gated_mlp_one_kernel_each_way_beside_its_matmuls(kind):
     (f_aten, f_k), (b_aten, b_k) = _count(lambda: gated_down(g, u, w, kind=kind), [g, u, w])
     assert (f_aten, f_k) == (["mm"], ["glu_forward"])  # act(g)·u, then the down projection
     assert (b_aten, b_k) == (["mm", "mm"], ["glu_backward"])  # dh = dy·W; dg, du and h; dW = dyᵀ·h
+
+
+def test_rotary_one_kernel_per_tensor_each_way():
+    """RoPE of q and k (leanact.ops.rotary): one kernel per tensor forward, one per gradient backward,
+    no aten kernel around them; Hugging Face's apply_rotary_pos_emb starts 5 per tensor forward (a
+    negation, a concatenation, two products, a sum) and more backward."""
+    from leanact.ops.rotary import rotary, rotary_reference
+
+    q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 8, 16, dtype=torch.bfloat16)
+    cos, sin = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
+    (f_aten, f_k), (b_aten, b_k) = _count(lambda: rotary(q, k, cos, sin)[0], [q])
+    assert (f_aten, f_k) == ([], ["rotary", "rotary"]) and (b_aten, b_k) == ([], ["rotary"])
+    (f_aten, f_k), (b_aten, b_k) = _count(lambda: rotary_reference(q, cos, sin), [q])  # HF's arithmetic
+    assert f_k == [] and sorted(f_aten) == ["add", "cat", "mul", "mul", "neg"] and len(b_aten) >= 5, b_aten

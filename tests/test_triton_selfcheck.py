@@ -230,7 +230,7 @@ def test_each_op_registers_its_own_check():
                      "layer_norm": "leanact.ops.layer_norm", "rms_norm": "leanact.ops.layer_norm",  # the norms' check
                      "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
                      "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy",
-                     "dropout_add_layer_norm": "leanact.ops.dropout_add_norm"}
+                     "dropout_add_layer_norm": "leanact.ops.dropout_add_norm", "rotary": "leanact.ops.rotary"}
 
 
 def test_setting(monkeypatch):

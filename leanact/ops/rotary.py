@@ -62,6 +62,7 @@ class RotaryFunction(torch.autograd.Function):
             outs.append(rotary_reference(x, cos, sin) if y is None else y)
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = (q.dtype, k.dtype)
+        ctx.set_materialize_grads(False)  # (an output nothing used: no zero gradient made and rotated)
         return tuple(outs)
 
     @staticmethod
@@ -69,8 +70,8 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx, gq, gk):
         cos, sin = ctx.saved_tensors
         grads = []
-        for g, dtype in zip((gq, gk), ctx.dtypes):
-            if g is None:
+        for g, dtype, need in zip((gq, gk), ctx.dtypes, ctx.needs_input_grad):
+            if g is None or not need:
                 grads.append(None)
                 continue
             dx = _kernel.rotary_backward(g, cos, sin, dtype)

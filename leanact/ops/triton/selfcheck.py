@@ -55,6 +55,9 @@ class _Ctx:
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
+    def set_materialize_grads(self, value: bool):
+        self.materialize_grads = value
+
 
 def forward_backward(function, args: tuple, dy: torch.Tensor | tuple, needs: tuple):
     """``(output, gradients)`` of an autograd Function's forward and backward, called directly
