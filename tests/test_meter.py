@@ -38,6 +38,24 @@ def test_storage_shared_by_two_ops_is_counted_once():
     del out
 
 
+def test_a_freed_storage_does_not_absorb_a_later_one(monkeypatch):
+    """A storage saved and then freed before the forward ends (its graph dropped) may leave its
+    address to a storage allocated later: that one is another storage, counted, not a duplicate. The
+    address reuse is made certain here (every storage gets one key); it happened at random in
+    leanact.estimate's fake CUDA runs."""
+    import leanact.memory.meter as meter_module
+
+    monkeypatch.setattr(meter_module, "_storage_key", lambda t: 7)
+    x = torch.randn(1000, requires_grad=True)
+    meter = SavedTensorMeter(exclude=[])
+    with meter:
+        y = x.exp()  # keeps its result y
+        del y  # the graph and y's storage go
+        z = (x * 2).sin()  # keeps its input, a new storage (same key)
+    assert [r.duplicate_of for r in meter.records] == [None, None]
+    assert meter.total_bytes == 2 * 4000  # what was saved, both storages (the first one freed since)
+
+
 def test_views_count_their_whole_storage():
     base = torch.randn(100, 10, requires_grad=True).clone()
     assert saved_bytes(lambda: base[:5].sin()) == 100 * 10 * 4

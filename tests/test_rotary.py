@@ -162,3 +162,21 @@ def test_replacement_calls_the_original_for_other_arguments():
     got = ML.apply_rotary_pos_emb(qb, kb, cos, sin, unsqueeze_dim=2)
     want = getattr(ML.apply_rotary_pos_emb, H._WRAPPED)(qb, kb, cos, sin, unsqueeze_dim=2)
     assert all(_bitwise(a, b) for a, b in zip(got, want))
+
+
+def test_estimate_models_the_kernel(monkeypatch):
+    """leanact.estimate(device="cuda") runs the rotation as the kernels would (the op on fake tensors,
+    its launches stubbed), and what it keeps is what HF's function keeps (the tables): the same kept
+    bytes as with the kernels off."""
+    model = leanact.patch(_llama())
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, labels=ids)
+    calls = []
+    real = R.RotaryFunction.apply
+    monkeypatch.setattr(R.RotaryFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.delenv("LEANACT_TRITON", raising=False)
+    kernels = leanact.estimate(model, inputs, device="cuda")
+    assert len(calls) == 2  # one per layer
+    monkeypatch.setenv("LEANACT_TRITON", "0")
+    torch_path = leanact.estimate(model, inputs, device="cuda")
+    assert len(calls) == 2 and kernels.per_layer == torch_path.per_layer and kernels.peak <= torch_path.peak

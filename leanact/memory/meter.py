@@ -124,6 +124,7 @@ class SavedTensorMeter(SavedTensorObserver):
             self._excluded[_storage_key(t)] = "excluded"
         self.records: list[SavedRecord] = []
         self._first_by_key: dict[int, int] = {}
+        self._storage_refs: list = []  # weak references to the counted storages (see _forget_when_freed)
         self._stack: list[str] = []
         self._introspect_log: list[int] | None = None
         self._exit_stack: contextlib.ExitStack | None = None
@@ -166,10 +167,28 @@ class SavedTensorMeter(SavedTensorObserver):
             first = self._first_by_key.setdefault(key, index)
             if first != index:
                 rec.duplicate_of = first
-            elif t.dtype in _LOW:
-                rec.weight_copy = self._weight_copy_of(t)
+            else:
+                self._forget_when_freed(t, key, index)
+                if t.dtype in _LOW:
+                    rec.weight_copy = self._weight_copy_of(t)
         self.records.append(rec)
         return index
+
+    def _forget_when_freed(self, t: torch.Tensor, key: int, index: int) -> None:
+        """When the storage counted by record ``index`` is freed (a tensor saved, then released with its
+        graph before the forward ends), its key is forgotten: a storage allocated later at the same
+        address is another storage, not a duplicate of this one."""
+        meter = weakref.ref(self)
+
+        def forget(_, key=key, index=index):
+            m = meter()
+            if m is not None and m._first_by_key.get(key) == index:
+                del m._first_by_key[key]
+
+        try:
+            self._storage_refs.append(weakref.ref(t.untyped_storage(), forget))
+        except TypeError:  # a storage without weak references: its key stays (the earlier behaviour)
+            pass
 
     def _weight_copy_of(self, t: torch.Tensor) -> str | None:
         """The name of the fp32 parameter whose 16-bit cast ``t`` is (or a view of), else None:
