@@ -32,7 +32,7 @@ APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.
                     r"|ex2\.approx\.\w+|lg2\.approx\.\w+|tanh\.approx\.\w+|sin\.approx\.\w+|cos\.approx\.\w+)")
 F64 = re.compile(r"\.f64\b")
 FTZ = re.compile(r"\b(?:add|sub|mul|fma|neg|abs|min|max|cvt)(?:\.\w+)*\.ftz\b")
-found, built, f64, ftz = {}, set(), set(), set()
+found, built, f64, ftz, fma = {}, set(), set(), set(), set()
 
 def scan(fn, sig, consts, **opts):
     full = dict(sig, **{k: "constexpr" for k in consts})
@@ -43,6 +43,8 @@ def scan(fn, sig, consts, **opts):
     found.setdefault(name, set()).update(m.split(".")[0] + "." + m.split(".")[1] for m in APPROX.findall(c.asm["ptx"]))
     if FTZ.search(c.asm["ptx"]):  # subnormals flushed to zero (tl.exp's ex2.approx.ftz, ...)
         ftz.add(name)
+    if re.search(r"\bfma\.rn\.f32\b", c.asm["ptx"]):  # a product and a sum contracted: one rounding
+        fma.add(name)
     if F64.search(c.asm["ptx"]):
         f64.add(name)
 
@@ -51,6 +53,7 @@ kernels = {n for mod in (K, LK, GK, G32, RK) for n in vars(mod) if n.startswith(
 print("KERNELS", sorted(kernels - built), "MISSING")
 print("F64", sorted(f64))
 print("FTZ", sorted(ftz))
+print("FMA", sorted(fma))
 for name in sorted(found):
     print("FOUND", name, sorted(found[name]))
 '''
@@ -152,12 +155,13 @@ def _scan(body: str) -> dict:
     missing = next(line for line in lines if line.startswith("KERNELS"))
     f64 = eval(next(line for line in lines if line.startswith("F64 "))[4:])  # a printed list of names
     ftz = eval(next(line for line in lines if line.startswith("FTZ "))[4:])
+    fma = eval(next(line for line in lines if line.startswith("FMA "))[4:])
     found = {}
     for line in lines:
         if line.startswith("FOUND "):
             _, name, rest = line.split(" ", 2)
             found[name] = set(eval(rest))  # a printed list of strings
-    return {"missing": missing, "found": found, "f64": set(f64), "ftz": set(ftz)}
+    return {"missing": missing, "found": found, "f64": set(f64), "ftz": set(ftz), "fma": set(fma)}
 
 
 def test_no_approximate_division_or_sqrt_where_results_are_bitwise():
@@ -180,11 +184,14 @@ def test_no_kernel_uses_float64():
 NO_FTZ = {"_rotary_kernel"}
 
 
-def test_bitwise_kernels_keep_subnormals():
-    """The RoPE kernel's products, sums and conversions keep subnormal values as torch's kernels do
-    (its self-check compares them bitwise, subnormals included)."""
+def test_bitwise_kernels_keep_subnormals_and_round_each_operation():
+    """The RoPE kernel's products, sums and conversions keep subnormal values as torch's kernels do,
+    and round each product before its sum (no FMA), as torch's separate ops do (its self-check
+    compares them bitwise, subnormals included)."""
     result = _scan(_compile_scripts())
     assert NO_FTZ <= set(result["found"]) and not NO_FTZ & result["ftz"], result["ftz"]
+    assert not NO_FTZ & result["fma"], result["fma"]
+    assert result["fma"], "no kernel contracts: the FMA scan sees nothing"  # (the norms are launched with FMA on)
 
 
 def test_the_scan_sees_a_flush_to_zero():
