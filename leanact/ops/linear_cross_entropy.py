@@ -305,8 +305,8 @@ class _Chunks:
             xg = xgs[gi].to(self.cdtype)  # (a copy of one product's rows only, when the dtypes differ)
             zg = buf if rows == buf.shape[0] else buf[:rows]
             xcs, zcs = ((xg,), (zg,)) if rows <= step else (xg.split(step), zg.split(step))
-            raw = []
-            for c0 in _starts(rows, step):
+            raw, starts = [], _starts(rows, step)
+            for c0 in starts:
                 i, j = (g0 + c0) // step, c0 // step
                 z = t = e = None  # (one chunk's fp32 logits alive at a time)
                 xc, zc, yc, cc = xcs[j], zcs[j], ys[i], cs[i]
@@ -336,7 +336,7 @@ class _Chunks:
             r = None
             if raw:  # fp32 chunks of the PyTorch path: their row factor is still to apply
                 r = cgs[gi][:, None] * scale if scale != 1.0 else cgs[gi][:, None]
-                if len(raw) < len(zcs):  # (some chunks ran the kernel: scale the others)
+                if len(raw) < len(starts):  # (some chunks ran the kernel: scale the others)
                     rs = r.split(step)
                     for j in raw:
                         zcs[j].mul_(rs[j])
