@@ -165,11 +165,51 @@ def test_no_norm_left_in_family(family):
     assert sorted(n for n, _, _ in norms) == sorted(expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(CLASSES))
+def test_forward_is_hfs_operations_and_keeps_their_rstd(variant, dtype):
+    """The patched forward runs HF's operations and nothing more (the rstd it keeps is the one HF's
+    forward computes: no second pass over x for it; Cohere's x − mean, which HF computes twice,
+    once), and that rstd is HF's statistic bitwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("detach", "alias", "view", "promote_types"):
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ref = _norm(variant, dtype)
+    lean, _ = hf_rms_norm_replacement(copy.deepcopy(ref))
+    x = (torch.randn(4, 6, H, generator=torch.Generator().manual_seed(2)) * 3).to(dtype).requires_grad_()
+    lean(x)  # (the first call decides from-output for this weight: its checks are not the forward's)
+    with Ops() as a:
+        y_ref = ref(x)
+    with Ops() as b:
+        y = lean(x)
+    from collections import Counter
+
+    fewer = Counter(a.ops) - Counter(b.ops)  # HF's operations the patched forward does not run
+    assert not Counter(b.ops) - Counter(a.ops), (a.ops, b.ops)
+    assert fewer == (Counter(sub=1) if variant == "cohere_ln" else Counter()), fewer  # (Cohere's x − mean: once)
+    assert torch.equal(y, y_ref)
+    rstd = y.grad_fn.saved_tensors[1]
+    xf = x.detach().float()
+    if variant == "cohere_ln":
+        xf = xf - xf.mean(-1, keepdim=True)
+    assert torch.equal(rstd, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 @pytest.mark.parametrize("variant", ["llama", "cohere_ln"])
-def test_cuda_rstd_is_the_composite_one(variant):
-    """On CUDA the forward takes rstd from torch's fused norm kernel (one pass) instead of the fp32
-    composite: the same statistic (eps inside the square root; the mean removed for Cohere's
-    LayerNorm), within float32 rounding. Checked here on the CPU with the same torch ops."""
+def test_cuda_float64_rstd_is_the_composite_one(variant):
+    """On CUDA float64 inputs (HF computes in fp32; the backward in float64) take rstd from torch's
+    fused norm kernel (one pass) instead of the float64 composite: the same statistic (eps inside
+    the square root; the mean removed for Cohere's LayerNorm), within rounding. Checked here on the
+    CPU with the same torch ops in float32."""
     from leanact.patching.hf_rms_norm import _rstd
 
     if variant == "llama" and not hasattr(torch.ops.aten, "_fused_rms_norm"):

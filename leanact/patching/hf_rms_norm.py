@@ -15,8 +15,8 @@ cohere_ln  ``(w * x̂).to(input dtype)``, x̂ = (x − mean)·rstd Cohere's Laye
 =========  ==============================================  =======================================
 
 HF's autograd keeps the fp32 copy of x, rstd, x̂ and casts of it. The replacement's *forward is
-HF's own* (the original class's ``forward``, run without autograd), so outputs are bit-identical
-in every dtype; only what is kept changes: y (the output, already alive for the next op) and rstd
+HF's operations* (the variant's, in the original forward's order, run without autograd), so outputs
+are bit-identical in every dtype; only what is kept changes: y (the output, already alive for the next op) and rstd
 (fp32, one per row). Backward (fp32, float64 for float64 inputs) with γ = w (``1 + w`` for the
 offset variant)::
 
@@ -24,8 +24,9 @@ offset variant)::
 
 (Cohere's LayerNorm: g − mean(g) in place of g.) On CUDA the backward of every variant with a
 one-dimensional weight and the output in the input's dtype runs leanact's RMSNorm kernels (two
-launches; γ = 1 + w in fp32 for Gemma's), and the forward takes rstd from torch's fused norm kernel
-(one pass over x) instead of recomputing it with fp32 copies of x.
+launches; γ = 1 + w in fp32 for Gemma's). The forward runs the variant's operations as HF's forward
+does, in its order (bitwise its outputs), and keeps the rsqrt they compute: no second pass over x
+for rstd (float64 inputs, which HF computes in fp32, take HF's forward and a float64 rstd).
 
 In fp32 this is exact to rounding; in 16-bit dtypes y is x̂·γ rounded once (or x̂ rounded, then
 multiplied), so x̂ = y/γ is recovered within 16-bit rounding (gradients within 16-bit tolerance, not
@@ -200,8 +201,60 @@ def _rstd(x: torch.Tensor, eps: float, variant: str) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _llama_rstd(m, x, eps):
+    input_dtype = x.dtype
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return m.weight * (xf * rstd).to(input_dtype), rstd
+
+
+def _fp32_mul_rstd(m, x, eps):
+    input_dtype = x.dtype
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (m.weight * (xf * rstd)).to(input_dtype), rstd
+
+
+def _offset_rstd(m, x, eps):
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((xf * rstd) * (1.0 + m.weight.float())).type_as(x), rstd
+
+
+def _cohere_ln_rstd(m, x, eps):
+    input_dtype = x.dtype
+    xf = x.to(torch.float32)
+    xc = xf - xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return (m.weight.to(torch.float32) * (xc * rstd)).to(input_dtype), rstd
+
+
+def _t5_rstd(m, x, eps):
+    rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    xn = x * rstd
+    if m.weight.dtype in [torch.float16, torch.bfloat16]:
+        xn = xn.to(m.weight.dtype)
+    return m.weight * xn, rstd
+
+
+#: variant -> (module, x, eps) -> (y, rstd): the variant's forward (:data:`VARIANTS`), the same
+#: operations in the same order, keeping the rsqrt it computes (bitwise HF's y, and no second pass
+#: over x for rstd)
+_FORWARD_RSTD = {"llama": _llama_rstd, "fp32_mul": _fp32_mul_rstd, "offset": _offset_rstd,
+                 "cohere_ln": _cohere_ln_rstd, "t5": _t5_rstd}
+
+
+def _forward_rstd(module, x, eps, variant, ref):
+    """(y, rstd): HF's forward with the statistic it computes (fp32). float64 inputs (HF computes in
+    fp32, the backward in float64) take HF's forward and a float64 rstd (:func:`_rstd`)."""
+    if x.dtype == torch.float64:
+        return ref(module, x), _rstd(x, eps, variant)
+    return _FORWARD_RSTD[variant](module, x, eps)
+
+
 class _HFRMSNormFunction(torch.autograd.Function):
-    """forward: the HF module's own forward (bitwise); backward: the RMSNorm formulas."""
+    """forward: the HF module's operations (bitwise its forward), keeping the rstd they compute; backward:
+    the RMSNorm formulas."""
 
     @staticmethod
     def forward(ctx, x, weight, module, eps, from_output, variant):
@@ -209,12 +262,12 @@ class _HFRMSNormFunction(torch.autograd.Function):
         k = weight.dim()
         parts = row_slices(x.numel() // max(1, math.prod(x.shape[-k:])), math.prod(x.shape[-k:]) * 4)
         if len(parts) == 1 or not x.is_contiguous():
-            y, rstd = ref(module, x), _rstd(x, eps, variant)
+            y, rstd = _forward_rstd(module, x, eps, variant, ref)
         else:  # long inputs: HF's forward over chunks of rows (the same values; one chunk's fp32 copies)
             x2 = x.view(-1, *x.shape[-k:])
             y = rstd = None
             for sl in parts:
-                yc, rc = ref(module, x2[sl]), _rstd(x2[sl], eps, variant)
+                yc, rc = _forward_rstd(module, x2[sl], eps, variant, ref)
                 if y is None:
                     y, rstd = yc.new_empty((x2.shape[0], *yc.shape[1:])), rc.new_empty((x2.shape[0], *rc.shape[1:]))
                 y[sl], rstd[sl] = yc, rc
