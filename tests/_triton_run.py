@@ -17,6 +17,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+def interpreter_marks(interpreted: bool):
+    """``(pytestmark, interp)`` of an interpreter test module: the ``triton`` mark with numpy's notes on
+    inf/nan (RuntimeWarning) ignored, and a mark skipping a test where this process does not run
+    kernels under the interpreter (the module's ``test_in_subprocess`` runs it again there)."""
+    return ([pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")],
+            pytest.mark.skipif(not interpreted, reason="Triton imported without the interpreter: see test_in_subprocess"))
+
+
 def interpreter_setup():
     """Skip the calling module without numpy or triton; set ``TRITON_INTERPRET=1`` when Triton was not
     imported yet and there is no CUDA device (it must be set before the first import). Returns

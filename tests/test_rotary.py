@@ -152,16 +152,33 @@ def test_attention_false_leaves_the_rotation():
     assert H.installed(model) == 0 and not any("rotary" in n for n in leanact.summary(model).notes)
 
 
-def test_replacement_calls_the_original_for_other_arguments():
-    """unsqueeze_dim other than 1 or unmarked tables: the original function, with the same result."""
+def test_replacement_routes_marked_tables_with_unsqueeze_dim_1_only():
+    """With launches stubbed (what a CUDA call would run: outputs allocated, nothing computed), a
+    call the kernels must not take -- unmarked tables, or unsqueeze_dim=2 -- returns HF's values;
+    marked tables with unsqueeze_dim=1 go to the op (the stub's unwritten outputs)."""
+    from leanact.ops.triton import dispatch
+
     q, k, cos, sin = _inputs(torch.float32, torch.float32)
     H._route(ML)
-    for t in (cos, sin):
-        setattr(t, H.MARK, True)
+    original = getattr(ML.apply_rotary_pos_emb, H._WRAPPED)
+    routed = []
+    real = H.rotary
+    H_rotary = lambda *a: routed.append(1) or real(*a)  # noqa: E731
     qb, kb = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D): unsqueeze_dim=2
-    got = ML.apply_rotary_pos_emb(qb, kb, cos, sin, unsqueeze_dim=2)
-    want = getattr(ML.apply_rotary_pos_emb, H._WRAPPED)(qb, kb, cos, sin, unsqueeze_dim=2)
-    assert all(_bitwise(a, b) for a, b in zip(got, want))
+    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False):
+        H.rotary = H_rotary
+        try:
+            unmarked = ML.apply_rotary_pos_emb(q, k, cos, sin)
+            for t in (cos, sin):
+                setattr(t, H.MARK, True)
+            dim2 = ML.apply_rotary_pos_emb(qb, kb, cos, sin, unsqueeze_dim=2)
+            assert routed == []
+            ML.apply_rotary_pos_emb(q, k, cos, sin)
+            assert routed == [1]
+        finally:
+            H.rotary = real
+    assert all(_bitwise(a, b) for a, b in zip(unmarked, original(q, k, cos, sin)))
+    assert all(_bitwise(a, b) for a, b in zip(dim2, original(qb, kb, cos, sin, unsqueeze_dim=2)))
 
 
 def test_estimate_models_the_kernel(monkeypatch):

@@ -36,10 +36,9 @@ import leanact.ops.linear_cross_entropy as L  # noqa: E402
 from leanact.ops.triton import cross_entropy as CE  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
-from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
+from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
-interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+pytestmark, interp = interpreter_marks(INTERPRETED)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -42,12 +42,11 @@ from leanact.memory import SavedTensorMeter  # noqa: E402
 from leanact.ops.gated_mlp import GATED_ACTIVATIONS, _act_grad, gated_act, gated_down  # noqa: E402
 from leanact.ops.triton import dispatch, gated  # noqa: E402
 
-from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
+from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 from _ulp import rare_flips, within  # noqa: E402
 from _ulp import ulp as _ulp  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy notes on inf/nan
-interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+pytestmark, interp = interpreter_marks(INTERPRETED)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BOUND = 48  # gated_kernels.BOUND: act(g) within BOUND u |g| of torch's (exp / tanh up to 6 ulps apart)
 U32 = 2.0 ** -24

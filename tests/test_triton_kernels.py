@@ -30,10 +30,9 @@ from leanact.ops.rms_norm import rms_norm  # noqa: E402
 from leanact.ops.triton import dispatch, gelu as TG, norm as TN  # noqa: E402
 from leanact.ops.triton import dropout as TD  # noqa: E402
 
-from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
+from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy notes on inf/nan
-interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+pytestmark, interp = interpreter_marks(INTERPRETED)
 
 
 @pytest.fixture(autouse=True)

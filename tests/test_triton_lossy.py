@@ -26,10 +26,9 @@ from leanact.ops.triton import dispatch  # noqa: E402
 from leanact.ops.triton import lossy as L  # noqa: E402
 from leanact.ops.triton import lossy_kernels as LK  # noqa: E402
 
-from _triton_run import compile_for_sm90, run_interpreted  # noqa: E402
+from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy notes on inf/nan
-interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+pytestmark, interp = interpreter_marks(INTERPRETED)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

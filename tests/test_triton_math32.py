@@ -12,10 +12,9 @@ from _triton_run import interpreter_setup  # noqa: E402
 
 triton, INTERPRETED = interpreter_setup()
 
-from _triton_run import run_interpreted  # noqa: E402
+from _triton_run import interpreter_marks, run_interpreted  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
-interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+pytestmark, interp = interpreter_marks(INTERPRETED)
 
 
 import triton.language as tl  # noqa: E402

@@ -6,7 +6,7 @@ in test_triton_cross_entropy.py; :func:`test_in_subprocess` when this process ca
   broadcast tables, a ragged number of positions and a head width that is not a power of two;
 * a patched Llama through the kernels: loss and every gradient bitwise the same model with the
   rotation left to HF's function, in fp32 and under bf16 autocast, with and without gradient
-  checkpointing (reentrant and not);
+  checkpointing (reentrant and not); its logits in eval mode under no_grad too;
 * the self-check passes, and a kernel one ulp off fails it;
 * the kernel compiles for sm_90 (no GPU needed).
 """
@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from _triton_run import compile_for_sm90, interpreter_setup, run_interpreted
+from _triton_run import compile_for_sm90, interpreter_marks, interpreter_setup, run_interpreted
 
 triton, INTERPRETED = interpreter_setup()
 
@@ -25,8 +25,7 @@ from leanact.ops.triton import dispatch  # noqa: E402
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama as ML  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
-interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
+pytestmark, interp = interpreter_marks(INTERPRETED)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -96,6 +95,27 @@ def test_patched_llama_through_the_kernel(KM, monkeypatch, autocast, checkpointi
 
     fused, plain = run(True), run(False)
     assert calls and all(_bitwise(a, b) for a, b in zip(fused, plain))
+
+
+@interp
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_patched_llama_eval_and_no_grad_through_the_kernel(KM, monkeypatch, autocast):
+    """Inference of a patched Llama (eval mode, no_grad) routes its marked tables to the kernel too:
+    logits bitwise the same model with the rotation left to HF's function."""
+    import leanact
+    from leanact.patching import hf_rotary as H
+
+    model = leanact.patch(_llama()).eval()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    real, calls = H.rotary, []
+
+    def run(fused):
+        monkeypatch.setattr(H, "rotary", (lambda *a: calls.append(1) or real(*a)) if fused else (lambda *a: None))
+        with dispatch.use_kernels(KM[0]), torch.no_grad(), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model(input_ids=ids).logits
+
+    assert _bitwise(run(True), run(False)) and len(calls) == 2
 
 
 @interp

@@ -137,8 +137,8 @@ def product_rows(n: int, v: int, h: int, step: int, cdtype: torch.dtype) -> int:
     where dW sums over several chunks: as many chunks as fit, in the matmul dtype, in
     :data:`PRODUCT_FRACTION` of dW's accumulator (V·H in the accumulation dtype), so dW's
     accumulator is read and written once per product, not once per chunk. On a GPU that read and
-    write is memory-bound: at V = 128,256, H = 2048 one costs about what the chunk's whole dW
-    matmul does (2 GiB), so 32 chunks of 261 rows per 8,192 tokens became 5 products of 1,827."""
+    write (2 GiB at V = 128,256, H = 2048) is memory-bound and costs more than a chunk's matmul: 32
+    chunks of 261 rows per 8,192 tokens became 5 products of 1,827."""
     k = int(PRODUCT_FRACTION * v * h * _acc_dtype(cdtype).itemsize) // max(step * v * cdtype.itemsize, 1)
     return max(1, min(n, max(k, 1) * step))
 

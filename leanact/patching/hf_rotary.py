@@ -9,7 +9,7 @@ attention's forward. For a patched model, :func:`install`
 * replaces that modeling module's ``apply_rotary_pos_emb`` (once per module, and only where its code
   and its ``rotate_half``'s are Llama's form, compared by bytecode) by a function that sends marked
   tables to :func:`leanact.ops.rotary.rotary` (one Triton kernel per tensor: bitwise the same
-  outputs and gradients, about a sixth of the memory traffic and 25 fewer launches a layer) and
+  outputs and gradients, a sixth of the memory traffic and 4 launches a layer where HF's take 28) and
   every other call, or one the kernels do not take (a CPU, ``torch.compile``, ``torch.func``,
   other shapes), to the original function.
 
