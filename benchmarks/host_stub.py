@@ -1,6 +1,6 @@
 """A training step's host time on the CUDA code path, measured on a CPU: kernels stubbed, parts ablated.
 
-    python benchmarks/host_stub.py [--model bert-large|llama-1b] [--steps 15]
+    python benchmarks/host_stub.py [--model bert-large|llama-1b] [--steps 15] [--launches]
 
 What a GPU step costs the host (Python, autograd, dispatch) decides the step time when the GPU
 waits for it (BERT-Large at b=32 on an H100: 118 ms of kernels, a 166 ms step). This script runs
@@ -14,8 +14,11 @@ CUDA path too (with dropout: SDPA's fused kernel, here the CPU's), not its CPU o
 
 Rows: leanact as patched; with ``cast_recipes=False`` (Linears keep autocast's 16-bit copy of a
 norm's output); with ``recast_weights=False`` too (they keep autocast's copy of the weight too):
-what each memory saving costs the host. Launch costs (Triton's launcher, CUDA's) are not in these
-numbers; ``host_profile.py`` on a GPU has them. The last column counts the function calls of one
+what each memory saving costs the host. Launch costs are not in these numbers unless ``--launches``:
+then the kernels are compiled for sm_90 (Triton's bundled ptxas, no GPU) and launched into a Triton
+driver that runs nothing (tests/_fake_triton_driver.py), so the host's side of every launch up to
+the driver's call is in (leanact.ops.triton.launch's or Triton's ``JITFunction.run``); the driver's
+own launch is not (``host_profile.py`` on a GPU has it). The last column counts the function calls of one
 step (cProfile's count: Python functions and the builtins they call): unlike the times, it does not
 move with the machine's load, so it tells a change of the host path's work from noise.
 """
@@ -24,10 +27,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
+import pathlib
 import pstats
 import statistics
 import sys
 import time
+
+if "--launches" in sys.argv:  # before Triton's first launch: the driver that runs nothing
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+    from _fake_triton_driver import install
+
+    install(keep=False)
 
 import torch
 
@@ -98,9 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["bert-large", "llama-1b"], default="bert-large")
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--launches", action="store_true",
+                    help="compiled kernels launched into a driver that runs nothing (the launches' host time in)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    with dispatch.use_kernels(dispatch.SHAPES_ONLY, strict=True, fake=False), _attention_as_on_cuda(), \
+    kernels = dispatch.SHAPES_ONLY
+    if args.launches:
+        if "TRITON_INTERPRET" in os.environ:
+            sys.exit("--launches compiles the kernels: unset TRITON_INTERPRET")
+        from leanact.ops.triton import kernels
+    with dispatch.use_kernels(kernels, strict=True, fake=False), _attention_as_on_cuda(), \
             _no_step_is_bounded():
         steps = {name: make_step(args.model, v) for name, v in VARIANTS.items()}
         calls: dict[str, int] = {}
@@ -117,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 s()
                 times[k].append(time.perf_counter() - t0)
     hf = statistics.median(times["HF"])
-    print(f"{args.model}, CUDA code path with the kernels stubbed, on the CPU: host ms per step "
+    how = "launched into a driver that runs nothing" if args.launches else "stubbed"
+    print(f"{args.model}, CUDA code path with the kernels {how}, on the CPU: host ms per step "
           f"(median of {args.steps} interleaved)")
     print("| step | host ms | vs HF | function calls per step |")
     print("|---|---|---|---|")

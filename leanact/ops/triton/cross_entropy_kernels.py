@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch, next_power_of_2
+
 __all__ = ["chunk_"]
 
 _BLOCK = 4096
@@ -87,9 +89,9 @@ def chunk_(z: torch.Tensor, y: torch.Tensor, coef: torch.Tensor | None, lse: tor
     rows, v = z.shape
     if rows == 0:
         return
-    b = block or min(_BLOCK, triton.next_power_of_2(v))
-    _ce_chunk_kernel[(rows,)](z, z.stride(0), y, coef if coef is not None else lse, lse, zy,
-                              zsum if zsum is not None else lse, v, float(scale),
-                              float(softcap) if softcap is not None else 1.0, float(eps), STATS=stats, GRAD=grad,
-                              SOFTCAP=softcap is not None, EPS=bool(eps), BLOCK=b,
-                              num_warps=8 if b >= 2048 else 4)  # one program streams a whole row (V logits)
+    b = block or min(_BLOCK, next_power_of_2(v))
+    launch(_ce_chunk_kernel, (rows,), z, z.stride(0), y, coef if coef is not None else lse, lse, zy,
+           zsum if zsum is not None else lse, v, float(scale),
+           float(softcap) if softcap is not None else 1.0, float(eps), STATS=stats, GRAD=grad,
+           SOFTCAP=softcap is not None, EPS=bool(eps), BLOCK=b,
+           num_warps=8 if b >= 2048 else 4)  # one program streams a whole row (V logits)

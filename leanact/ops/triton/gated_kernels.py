@@ -44,6 +44,7 @@ import triton.language as tl
 
 from .kernels import UNFUSED, _store
 from .math32 import exp as _exp, tanh as _tanh
+from .launch import cdiv, launch, next_power_of_2
 
 #: ``kind`` of :mod:`leanact.ops.gated_mlp` -> the kernels' ``KIND``.
 KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
@@ -154,11 +155,11 @@ def _glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, h_ptr, n, sg, su, KIND
 
 
 def _grid(rows: int, n: int, block: int):
-    return (rows, triton.cdiv(n, block))
+    return (rows, cdiv(n, block))
 
 
 def _block(n: int, block) -> int:
-    return block or min(BLOCK, max(16, triton.next_power_of_2(n)))
+    return block or min(BLOCK, max(16, next_power_of_2(n)))
 
 
 def glu_forward(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, kind: str, block: int | None = None):
@@ -166,8 +167,8 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, kind: str, bl
     rows, n = h.shape
     if h.numel():
         b = _block(n, block)
-        _glu_fwd_kernel[_grid(rows, n, b)](g, u, h, n, g.stride(0), u.stride(0), KIND=KINDS[kind], BLOCK=b,
-                                           **UNFUSED)
+        launch(_glu_fwd_kernel, _grid(rows, n, b), g, u, h, n, g.stride(0), u.stride(0), KIND=KINDS[kind], BLOCK=b,
+               **UNFUSED)
 
 
 def glu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg, du, h, kind: str, block: int | None = None):
@@ -176,7 +177,7 @@ def glu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg, du, h, 
     rows, n = dh.shape
     if dh.numel():
         b = _block(n, block)
-        _glu_bwd_kernel[_grid(rows, n, b)](g, u, dh, dg if dg is not None else dh, du if du is not None else dh,
-                                           h if h is not None else dh, n, g.stride(0), u.stride(0),
-                                           KIND=KINDS[kind], NEED_DG=dg is not None, NEED_DU=du is not None,
-                                           NEED_H=h is not None, BLOCK=b, **UNFUSED)
+        launch(_glu_bwd_kernel, _grid(rows, n, b), g, u, dh, dg if dg is not None else dh, du if du is not None else dh,
+               h if h is not None else dh, n, g.stride(0), u.stride(0),
+               KIND=KINDS[kind], NEED_DG=dg is not None, NEED_DU=du is not None,
+               NEED_H=h is not None, BLOCK=b, **UNFUSED)

@@ -43,6 +43,7 @@ from leanact.ops.gelu import rebuild32 as _g32
 from .dispatch import BLOCK
 from .kernels import UNFUSED, _grid, _lerp01, _pack8, _unpack1
 from .math32 import exp_split, f32 as _f32
+from .launch import launch
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
 
@@ -229,13 +230,13 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, ab_ptr, h_ptr, n, c32,
 def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, thr: float, tanh: bool, block: int = BLOCK):
     n = x.numel()
     if n:
-        _gelu32f_fwd_kernel[_grid(n, block)](x, y, bits if bits is not None else y, n, thr, TANH=tanh,
-                                             WITH_BITS=bits is not None, BLOCK=block, **UNFUSED)
+        launch(_gelu32f_fwd_kernel, _grid(n, block), x, y, bits if bits is not None else y, n, thr, TANH=tanh,
+               WITH_BITS=bits is not None, BLOCK=block, **UNFUSED)
 
 
 def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, ab: torch.Tensor,
                     h: torch.Tensor, c32: float, xs: float, tanh: bool, block: int = BLOCK):
     n = y.numel()
     if n:
-        _gelu32f_bwd_kernel[_grid(n, block)](y, bits, dy, out, ab.view(torch.float32), h, n, c32, xs, TANH=tanh,
-                                             BLOCK=block, **UNFUSED)
+        launch(_gelu32f_bwd_kernel, _grid(n, block), y, bits, dy, out, ab.view(torch.float32), h, n, c32, xs, TANH=tanh,
+               BLOCK=block, **UNFUSED)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
+from .launch import cdiv, launch, next_power_of_2
 
 #: Launch options: contraction into FMAs allowed (the norms) or not (kernels whose rounding sequence
 #: must be the interpreter's or torch's). Always explicit: Triton 3.9 warns when it is left to its default.
@@ -136,13 +137,13 @@ def _dropout_kernel(x_ptr, out_ptr, seed_ptr, n, offset, thr, scale, APPLY: tl.c
 
 
 def _grid(n: int, block: int):
-    return (triton.cdiv(n, block),)
+    return (cdiv(n, block),)
 
 
 def dropout_apply(x: torch.Tensor, out: torch.Tensor, seed: torch.Tensor, thr: int, scale: float, block: int = BLOCK):
     """``out = x * keep_mask_like(seed, x.shape, p) * scale`` for contiguous x, out (may alias)."""
     n = x.numel()
-    _dropout_kernel[_grid(n, block)](x, out, seed, n, 0, thr, scale, APPLY=True, BLOCK=block, **FUSED)
+    launch(_dropout_kernel, _grid(n, block), x, out, seed, n, 0, thr, scale, APPLY=True, BLOCK=block, **FUSED)
     return out
 
 
@@ -150,7 +151,7 @@ def keep_mask_range(seed: torch.Tensor, out: torch.Tensor, thr: int, offset: int
     """``out`` (contiguous bool) = keep decisions of the indices offset .. offset + numel - 1."""
     n = out.numel()
     o = out.view(torch.uint8)
-    _dropout_kernel[_grid(n, block)](o, o, seed, n, offset, thr, 1.0, APPLY=False, BLOCK=block, **FUSED)
+    launch(_dropout_kernel, _grid(n, block), o, o, seed, n, offset, thr, 1.0, APPLY=False, BLOCK=block, **FUSED)
     return out
 
 
@@ -169,7 +170,7 @@ def keep_mask_rows(seed: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, 
     """``out`` (contiguous bool (rows, length)) = keep decisions of the indices starts[r] + j."""
     rows, length = out.shape
     o = out.view(torch.uint8)
-    _keep_rows_kernel[(rows, triton.cdiv(length, block))](starts, o, seed, length, thr, BLOCK=block, **FUSED)
+    launch(_keep_rows_kernel, (rows, cdiv(length, block)), starts, o, seed, length, thr, BLOCK=block, **FUSED)
     return out
 
 
@@ -349,13 +350,13 @@ def norm_forward(x: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, n: int, w
     is rounded before the sum, as torch's two ops do."""
     rows = rstd.numel()
     if rows:
-        block_n = triton.next_power_of_2(n)
+        block_n = next_power_of_2(n)
         add = residual is not None
-        _ln_fwd_kernel[(rows,)](x, y, weight if weight is not None else x, bias if bias is not None else x, rstd,
-                                n, eps, residual if add else x, seed if seed is not None else rstd, thr, scale,
-                                HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
-                                BLOCK_N=block_n, RESIDUAL=add, DROPOUT=add and seed is not None,
-                                Z_KIND=_KINDS[z_dtype], num_warps=_warps(block_n), **(UNFUSED if add else FUSED))
+        launch(_ln_fwd_kernel, (rows,), x, y, weight if weight is not None else x,
+               bias if bias is not None else x, rstd, n, eps, residual if add else x, seed if seed is not None else rstd, thr, scale,
+               HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
+               BLOCK_N=block_n, RESIDUAL=add, DROPOUT=add and seed is not None,
+               Z_KIND=_KINDS[z_dtype], num_warps=_warps(block_n), **(UNFUSED if add else FUSED))
 
 
 def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight, bias, dx, dw, db, n: int, rms: bool,
@@ -371,17 +372,17 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
     parts = dw if dw is not None else db
     p = parts.shape[0] if parts is not None else max(1, min(rows, 1024))
     if rows:
-        block_n = triton.next_power_of_2(n)
+        block_n = next_power_of_2(n)
         dummy = t
-        _ln_bwd_kernel[(p,)](dy, t, weight if weight is not None else dummy, bias if bias is not None else dummy,
-                             rstd, dx if dx is not None else dummy, dw if dw is not None else dummy,
-                             db if db is not None else dummy, rows, n, triton.cdiv(rows, p),
-                             dh if dh is not None else dummy, seed if seed is not None else rstd, thr, scale,
-                             HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, FROM_OUTPUT=from_output,
-                             NEED_DX=dx is not None, NEED_DW=dw is not None, NEED_DB=db is not None, BLOCK_N=block_n,
-                             RESIDUAL=residual, NEED_DH=residual and dh is not None,
-                             DROPOUT=residual and seed is not None, Z_KIND=_KINDS[z_dtype],
-                             num_warps=_warps(block_n), **FUSED)
+        launch(_ln_bwd_kernel, (p,), dy, t, weight if weight is not None else dummy,
+               bias if bias is not None else dummy, rstd, dx if dx is not None else dummy, dw if dw is not None else dummy,
+               db if db is not None else dummy, rows, n, cdiv(rows, p),
+               dh if dh is not None else dummy, seed if seed is not None else rstd, thr, scale,
+               HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, FROM_OUTPUT=from_output,
+               NEED_DX=dx is not None, NEED_DW=dw is not None, NEED_DB=db is not None, BLOCK_N=block_n,
+               RESIDUAL=residual, NEED_DH=residual and dh is not None,
+               DROPOUT=residual and seed is not None, Z_KIND=_KINDS[z_dtype],
+               num_warps=_warps(block_n), **FUSED)
 
 
 @triton.jit
@@ -419,7 +420,7 @@ def norm_partials_sum(pw, pb, dw, db, weight, n: int, div_w: bool):
     any_ = pw if pw is not None else pb
     out = dw if dw is not None else db
     block_n = 64
-    _partials_sum_kernel[(triton.cdiv(n, block_n),)](
+    launch(_partials_sum_kernel, (cdiv(n, block_n),),
         any_ if pw is None else pw, any_ if pb is None else pb, weight if div_w else any_,
         out if dw is None else dw, out if db is None else db, any_.shape[0], n, HAS_DW=pw is not None,
         HAS_DB=pb is not None, DIV_W=div_w, BLOCK_P=32, BLOCK_N=block_n, num_warps=4, **FUSED)
@@ -455,13 +456,13 @@ def _gelu16_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, BLOCK: tl.c
 def gelu_forward16(x: torch.Tensor, y: torch.Tensor, bits, table: torch.Tensor, u: int, block: int = BLOCK):
     n = x.numel()
     if n:
-        _gelu16_fwd_kernel[_grid(n, block)](x.view(torch.int16), y.view(torch.int16),
-                                            bits if bits is not None else y, table.view(torch.int16), n, u,
-                                            WITH_BITS=bits is not None, BLOCK=block, **FUSED)
+        launch(_gelu16_fwd_kernel, _grid(n, block), x.view(torch.int16), y.view(torch.int16),
+               bits if bits is not None else y, table.view(torch.int16), n, u,
+               WITH_BITS=bits is not None, BLOCK=block, **FUSED)
 
 
 def gelu_backward16(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
                     block: int = BLOCK):
     n = y.numel()
     if n:
-        _gelu16_bwd_kernel[_grid(n, block)](y.view(torch.int16), bits, dy, out, table, n, BLOCK=block, **FUSED)
+        launch(_gelu16_bwd_kernel, _grid(n, block), y.view(torch.int16), bits, dy, out, table, n, BLOCK=block, **FUSED)

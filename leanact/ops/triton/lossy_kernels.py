@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
 from .kernels import UNFUSED, _grid, _pack8, _store, _unpack1
+from .launch import cdiv, launch, next_power_of_2
 
 _TILE = 4096  # elements per program of the quantize kernel (whole blocks)
 
@@ -86,10 +87,10 @@ def fewbit_forward(x: torch.Tensor, y, table, packed: torch.Tensor, borders: tor
     if n:
         kind = _KIND[x.dtype]
         xv = x if kind == 0 else x.view(torch.int16)
-        _fewbit_fwd_kernel[_grid(n, block)](xv, y.view(torch.int16) if y is not None else xv,
-                                            table.view(torch.int16) if table is not None else xv, packed, borders,
-                                            labels, n, (n + 7) // 8, NB=borders.numel(), BITS=bits, KIND=kind,
-                                            WITH_Y=y is not None, BLOCK=block, **UNFUSED)
+        launch(_fewbit_fwd_kernel, _grid(n, block), xv, y.view(torch.int16) if y is not None else xv,
+               table.view(torch.int16) if table is not None else xv, packed, borders,
+               labels, n, (n + 7) // 8, NB=borders.numel(), BITS=bits, KIND=kind,
+               WITH_Y=y is not None, BLOCK=block, **UNFUSED)
 
 
 def fewbit_backward(packed: torch.Tensor, levels: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, bits: int,
@@ -97,8 +98,8 @@ def fewbit_backward(packed: torch.Tensor, levels: torch.Tensor, dy: torch.Tensor
     """out = dy * levels[index] (levels float32, dy and out contiguous)."""
     n = dy.numel()
     if n:
-        _fewbit_bwd_kernel[_grid(n, block)](packed, levels, dy, out, n, (n + 7) // 8, BITS=bits, BLOCK=block,
-                                            **UNFUSED)
+        launch(_fewbit_bwd_kernel, _grid(n, block), packed, levels, dy, out, n, (n + 7) // 8, BITS=bits, BLOCK=block,
+               **UNFUSED)
 
 
 # -- 8-bit compression --------------------------------------------------------------------------
@@ -173,10 +174,10 @@ def quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, u, block: i
     ``u``: int8's uniforms (float32, one per element of the zero-padded blocks), None for fp8."""
     n = x.numel()
     if n:
-        bp = triton.next_power_of_2(block)
+        bp = next_power_of_2(block)
         r = max(1, _TILE // bp)
         fp8 = q.dtype == torch.float8_e4m3fn
-        _quantize_kernel[(triton.cdiv(scales.numel(), r),)](
+        launch(_quantize_kernel, (cdiv(scales.numel(), r),),
             x, q.view(torch.uint8) if fp8 else q, scales, u if u is not None else scales, n, scales.numel(),
             block, qmax, INT8=not fp8, R=r, BP=bp, **UNFUSED)
 
@@ -186,5 +187,5 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: 
     n = q.numel()
     if n:
         fp8 = q.dtype == torch.float8_e4m3fn
-        _dequantize_kernel[_grid(n, tile)](q.view(torch.uint8) if fp8 else q, scales, out, n, block, FP8=fp8,
-                                           BLOCK=tile, **UNFUSED)
+        launch(_dequantize_kernel, _grid(n, tile), q.view(torch.uint8) if fp8 else q, scales, out, n, block, FP8=fp8,
+               BLOCK=tile, **UNFUSED)

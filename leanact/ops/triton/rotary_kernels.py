@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernels import UNFUSED, _KINDS, _load_f32, _round, _store
+from .launch import cdiv, launch, next_power_of_2
 
 __all__ = ["rotary"]
 
@@ -72,7 +73,7 @@ def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, H, S, sxb, sxh, sxs, sob, soh, so
 
 def _block_s(half: int) -> int:
     """Positions per program: about 4096 elements of each half."""
-    return max(1, min(64, 4096 // triton.next_power_of_2(half)))
+    return max(1, min(64, 4096 // next_power_of_2(half)))
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, backward: bool,
@@ -88,7 +89,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     block_s = _block_s(half)
     bc = 0 if cos.shape[0] == 1 else cos.stride(0)
     bs = 0 if sin.shape[0] == 1 else sin.stride(0)
-    grid = (bsz * heads, triton.cdiv(seq, block_s))
-    _rotary_kernel[grid](x, cos, sin, out, heads, seq, *x.stride()[:3], *out.stride()[:3], bc, cos.stride(1), bs,
-                         sin.stride(1), HALF=half, BACKWARD=backward, P_KIND=_KINDS[p_dtype], X_KIND=_KINDS[x_dtype],
-                         BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(half), num_warps=4, **UNFUSED)
+    grid = (bsz * heads, cdiv(seq, block_s))
+    launch(_rotary_kernel, grid, x, cos, sin, out, heads, seq, *x.stride()[:3], *out.stride()[:3], bc,
+           cos.stride(1), bs, sin.stride(1), HALF=half, BACKWARD=backward, P_KIND=_KINDS[p_dtype], X_KIND=_KINDS[x_dtype],
+           BLOCK_S=block_s, BLOCK_D=next_power_of_2(half), num_warps=4, **UNFUSED)
