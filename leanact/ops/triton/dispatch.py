@@ -321,7 +321,7 @@ def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: b
     dev = t.device
     k = int(need_dw) + int(need_db)
     parts = torch.empty((k, p, n), dtype=torch.float32, device=dev) if k else None
-    return (torch.empty(t.shape, dtype=dy.dtype, device=dev) if need_dx else None,
+    return (torch.empty_like(t, dtype=dy.dtype, memory_format=torch.contiguous_format) if need_dx else None,
             parts[0] if need_dw else None, parts[k - 1] if need_db else None)
 
 

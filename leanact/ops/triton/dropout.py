@@ -24,7 +24,7 @@ def dropout(x: torch.Tensor, seed: torch.Tensor, thr: int, scale: float, inplace
     if k is None or x.dtype not in _DTYPES or thr >= 1 << 32:
         return None
     src = x if x.is_contiguous() else x.contiguous()
-    out = src if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = src if inplace else torch.empty_like(x, memory_format=torch.contiguous_format)
     if _launch("dropout", x, k.dropout_apply, src, out, seed if seed.dim() == 0 else seed.reshape(()), thr,
                scale) is _FAILED:
         return None

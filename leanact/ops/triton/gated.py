@@ -42,7 +42,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _empty(t: torch.Tensor, need: bool = True):
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
+    return torch.empty_like(t, memory_format=torch.contiguous_format) if need else None
 
 
 def glu_forward(g: torch.Tensor, u: torch.Tensor, kind: str):

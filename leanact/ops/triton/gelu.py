@@ -26,7 +26,7 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     from ..gelu import minimum, tables
 
     n = x.numel()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
     if x.dtype == torch.float32:
         k32 = launchers(k, "gelu32_kernels", "gelu32_forward")
@@ -49,7 +49,7 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
     from ..gelu import minimum, rebuild32, tables
 
     dev = str(y.device)
-    out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    out = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y.dtype == torch.float32:
         k32 = launchers(k, "gelu32_kernels", "gelu32_backward")
         if k32 is None:

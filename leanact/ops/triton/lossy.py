@@ -52,7 +52,7 @@ def fewbit_forward(x: torch.Tensor, tables: Callable[[], tuple], bits: int, y_ta
     n = x.numel()
     packed = torch.empty(bits * ((n + 7) // 8), dtype=torch.uint8, device=x.device)
     with_y = x.dtype in _16BIT and x.is_contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if with_y else None
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if with_y else None
     table = y_table() if with_y and not fake else None
     if _d._launch("fewbit", x, k.fewbit_forward, x.contiguous(), y, table, packed, borders, labels,
                   bits, check_key=(x.dtype, bits)) is _d._FAILED:
@@ -65,7 +65,7 @@ def fewbit_backward(packed: torch.Tensor, levels: torch.Tensor, dy: torch.Tensor
     k = _usable(packed, levels, dy)
     if k is None or dy.dtype not in _d._DTYPES or levels.dtype != torch.float32:
         return None
-    out = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    out = torch.empty_like(dy, memory_format=torch.contiguous_format)
     if _d._launch("fewbit", dy, k.fewbit_backward, packed, levels, dy.contiguous(), out, bits,
                   check_key=(dy.dtype, bits)) is _d._FAILED:
         return None

@@ -39,7 +39,7 @@ def _stat_shape(x: torch.Tensor, k: int) -> tuple[int, ...]:
 
 def _norm_outputs(x: torch.Tensor, n: int):
     """y (x's shape and dtype, contiguous) and rstd (float32, one per row)."""
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty(x.numel() // n, dtype=torch.float32, device=x.device))
 
 
@@ -83,7 +83,7 @@ def dropout_add_layer_norm_forward(h, residual, shape, weight, bias, eps: float,
     if (not _norm_ok(k, h, n, weight, bias) or residual.dtype not in _d._DTYPES or norm_dtype not in _d._DTYPES
             or residual.shape != h.shape or thr >= 1 << 32):
         return None
-    y = torch.empty(h.shape, dtype=norm_dtype, device=h.device)
+    y = torch.empty_like(h, dtype=norm_dtype, memory_format=torch.contiguous_format)
     rstd = torch.empty(h.numel() // n, dtype=torch.float32, device=h.device)
     if _d._launch("dropout_add_layer_norm", h, k.norm_forward, h.contiguous(), y, rstd, n, _flat(weight), _flat(bias),
                   float(eps), rms=False, residual=residual.contiguous(),
@@ -104,8 +104,8 @@ def dropout_add_layer_norm_backward(dy, y, rstd, weight, bias, shape, seed, thr:
             or r_dtype not in _d._DTYPES):
         return None
     _, pw, pb = _d._grad_outputs(dy, y, n, False, weight is not None and needs[2], bias is not None and needs[3])
-    dr = torch.empty(y.shape, dtype=r_dtype, device=y.device) if needs[1] else None
-    dh = torch.empty(y.shape, dtype=h_dtype, device=y.device) if needs[0] else None
+    dr = torch.empty_like(y, dtype=r_dtype, memory_format=torch.contiguous_format) if needs[1] else None
+    dh = torch.empty_like(y, dtype=h_dtype, memory_format=torch.contiguous_format) if needs[0] else None
     w, b = _flat(weight), _flat(bias)
     if _d._launch("dropout_add_layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), w,
                   b, dr, pw, pb, n, rms=False, from_output=True, residual=True, dh=dh,
