@@ -51,9 +51,14 @@ _KERNELS = "leanact.ops.triton.kernels"
 _STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False, "fake": False, "verify": True}
 _BROKEN: set[str] = set()  # kernels that raised or failed their self-check: the PyTorch path from then on
 _VERIFIED: set[tuple] = set()  # (op, device, key) whose self-check passed
+_PASSED: set[tuple] = set()  # the same entries with the device's index (what each launch looks up)
 _CHECKS: dict[str, Callable] = {}  # op name -> check(device, key), raising AssertionError on a mismatch
 _CHECK_LOCK = threading.RLock()
-_LOCAL = threading.local()  # .force: "on" / "off" inside a self-check's thread
+class _Local(threading.local):
+    force = None  # "on" / "off" inside a self-check's thread (a class default: no AttributeError per lookup)
+
+
+_LOCAL = _Local()
 
 
 def launchers(k, module: str, attr: str):
@@ -127,7 +132,7 @@ def enabled() -> bool:
 
 
 def _strict() -> bool:
-    return _STATE["strict"] or getattr(_LOCAL, "force", None) == "on" or _setting() == "strict"
+    return _STATE["strict"] or _LOCAL.force == "on" or _setting() == "strict"
 
 
 def register_check(name: str, check: Callable) -> None:
@@ -149,7 +154,7 @@ def forced(path: str):
     self-checked) or its PyTorch path (``"off"``) -- what a self-check compares."""
     if path not in ("on", "off"):
         raise ValueError(f"forced: path must be 'on' or 'off', got {path!r}")
-    saved = getattr(_LOCAL, "force", None)
+    saved = _LOCAL.force
     _LOCAL.force = path
     try:
         yield
@@ -168,6 +173,7 @@ def use_kernels(module, strict: bool = True, fake: bool = False, verify: bool = 
     _STATE.update(kernels=module, failed=False, cpu=not fake, strict=strict, fake=fake, verify=verify)
     _BROKEN.clear()
     _VERIFIED.clear()
+    _PASSED.clear()
     try:
         yield
     finally:
@@ -177,6 +183,7 @@ def use_kernels(module, strict: bool = True, fake: bool = False, verify: bool = 
         _BROKEN.update(broken)
         _VERIFIED.clear()
         _VERIFIED.update(done)
+        _PASSED.clear()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -200,7 +207,7 @@ def _plain(t: torch.Tensor) -> bool:
 def _usable(*tensors) -> object:
     """The kernels module when every tensor may run a kernel (see the module doc), else None.
     Called first by every op below: under a torch.compile trace nothing else is looked at."""
-    force = getattr(_LOCAL, "force", None)
+    force = _LOCAL.force
     if torch.compiler.is_compiling() or force == "off" or (force is None and not enabled()):
         return None
     for t in tensors:  # (a loop, not all(...): this runs per op call, on the host's critical path)
@@ -247,10 +254,14 @@ def _checked(name: str, t: torch.Tensor, key) -> bool:
     """Whether ``name``'s kernel may run on ``t``'s device for ``key``: its self-check there has
     passed (run now if it has not run yet). A failed check warns (raises when strict) and marks the
     op broken."""
-    if getattr(_LOCAL, "force", None) is not None or _STATE["fake"] or not _STATE["verify"]:
+    if _LOCAL.force is not None or _STATE["fake"] or not _STATE["verify"]:
+        return True
+    fast = (name, t.get_device(), key)  # (the device as its index, -1 for the CPU: no str per call)
+    if fast in _PASSED:
         return True
     entry = (name, str(t.device), key)
     if entry in _VERIFIED:
+        _PASSED.add(fast)
         return True
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False  # not checked yet: the PyTorch path while a CUDA graph is captured
@@ -282,7 +293,8 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
     if name in _BROKEN or not _checked(name, t, t.dtype if check_key is None else check_key):
         return _FAILED
     try:
-        if t.device.type != "cuda" or t.device.index == torch.cuda.current_device():
+        index = t.get_device()  # (-1 off CUDA)
+        if index < 0 or index == torch.cuda.current_device():
             return fn(*args, **kwargs)
         with torch.cuda.device(t.device):
             return fn(*args, **kwargs)
