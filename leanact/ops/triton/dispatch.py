@@ -54,6 +54,8 @@ _VERIFIED: set[tuple] = set()  # (op, device, key) whose self-check passed
 _PASSED: set[tuple] = set()  # the same entries with the device's index (what each launch looks up)
 _CHECKS: dict[str, Callable] = {}  # op name -> check(device, key), raising AssertionError on a mismatch
 _CHECK_LOCK = threading.RLock()
+
+
 class _Local(threading.local):
     force = None  # "on" / "off" inside a self-check's thread (a class default: no AttributeError per lookup)
 

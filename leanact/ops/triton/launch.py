@@ -5,7 +5,7 @@ each argument, builds the cache key's string, compares every global ``tl.constex
 reads with its value at compile time (the float32 GELU backward reads 27 of them), builds launch
 metadata and only then calls the compiled kernel's launcher. On a 2-core EPYC (Triton 3.9, the
 launcher itself replaced by a no-op) that is 7 µs for the 16-bit GELU forward and 18 µs for the
-float32 one, where the launch below takes 3.5 µs; a GPU host's slower cores multiply both
+float32 one, where the launch below takes 3.5-4 µs; a GPU host's slower cores multiply both
 (``benchmarks/launch_host.py``, ``benchmarks/op_host.py``).
 
 :func:`launch` launches the first call of each *specialization* through Triton (which compiles,
@@ -22,9 +22,8 @@ when a specialization is first launched).
 Triton's own ``kernel[grid]`` runs instead when the kernel is not a compiled ``JITFunction``
 (Triton's interpreter: the tests), when a launch hook is installed (a profiler such as Proton; with
 none, the launcher gets no metadata and no hooks to call, where Triton builds the metadata and passes
-its empty hook chains),
-for arguments of other types, on ROCm, and for Triton versions before 3.2 (their launchers take
-another argument list). If the launcher rejects the arguments (``TypeError``: nothing was
+its empty hook chains), for arguments of other types, on ROCm, and with a Triton that has no
+``triton.knobs`` or is older than 3.2 (whose launchers take another argument list). If the launcher rejects the arguments (``TypeError``: nothing was
 launched), the direct path is turned off for the process with a warning and the call goes
 through Triton.
 """
