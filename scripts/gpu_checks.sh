@@ -2,7 +2,7 @@
 # The GPU checks of one short run on a CUDA machine, each part under its own time limit, every
 # output under $OUT (default ./gpu-out), bundled into one tarball:
 #
-#   bash scripts/gpu_checks.sh            # ~8 minutes on an H100
+#   bash scripts/gpu_checks.sh            # ~9 minutes on an H100
 #
 # 1. benchmarks/gpu_suite.py --parts tests ops steps profile: CUDA tests (self-checks, strict
 #    kernels), per-op times against torch and Liger, whole training steps against HF sdpa and
@@ -10,6 +10,7 @@
 # 2. benchmarks/launch_host.py: the host µs of one launch, Triton's kernel[grid] against
 #    leanact.ops.triton.launch (launch_host.md)
 # 3. benchmarks/op_host.py: a lean op's host time per call against torch's (op_host.md)
+# 4. benchmarks/norm_programs.py: the norms' kernel time by backward programs per SM (norm_programs.md)
 #
 # Liger-Kernel, where the machine lacks it: wheels in .whl/ (see the device tool's notes) are
 # installed into /tmp/site first.
@@ -29,5 +30,7 @@ timeout 420 python3 benchmarks/gpu_suite.py --parts tests ops steps profile --ou
 timeout 60 python3 benchmarks/launch_host.py >"$out/launch_host.md" 2>&1; echo "launch_host exit $?" >>"$out/device.txt"
 timeout 60 python3 benchmarks/op_host.py --out "$out/op_host.md" >"$out/op_host.log" 2>&1
 echo "op_host exit $?" >>"$out/device.txt"
+timeout 90 python3 benchmarks/norm_programs.py >"$out/norm_programs.md" 2>&1
+echo "norm_programs exit $?" >>"$out/device.txt"
 tar -czf "$out/gpu-checks.tgz" -C "$out" --exclude gpu-checks.tgz . && ls -l "$out"
 cat "$out/device.txt"

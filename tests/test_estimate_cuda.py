@@ -304,6 +304,11 @@ def test_norm_backward_partials_per_sm(monkeypatch):
         few = torch.empty(3, 64, dtype=torch.bfloat16)
         assert norms._grad_outputs(few, few, 64, False, True, False)[1].shape == (3, 64)  # never more than rows
     assert norms._programs(4096, torch.device("cpu")) == 4  # real CPU tensors: untouched (4 programs per "SM")
+    monkeypatch.setattr(norms, "PROGRAMS_PER_SM", 8)  # the count the backward and the estimate share
+    with FakeTensorMode(), triton_allocations():
+        y = torch.empty(4, 300, 64, dtype=torch.bfloat16)
+        assert norms._grad_outputs(y, y, 64, True, True, True)[1].shape == (80, 64)
+    assert norms._programs(4096, torch.device("cpu")) == 8
 
 
 def test_fused_loss_multiplies_as_on_the_gpu(monkeypatch):

@@ -227,9 +227,10 @@ def triton_allocations():
 
     def cuda_programs_of(programs):
         def cuda_programs(rows: int, device: torch.device) -> int:
-            # fake tensors sit on the CPU: the norms' backward shares its rows among 4 programs per
-            # SM of the modelled GPU, each with one float32 partial row of dγ (and dβ), as on the device
-            return max(1, min(rows, 4 * sms)) if _faking() else programs(rows, device)
+            # fake tensors sit on the CPU: the norms' backward shares its rows among PROGRAMS_PER_SM
+            # programs per SM of the modelled GPU, each with one float32 partial row of dγ (and dβ),
+            # as on the device
+            return max(1, min(rows, dispatch.PROGRAMS_PER_SM * sms)) if _faking() else programs(rows, device)
         return cuda_programs
 
     for m, programs in saved:

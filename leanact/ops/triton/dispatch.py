@@ -314,17 +314,21 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
 
 
 _SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
+#: Programs per multiprocessor of the norms' backward (each keeps one partial dγ, dβ row: more
+#: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them).
+PROGRAMS_PER_SM = 4
 
 
 def _programs(rows: int, device: torch.device) -> int:
-    """Backward programs sharing the rows: 4 per SM on CUDA (each keeps one partial dγ, dβ row)."""
+    """Backward programs sharing the rows: :data:`PROGRAMS_PER_SM` per SM on CUDA (each keeps one
+    partial dγ, dβ row)."""
     sms = 1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         sms = _SMS.get(index)
         if sms is None:
             sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(rows, 4 * sms))
+    return max(1, min(rows, PROGRAMS_PER_SM * sms))
 
 
 def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool):
