@@ -10,6 +10,10 @@ float32 tensors (tests/_launch_sweep.py); each row is a kernel's first specializ
 Both ways are timed in turns (20 launches a sample, medians of ``--samples``); with ``--cpu`` the
 launcher itself is a no-op, so the numbers are the Python in front of it, on CUDA they include the
 driver's launch. A trivial kernel with 12 arguments is the floor of Triton's own path.
+
+A second table times whole lean ops (forward + backward on 64 x 256 tensors: GELU, LayerNorm,
+RMSNorm, the sub-layer end) with every launch through Triton and with the direct launches, in
+turns, the minimum of ``--samples`` x 10 calls (the host's time; the GPU's is small at this size).
 """
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ def main(argv=None) -> int:
             sync()
         out.append((name, dt, statistics.median(ts), statistics.median(ls)))
 
+    ops = _ops_host(device, args.samples, L)
     where = "no-op launcher (--cpu)" if args.cpu else torch.cuda.get_device_name(0)
     print(f"host µs per launch, {where}; torch {torch.__version__}, triton {triton.__version__}; "
           f"medians of {args.samples} x 20 launches\n")
@@ -87,7 +92,56 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for name, dt, tt, lt in out:
         print(f"| {name} | {dt} | {tt:.1f} | {lt:.1f} | {lt / tt:.2f}x |")
+    print(f"\nhost µs per forward+backward of a lean op (64 x 256; min of {args.samples} x 10 calls)\n")
+    print("| op | dtype | launches through Triton | direct launches | direct / Triton |")
+    print("|---|---|---|---|---|")
+    for name, dt, tt, lt in ops:
+        print(f"| {name} | {dt} | {tt:.1f} | {lt:.1f} | {lt / tt:.2f}x |")
     return 0
+
+
+def _ops_host(device: str, samples: int, L) -> list[tuple[str, str, float, float]]:
+    """(op, dtype, host µs with Triton's launches, with the direct ones) per forward+backward."""
+    import contextlib
+
+    import torch
+
+    import leanact
+    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+    from leanact.ops.triton import dispatch, kernels
+
+    out = []
+    cpu = device == "cpu"
+    for dt in (torch.bfloat16, torch.float32):
+        with torch.device(device):
+            x = torch.randn(64, 256, dtype=dt, requires_grad=True)
+            r = torch.randn_like(x, requires_grad=True)
+            dy = torch.randn_like(x)
+            ln, rms = leanact.nn.LayerNorm(256, dtype=dt), leanact.nn.RMSNorm(256, dtype=dt)
+        ops = {"GELU": lambda: leanact.functional.gelu(x).backward(dy),
+               "LayerNorm": lambda: ln(x).backward(dy),
+               "RMSNorm": lambda: rms(x).backward(dy),
+               "sub-layer end (dropout, add, LayerNorm)":
+                   lambda: dropout_add_layer_norm(x, r, (256,), ln.weight, ln.bias, 1e-5, 0.1).backward(dy)}
+        with (dispatch.use_kernels(kernels, strict=True) if cpu else contextlib.nullcontext()):
+            for name, fn in ops.items():
+                for direct in (False, True, False, True):  # warm-up both, then timed in turns
+                    L._STATE["on"] = direct and None
+                    fn()
+                times = {False: [], True: []}
+                for _ in range(samples):
+                    for direct in (False, True):
+                        L._STATE["on"] = None if direct else False
+                        if not cpu:
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        for _ in range(10):
+                            fn()
+                        times[direct].append((time.perf_counter() - t0) / 10 * 1e6)
+                L._STATE["on"] = None
+                per = {k: min(v) for k, v in times.items()}
+                out.append((name, str(dt).replace("torch.", ""), per[False], per[True]))
+    return out
 
 
 if __name__ == "__main__":

@@ -169,3 +169,6 @@ def test_launch_host_benchmark_runs_on_cpu():
     rows = [line for line in r.stdout.splitlines() if line.startswith("| _")]
     assert {line.split(" | ")[0][2:] for line in rows} >= {"_gelu16_fwd_kernel", "_ln_bwd_kernel", "_gelu32f_bwd_kernel"}
     assert len(rows) >= 28 and all(line.endswith("x |") for line in rows), r.stdout
+    ops = r.stdout.split("host µs per forward+backward of a lean op")[1]
+    for name in ("GELU", "LayerNorm", "RMSNorm", "sub-layer end"):
+        assert ops.count(f"| {name}") == 2, ops  # bf16 and fp32
