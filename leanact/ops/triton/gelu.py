@@ -13,9 +13,36 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
+from .dispatch import _DTYPES, _FAILED, _STATE, _launch, _usable, launchers
 
 __all__ = ["gelu_forward", "gelu_backward"]
+
+
+#: (kind, dtype, approximation, device) -> what the kernels take besides the tensors (tables
+#: and thresholds), looked up once: real tensors only (a tracing mode's stand-in is looked up again),
+#: and never for fake tensors (leanact.estimate counts the tables it sees looked up)
+_ARGS: dict = {}
+
+
+def _args(kind: str, t: torch.Tensor, approximate: str) -> tuple:
+    key = (kind, t.dtype, approximate, t.device)
+    hit = None if _STATE["fake"] else _ARGS.get(key)
+    if hit is None:
+        from ..gelu import minimum, rebuild32, tables
+
+        dev, dn = str(t.device), tables._dtype_name(t.dtype)
+        if kind == "forward":
+            hit = ((minimum._THRESHOLDS[torch.float32][approximate][0],) if t.dtype == torch.float32 else
+                   (tables._ACCESSORS["y16", dn, approximate](dev), minimum._THRESHOLDS[t.dtype][approximate][1]))
+        elif t.dtype == torch.float32:
+            hit = (tables._ACCESSORS["ab32", "float32", approximate](dev),
+                   tables._ACCESSORS["h32f", "float32", approximate](dev), rebuild32._C32[approximate],
+                   minimum._CONSTS[approximate].xs)
+        else:
+            hit = (tables._ACCESSORS["g16", dn, approximate](dev),)
+        if not _STATE["fake"] and all(type(a) is torch.Tensor for a in hit if isinstance(a, torch.Tensor)):
+            _ARGS[key] = hit
+    return hit
 
 
 def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
@@ -23,8 +50,6 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     k = _usable(x)
     if k is None or x.dtype not in _DTYPES:
         return None
-    from ..gelu import minimum, tables
-
     n = x.numel()
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
@@ -32,12 +57,12 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
         k32 = launchers(k, "gelu32_kernels", "gelu32_forward")
         if k32 is None:
             return None
-        r = _launch("gelu", x, k32.gelu32_forward, x.contiguous(), y, bits, minimum._THRESHOLDS[torch.float32][approximate][0],
-                    approximate == "tanh", check_key=(x.dtype, approximate))
+        thr, = _args("forward", x, approximate)
+        r = _launch("gelu", x, k32.gelu32_forward, x.contiguous(), y, bits, thr, approximate == "tanh",
+                    check_key=(x.dtype, approximate))
     else:
-        table = tables._ACCESSORS["y16", tables._dtype_name(x.dtype), approximate](str(x.device))
-        r = _launch("gelu", x, k.gelu_forward16, x.contiguous(), y, bits, table,
-                    minimum._THRESHOLDS[x.dtype][approximate][1], check_key=(x.dtype, approximate))
+        table, u = _args("forward", x, approximate)
+        r = _launch("gelu", x, k.gelu_forward16, x.contiguous(), y, bits, table, u, check_key=(x.dtype, approximate))
     return None if r is _FAILED else (y, bits)
 
 
@@ -46,21 +71,16 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
     k = _usable(y, bits, dy)
     if k is None or y.dtype not in _DTYPES or dy.dtype != y.dtype:
         return None
-    from ..gelu import minimum, rebuild32, tables
-
-    dev = str(y.device)
     out = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y.dtype == torch.float32:
         k32 = launchers(k, "gelu32_kernels", "gelu32_backward")
         if k32 is None:
             return None
-        ab = tables._ACCESSORS["ab32", "float32", approximate](dev)
-        h = tables._ACCESSORS["h32f", "float32", approximate](dev)
-        r = _launch("gelu", y, k32.gelu32_backward, y.contiguous(), bits, dy.contiguous(), out, ab, h,
-                    rebuild32._C32[approximate], minimum._CONSTS[approximate].xs,
+        ab, h, c32, xs = _args("backward", y, approximate)
+        r = _launch("gelu", y, k32.gelu32_backward, y.contiguous(), bits, dy.contiguous(), out, ab, h, c32, xs,
                     approximate == "tanh", check_key=(y.dtype, approximate))
     else:
-        table = tables._ACCESSORS["g16", tables._dtype_name(y.dtype), approximate](dev)
+        table, = _args("backward", y, approximate)
         r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table,
                     check_key=(y.dtype, approximate))
     return None if r is _FAILED else out
