@@ -119,9 +119,10 @@ def dropout_add_layer_norm_backward(dy, y, rstd, weight, bias, shape, seed, thr:
 def _param_grads(k, name: str, t, pw, pb, weight, bias, n: int, div_w: bool):
     """(dγ, dβ) in the parameters' dtypes and shapes (None where not needed) from the backward's
     float32 partials, summed by one more kernel (÷ γ when ``div_w``), or None (it failed)."""
-    new = torch.empty if t.numel() else torch.zeros  # no rows: no partials were written, the sums are 0
-    dw = None if pw is None else new(weight.shape, dtype=weight.dtype, device=t.device)
-    db = None if pb is None else new(bias.shape, dtype=bias.dtype, device=t.device)
+    # (no rows: no partials were written, the sums are 0)
+    new = torch.empty_like if t.numel() else torch.zeros_like
+    dw = None if pw is None else new(weight, memory_format=torch.contiguous_format)
+    db = None if pb is None else new(bias, memory_format=torch.contiguous_format)
     if t.numel() and (dw is not None or db is not None) and _d._launch(
             name, t, k.norm_partials_sum, pw, pb, dw, db, _flat(weight) if div_w else None, n, div_w) is _d._FAILED:
         return None
