@@ -222,6 +222,15 @@ def test_the_dispatch_layer_imports_no_op_and_no_kernel_module():
     assert all(n.startswith(DISPATCH_LOADS_BY_NAME_UNDER) and n in graph for n in named), sorted(named)
 
 
+def test_the_launch_layer_imports_no_leanact_module():
+    """leanact/ops/triton/launch.py (how the kernel modules launch) sits beside the dispatch layer, at
+    the bottom: it imports torch and Triton only."""
+    graph = _import_graph()
+    assert graph["leanact.ops.triton.launch"] == set(), sorted(graph["leanact.ops.triton.launch"])
+    users = {m for m, deps in graph.items() if "leanact.ops.triton.launch" in deps}
+    assert users and all(m.startswith("leanact.ops.triton.") and m.endswith("kernels") for m in users), sorted(users)
+
+
 _IMPORT_DISPATCH = """
 import importlib.util, json, sys, types
 spec = importlib.util.find_spec("leanact")
