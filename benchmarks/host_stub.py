@@ -34,12 +34,6 @@ import statistics
 import sys
 import time
 
-if "--launches" in sys.argv:  # before Triton's first launch: the driver that runs nothing
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-    from _fake_triton_driver import install
-
-    install(keep=False)
-
 import torch
 
 from host_profile import build_model
@@ -117,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.launches:
         if "TRITON_INTERPRET" in os.environ:
             sys.exit("--launches compiles the kernels: unset TRITON_INTERPRET")
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+        from _fake_triton_driver import install
+
+        install(keep=False)  # before the first launch: the driver that runs nothing
         from leanact.ops.triton import kernels
     with dispatch.use_kernels(kernels, strict=True, fake=False), _attention_as_on_cuda(), \
             _no_step_is_bounded():

@@ -167,8 +167,24 @@ def test_launch_host_benchmark_runs_on_cpu():
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| _")]
-    assert {line.split(" | ")[0][2:] for line in rows} >= {"_gelu16_fwd_kernel", "_ln_bwd_kernel", "_gelu32f_bwd_kernel"}
+    names = {line.split(" | ")[0][2:] for line in rows}
+    assert names >= {"_gelu16_fwd_kernel", "_ln_bwd_kernel", "_gelu32f_bwd_kernel"}, names
     assert len(rows) >= 28 and all(line.endswith("x |") for line in rows), r.stdout
     ops = r.stdout.split("host µs per forward+backward of a lean op")[1]
     for name in ("GELU", "LayerNorm", "RMSNorm", "sub-layer end"):
         assert ops.count(f"| {name}") == 2, ops  # bf16 and fp32
+
+
+def test_host_stub_with_launches_runs_on_cpu():
+    """benchmarks/host_stub.py --launches: a BERT step's kernels compiled for sm_90 and launched into
+    the recording driver, every variant timed."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_stub.py"), "--launches", "--steps", "1"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.join(ROOT, "benchmarks"))
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "launched into a driver that runs nothing" in r.stdout
+    assert r.stdout.count("| leanact") == 3 and "| HF |" in r.stdout, r.stdout

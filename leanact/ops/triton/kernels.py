@@ -353,7 +353,8 @@ def norm_forward(x: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, n: int, w
         block_n = next_power_of_2(n)
         add = residual is not None
         launch(_ln_fwd_kernel, (rows,), x, y, weight if weight is not None else x,
-               bias if bias is not None else x, rstd, n, eps, residual if add else x, seed if seed is not None else rstd, thr, scale,
+               bias if bias is not None else x, rstd, n, eps, residual if add else x,
+               seed if seed is not None else rstd, thr, scale,
                HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
                BLOCK_N=block_n, RESIDUAL=add, DROPOUT=add and seed is not None,
                Z_KIND=_KINDS[z_dtype], num_warps=_warps(block_n), **(UNFUSED if add else FUSED))
@@ -375,8 +376,8 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
         block_n = next_power_of_2(n)
         dummy = t
         launch(_ln_bwd_kernel, (p,), dy, t, weight if weight is not None else dummy,
-               bias if bias is not None else dummy, rstd, dx if dx is not None else dummy, dw if dw is not None else dummy,
-               db if db is not None else dummy, rows, n, cdiv(rows, p),
+               bias if bias is not None else dummy, rstd, dx if dx is not None else dummy,
+               dw if dw is not None else dummy, db if db is not None else dummy, rows, n, cdiv(rows, p),
                dh if dh is not None else dummy, seed if seed is not None else rstd, thr, scale,
                HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, FROM_OUTPUT=from_output,
                NEED_DX=dx is not None, NEED_DW=dw is not None, NEED_DB=db is not None, BLOCK_N=block_n,

@@ -23,9 +23,9 @@ Triton's own ``kernel[grid]`` runs instead when the kernel is not a compiled ``J
 (Triton's interpreter: the tests), when a launch hook is installed (a profiler such as Proton; with
 none, the launcher gets no metadata and no hooks to call, where Triton builds the metadata and passes
 its empty hook chains), for arguments of other types, on ROCm, and with a Triton that has no
-``triton.knobs`` or is older than 3.2 (whose launchers take another argument list). If the launcher rejects the arguments (``TypeError``: nothing was
-launched), the direct path is turned off for the process with a warning and the call goes
-through Triton.
+``triton.knobs`` or is older than 3.2 (whose launchers take another argument list). If the
+launcher rejects the arguments (``TypeError``: nothing was launched), the direct path is turned
+off for the process with a warning and the call goes through Triton.
 """
 from __future__ import annotations
 

@@ -91,5 +91,5 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     bs = 0 if sin.shape[0] == 1 else sin.stride(0)
     grid = (bsz * heads, cdiv(seq, block_s))
     launch(_rotary_kernel, grid, x, cos, sin, out, heads, seq, *x.stride()[:3], *out.stride()[:3], bc,
-           cos.stride(1), bs, sin.stride(1), HALF=half, BACKWARD=backward, P_KIND=_KINDS[p_dtype], X_KIND=_KINDS[x_dtype],
-           BLOCK_S=block_s, BLOCK_D=next_power_of_2(half), num_warps=4, **UNFUSED)
+           cos.stride(1), bs, sin.stride(1), HALF=half, BACKWARD=backward, P_KIND=_KINDS[p_dtype],
+           X_KIND=_KINDS[x_dtype], BLOCK_S=block_s, BLOCK_D=next_power_of_2(half), num_warps=4, **UNFUSED)
