@@ -270,3 +270,53 @@ def test_an_op_not_checked_yet_takes_the_pytorch_path_while_a_cuda_graph_is_capt
         assert not dispatch.verified() and "rms_norm" not in dispatch._BROKEN
         assert norm.rms_norm_forward(x, (256,), w, None) is not None  # outside capture: checked, then run
         assert any(name == "rms_norm" for name, _, _ in dispatch.verified())
+
+
+def test_direct_launches_match_tritons_and_skip_its_launcher(monkeypatch):
+    """leanact.ops.triton.launch on the device: every op's kernels launched again for the same
+    specialization bypass Triton's JITFunction.run, and write what Triton's own launch writes
+    (bitwise: the same compiled kernels on the same inputs), GELU, the norms, dropout, RoPE included."""
+    from triton.runtime.jit import JITFunction
+
+    from _launch_sweep import sweep
+    from leanact.ops.triton import launch as L
+
+    if not L._setup():
+        pytest.skip("this Triton launches through its own launcher only")
+    seen = sweep("cuda")  # every kernel's first launches: compiled, through Triton
+    torch.cuda.synchronize()
+    runs = []
+    real = JITFunction.run
+
+    def counting(self, *a, **k):
+        runs.append(self.__name__)
+        return real(self, *a, **k)
+
+    def outputs(kernel, grid, args, kwargs, direct: bool):
+        """The tensors the launch may write, cloned after launching it (inputs refilled first)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        saved = [t.clone() for t in tensors]
+        L._STATE["on"] = None if direct else False
+        try:
+            L.launch(kernel, grid, *args, **kwargs)
+        finally:
+            L._STATE["on"] = None
+        torch.cuda.synchronize()
+        out = [t.clone() for t in tensors]
+        for t, s in zip(tensors, saved):
+            t.copy_(s)  # in-place kernels (dropout into x, the head's chunk): the same inputs for both
+        return out
+
+    monkeypatch.setattr(JITFunction, "run", counting)
+    assert seen
+    for kernel, grid, args, kwargs in seen:
+        by_triton = outputs(kernel, grid, args, kwargs, direct=False)
+        runs.clear()
+        direct = outputs(kernel, grid, args, kwargs, direct=True)
+        assert not runs, (kernel.__name__, runs)
+        assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(by_triton, direct)), kernel.__name__
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (any dtype, fp8 and bool included; NaN payloads compared as they are)."""
+    return t.contiguous().view(-1).view(torch.uint8)
