@@ -126,7 +126,7 @@ def _ops_host(device: str, samples: int, L) -> list[tuple[str, str, float, float
         with (dispatch.use_kernels(kernels, strict=True) if cpu else contextlib.nullcontext()):
             for name, fn in ops.items():
                 for direct in (False, True, False, True):  # warm-up both, then timed in turns
-                    L._STATE["on"] = direct and None
+                    L._STATE["on"] = None if direct else False  # (None: the direct path, set up again)
                     fn()
                 times = {False: [], True: []}
                 for _ in range(samples):
