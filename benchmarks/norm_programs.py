@@ -1,13 +1,14 @@
-"""The norms' backward by programs per SM: the kernels' device time of LayerNorm and RMSNorm forward +
-backward (torch.profiler), leanact at 2, 4 (the default), 8 and 16 programs per SM next to torch's op.
+"""The norms' backward by programs: the kernels' device time of LayerNorm and RMSNorm forward +
+backward (torch.profiler), leanact at several program counts next to torch's op.
 
     python benchmarks/norm_programs.py          # a CUDA machine, under a minute
 
 Each program of the backward streams its share of the rows (loading the next row while it reduces
-this one) and keeps one float32 partial row of dγ (and dβ), summed by a second kernel: more
-programs put more rows in flight and more partials to sum. The GPU suite's ops part measured the
-default at 1.16x torch's kernel time for LayerNorm (bf16, 16,384 x 1,024) and 1.13x for RMSNorm
-(16,384 x 2,048) on an H100; this tells which count brings them under 1.1x.
+this one) and, when γ and β train, keeps one float32 partial row of dγ (and dβ), summed by a second
+kernel: more programs put more rows in flight and more partials to sum. First table: γ, β trained,
+leanact at 2, 4 (the default, ``dispatch.PROGRAMS_PER_SM``), 8 and 16 programs per SM. Second
+table: γ, β frozen (PEFT / LoRA; no partials), leanact at 1,024 (the default,
+``dispatch.PROGRAMS_WITHOUT_PARTIALS``), 2,048, 4,096 programs and one per row.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import leanact  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
-COUNTS = (2, 4, 8, 16)
+COUNTS = (2, 4, 8, 16)  # programs per SM, γ and β trained
+FREE_COUNTS = (1024, 2048, 4096)  # programs, γ and β frozen (and one per row)
+DEVICE = "cuda"
 SHAPES = {"LayerNorm": (16384, 1024), "RMSNorm": (16384, 2048)}
 
 
@@ -48,39 +51,55 @@ def kernels_ms(fn, x, dy, iters: int = 20, repeats: int = 3) -> float:
     return statistics.median(out)
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/norm_programs.py needs a CUDA GPU; nothing measured.")
+def _modules(name: str, n: int, dtype, frozen: bool):
+    if name == "LayerNorm":
+        ref, lean = torch.nn.LayerNorm(n, device=DEVICE, dtype=dtype), leanact.nn.LayerNorm(n, device=DEVICE, dtype=dtype)
+    else:
+        ref, lean = torch.nn.RMSNorm(n, device=DEVICE, dtype=dtype), leanact.nn.RMSNorm(n, device=DEVICE, dtype=dtype)
+    for p in (*ref.parameters(), *lean.parameters()):
+        p.requires_grad_(not frozen)
+    return ref, lean
+
+
+def table(frozen: bool) -> list[list[str]]:
+    """Rows (op, dtype, shape, torch ms, leanact ms (ratio) per count)."""
+    attr = "PROGRAMS_WITHOUT_PARTIALS" if frozen else "PROGRAMS_PER_SM"
     rows = []
     for name, (r, n) in SHAPES.items():
         for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn(r, n, device="cuda", dtype=dtype, requires_grad=True)
+            x = torch.randn(r, n, device=DEVICE, dtype=dtype, requires_grad=True)
             dy = torch.randn_like(x)
-            if name == "LayerNorm":
-                ref_mod = torch.nn.LayerNorm(n, device="cuda", dtype=dtype)
-                lean_mod = leanact.nn.LayerNorm(n, device="cuda", dtype=dtype)
-            else:
-                ref_mod = torch.nn.RMSNorm(n, device="cuda", dtype=dtype)
-                lean_mod = leanact.nn.RMSNorm(n, device="cuda", dtype=dtype)
+            ref_mod, lean_mod = _modules(name, n, dtype, frozen)
             torch_ms = kernels_ms(ref_mod, x, dy)
             row = [name, str(dtype).replace("torch.", ""), f"{r}x{n}", f"{torch_ms:.4f}"]
-            saved = dispatch.PROGRAMS_PER_SM
+            saved = getattr(dispatch, attr)
             try:
-                for k in COUNTS:
-                    dispatch.PROGRAMS_PER_SM = k
+                for k in (FREE_COUNTS + (r,)) if frozen else COUNTS:
+                    setattr(dispatch, attr, k)
                     ms = kernels_ms(lean_mod, x, dy)
                     row.append(f"{ms:.4f} ({ms / torch_ms:.2f}x)")
             finally:
-                dispatch.PROGRAMS_PER_SM = saved
+                setattr(dispatch, attr, saved)
             rows.append(row)
             del x, dy
+    return rows
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/norm_programs.py needs a CUDA GPU; nothing measured.")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), torch {torch.__version__}: kernels' device ms per "
-          f"forward+backward (torch.profiler, median of 3 x 20 calls), leanact by programs per SM\n")
-    print("| op | dtype | shape | torch | " + " | ".join(f"leanact, {k}/SM" for k in COUNTS) + " |")
-    print("|---|---|---|---|" + "---|" * len(COUNTS))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+          f"forward+backward (torch.profiler, median of 3 x 20 calls)\n")
+    for frozen, heads in ((False, [f"leanact, {k}/SM" for k in COUNTS]),
+                          (True, [f"leanact, {k:,} programs" for k in FREE_COUNTS] + ["leanact, one per row"])):
+        print("γ, β frozen (no partials), leanact by programs\n" if frozen else
+              "γ, β trained, leanact by programs per SM\n")
+        print("| op | dtype | shape | torch | " + " | ".join(heads) + " |")
+        print("|---|---|---|---|" + "---|" * len(heads))
+        for row in table(frozen):
+            print("| " + " | ".join(row) + " |")
+        print()
     return 0
 
 

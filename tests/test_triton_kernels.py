@@ -366,6 +366,30 @@ def test_norm_backward_row_loop(K):
     assert torch.allclose(full[2], dy.sum(0), atol=1e-5)
 
 
+@interp
+def test_norm_backward_without_partials_shares_rows(K, monkeypatch):
+    """γ, β frozen (no partials): dispatch.PROGRAMS_WITHOUT_PARTIALS programs share the rows, unevenly
+    when they do not divide them; dx is the same whatever their count."""
+    from leanact.ops.triton import dispatch
+
+    torch.manual_seed(6)
+    w, b = torch.rand(16) + 0.5, torch.randn(16) * 0.1
+    y, rstd = torch.empty(11, 16), torch.empty(11)
+    K.norm_forward(torch.randn(11, 16), y, rstd, 16, w, b, 1e-5, rms=False)
+    dy = torch.randn(11, 16)
+
+    def dx(programs):
+        monkeypatch.setattr(dispatch, "PROGRAMS_WITHOUT_PARTIALS", programs)
+        out = torch.full((11, 16), float("nan"))
+        K.norm_backward(dy, y, rstd, w, b, out, None, None, 16, rms=False, from_output=True)
+        return out
+
+    one = dx(1)
+    assert not one.isnan().any()
+    for programs in (2, 4, 11, 1024):
+        assert torch.equal(dx(programs), one)
+
+
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

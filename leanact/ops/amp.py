@@ -41,8 +41,9 @@ def no_autocast_backward(backward):
     def wrapper(ctx, *grads):
         for g in grads:
             if isinstance(g, torch.Tensor):
-                if autocast_dtype(g.device.type) is not None:
-                    with torch.autocast(g.device.type, enabled=False):
+                device_type = "cuda" if g.is_cuda else g.device.type  # (is_cuda: no device object per call)
+                if autocast_dtype(device_type) is not None:
+                    with torch.autocast(device_type, enabled=False):
                         return backward(ctx, *grads)
                 break
         return backward(ctx, *grads)  # autocast off already (the common case: no context to enter)
@@ -54,7 +55,7 @@ def norm_inputs(x: torch.Tensor, *ts):
     """``(x, *ts)`` cast as autocast casts a norm's arguments: CUDA autocast runs ``layer_norm``
     and ``rms_norm`` in fp32 (its fp32 list: the output is fp32 whatever the input), CPU autocast
     leaves norms to their inputs' dtypes (fp32 residual in, fp32 out). Non-tensors pass through."""
-    if x.device.type != "cuda" or autocast_dtype("cuda") is None:
+    if not x.is_cuda or autocast_dtype("cuda") is None:
         return (x, *ts)
     return tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (x, *ts))
 

@@ -79,6 +79,9 @@ DEFAULT_MAX_RATIO = 8.0
 #: for a passing verdict of the batched check its :class:`~leanact.ops.guard_drift.Stand` (None
 #: otherwise): while the optimizer steps since stay within its slack, it stands unchecked
 _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: id(ref) -> (weak reference to ref, its _DECISIONS entry): the per-call lookup by id (a
+#: WeakIdKeyDictionary lookup builds a weak reference each time: 3 µs, per norm call)
+_BY_ID: dict[int, tuple] = {}
 _STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
 
 
@@ -115,6 +118,21 @@ def clear_decision_cache() -> None:
     """Forget cached from-output decisions (needed only after writes outside an optimizer step that
     skip ``_version``, e.g. ``p.data.copy_(...)``)."""
     _DECISIONS.clear()
+    _BY_ID.clear()
+
+
+def _remember(ref: torch.Tensor, entry: list) -> None:
+    """Cache ``entry`` as ``ref``'s decision (in :data:`_DECISIONS` and its by-id mirror)."""
+    _DECISIONS[ref] = entry
+    key = id(ref)
+    _BY_ID[key] = (weakref.ref(ref, lambda r, key=key: _BY_ID.pop(key, None) if _BY_ID.get(key, (None,))[0] is r
+                               else None), entry)
+
+
+def _cached(ref: torch.Tensor) -> list | None:
+    """``ref``'s cached decision entry, or None."""
+    hit = _BY_ID.get(id(ref))
+    return hit[1] if hit is not None and hit[0]() is ref else None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -192,23 +210,25 @@ def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = 
 def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
     if weight is None and bias is None:
         return True
-    if any(t is not None and is_wrapped(t) for t in (weight, bias)):
+    # (explicit tests, no generators: this runs per norm call, on the host's critical path)
+    if (weight is not None and is_wrapped(weight)) or (bias is not None and is_wrapped(bias)):
         with torch._C._DisableFuncTorch():
             return _check_unwrapped(weight, bias, n, dtype, max_ratio, offset)
     ref = weight if weight is not None else bias
-    ids = tuple(None if t is None else _identity(t) for t in (weight, bias))
-    if any(t is not None and i is None for t, i in zip((weight, bias), ids)):
+    w_id = None if weight is None else _identity(weight)
+    b_id = None if bias is None else _identity(bias)
+    if (weight is not None and w_id is None) or (bias is not None and b_id is None):
         return _check(weight, bias, n, dtype, max_ratio, offset)  # no storage identity to cache on
-    key = ids + (_step_of(weight, bias), n, dtype, max_ratio, offset)
-    hit = _DECISIONS.get(ref)
+    key = (w_id, b_id, _step_of(weight, bias), n, dtype, max_ratio, offset)
+    hit = _cached(ref)
     if hit is not None and hit[0] == key:
         return hit[1]
     if hit is not None and hit[0][2] not in (_STEPS[0], _FROZEN) and _refresh_stale(ref.device):
-        hit = _DECISIONS.get(ref)  # every norm of the last step decided again, in one pass
+        hit = _cached(ref)  # every norm of the last step decided again, in one pass
         if hit is not None and hit[0] == key:
             return hit[1]
     ok = _check(weight, bias, n, dtype, max_ratio, offset)
-    _DECISIONS[ref] = [key, ok, _args(weight, bias, n, dtype, max_ratio, offset), None]  # (no slack: checked alone)
+    _remember(ref, [key, ok, _args(weight, bias, n, dtype, max_ratio, offset), None])  # (no slack: checked alone)
     return ok
 
 
@@ -218,7 +238,9 @@ _FROZEN = -1
 
 
 def _step_of(weight, bias) -> int:
-    return _STEPS[0] if any(t is not None and t.requires_grad for t in (weight, bias)) else _FROZEN
+    if (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad):
+        return _STEPS[0]
+    return _FROZEN
 
 
 def _args(weight, bias, n, dtype, max_ratio, offset) -> tuple:
@@ -276,8 +298,8 @@ def _refresh_stale(device: torch.device) -> bool:
         stand = None
         if ok and slack > 0.0:
             stand = guard_drift.Stand(slack, [(t, m) for t, m in ((w, w_max), (b, b_max)) if t is not None])
-        _DECISIONS[ref] = [_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset),
-                           stand]
+        _remember(ref, [_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset),
+                        stand])
     return True
 
 

@@ -317,6 +317,9 @@ _SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
 #: Programs per multiprocessor of the norms' backward (each keeps one partial dγ, dβ row: more
 #: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them).
 PROGRAMS_PER_SM = 4
+#: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA), each
+#: taking an equal share of the rows (benchmarks/norm_programs.py times them).
+PROGRAMS_WITHOUT_PARTIALS = 1024
 
 
 def _programs(rows: int, device: torch.device) -> int:
