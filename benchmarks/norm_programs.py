@@ -1,14 +1,15 @@
 """The norms' backward by programs: the kernels' device time of LayerNorm and RMSNorm forward +
 backward (torch.profiler), leanact at several program counts next to torch's op.
 
-    python benchmarks/norm_programs.py          # a CUDA machine, under a minute
+    python benchmarks/norm_programs.py          # a CUDA machine, about two minutes
 
 Each program of the backward streams its share of the rows (loading the next row while it reduces
 this one) and, when γ and β train, keeps one float32 partial row of dγ (and dβ), summed by a second
 kernel: more programs put more rows in flight and more partials to sum. First table: γ, β trained,
-leanact at 2, 4 (the default, ``dispatch.PROGRAMS_PER_SM``), 8 and 16 programs per SM. Second
-table: γ, β frozen (PEFT / LoRA; no partials), leanact at 1,024 (the default,
-``dispatch.PROGRAMS_WITHOUT_PARTIALS``), 2,048, 4,096 programs and one per row.
+leanact at 2, 4, 8 and 16 programs per SM (the defaults: ``dispatch.PROGRAMS_PER_SM``, 4, for
+LayerNorm, ``dispatch.RMS_PROGRAMS_PER_SM``, 2, for RMSNorm). Second table: γ, β frozen (PEFT /
+LoRA; no partials), leanact at 1,024, 2,048 and 4,096 programs and one per row (the default,
+``dispatch.PROGRAMS_WITHOUT_PARTIALS = None``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import leanact  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
 COUNTS = (2, 4, 8, 16)  # programs per SM, γ and β trained
-FREE_COUNTS = (1024, 2048, 4096)  # programs, γ and β frozen (and one per row)
+FREE_COUNTS = (1024, 2048, 4096)  # programs, γ and β frozen (and None: one per row)
 DEVICE = "cuda"
 SHAPES = {"LayerNorm": (16384, 1024), "RMSNorm": (16384, 2048)}
 
@@ -63,9 +64,10 @@ def _modules(name: str, n: int, dtype, frozen: bool):
 
 def table(frozen: bool) -> list[list[str]]:
     """Rows (op, dtype, shape, torch ms, leanact ms (ratio) per count)."""
-    attr = "PROGRAMS_WITHOUT_PARTIALS" if frozen else "PROGRAMS_PER_SM"
     rows = []
     for name, (r, n) in SHAPES.items():
+        attr = ("PROGRAMS_WITHOUT_PARTIALS" if frozen else
+                "PROGRAMS_PER_SM" if name == "LayerNorm" else "RMS_PROGRAMS_PER_SM")
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(r, n, device=DEVICE, dtype=dtype, requires_grad=True)
             dy = torch.randn_like(x)
@@ -74,7 +76,7 @@ def table(frozen: bool) -> list[list[str]]:
             row = [name, str(dtype).replace("torch.", ""), f"{r}x{n}", f"{torch_ms:.4f}"]
             saved = getattr(dispatch, attr)
             try:
-                for k in (FREE_COUNTS + (r,)) if frozen else COUNTS:
+                for k in (FREE_COUNTS + (None,)) if frozen else COUNTS:
                     setattr(dispatch, attr, k)
                     ms = kernels_ms(lean_mod, x, dy)
                     row.append(f"{ms:.4f} ({ms / torch_ms:.2f}x)")
@@ -92,7 +94,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), torch {torch.__version__}: kernels' device ms per "
           f"forward+backward (torch.profiler, median of 3 x 20 calls)\n")
     for frozen, heads in ((False, [f"leanact, {k}/SM" for k in COUNTS]),
-                          (True, [f"leanact, {k:,} programs" for k in FREE_COUNTS] + ["leanact, one per row"])):
+                          (True, [f"leanact, {k:,} programs" for k in FREE_COUNTS] + ["leanact, one per row (default)"])):
         print("γ, β frozen (no partials), leanact by programs\n" if frozen else
               "γ, β trained, leanact by programs per SM\n")
         print("| op | dtype | shape | torch | " + " | ".join(heads) + " |")

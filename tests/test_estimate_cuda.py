@@ -303,6 +303,8 @@ def test_norm_backward_partials_per_sm(monkeypatch):
         assert dw.shape == db.shape == (40, 64) and dw.dtype == db.dtype == torch.float32
         few = torch.empty(3, 64, dtype=torch.bfloat16)
         assert norms._grad_outputs(few, few, 64, False, True, False)[1].shape == (3, 64)  # never more than rows
+        assert norms._grad_outputs(y, y, 64, True, True, False, 2)[1].shape == (20, 64)  # RMSNorm's 2 per SM
+        assert norms._grad_outputs(y, y, 64, True, False, False)[1:] == (None, None)  # γ, β frozen: no partials
     assert norms._programs(4096, torch.device("cpu")) == 4  # real CPU tensors: untouched (4 programs per "SM")
     monkeypatch.setattr(norms, "PROGRAMS_PER_SM", 8)  # the count the backward and the estimate share
     with FakeTensorMode(), triton_allocations():

@@ -226,11 +226,13 @@ def triton_allocations():
     saved = [(m, m._programs) for m in owners]
 
     def cuda_programs_of(programs):
-        def cuda_programs(rows: int, device: torch.device) -> int:
-            # fake tensors sit on the CPU: the norms' backward shares its rows among PROGRAMS_PER_SM
-            # programs per SM of the modelled GPU, each with one float32 partial row of dγ (and dβ),
-            # as on the device
-            return max(1, min(rows, dispatch.PROGRAMS_PER_SM * sms)) if _faking() else programs(rows, device)
+        def cuda_programs(rows: int, device: torch.device, per_sm: int | None = None) -> int:
+            # fake tensors sit on the CPU: the norms' backward shares its rows among per_sm (by default
+            # PROGRAMS_PER_SM) programs per SM of the modelled GPU, each with one float32 partial row of
+            # dγ (and dβ), as on the device
+            if not _faking():
+                return programs(rows, device, per_sm)
+            return max(1, min(rows, (dispatch.PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
         return cuda_programs
 
     for m, programs in saved:

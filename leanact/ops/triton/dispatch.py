@@ -314,34 +314,38 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
 
 
 _SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
-#: Programs per multiprocessor of the norms' backward (each keeps one partial dγ, dβ row: more
-#: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them).
+#: Programs per multiprocessor of LayerNorm's backward (each keeps one partial dγ, dβ row: more
+#: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them:
+#: 4 per SM fastest for LayerNorm on an H200, 2 for RMSNorm, whose rows are wider here).
 PROGRAMS_PER_SM = 4
-#: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA), each
-#: taking an equal share of the rows (benchmarks/norm_programs.py times them).
-PROGRAMS_WITHOUT_PARTIALS = 1024
+#: The same for RMSNorm's backward.
+RMS_PROGRAMS_PER_SM = 2
+#: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA),
+#: each taking an equal share of the rows; None: one program per row (on an H200 0.97-0.99x torch's
+#: kernel time, against 1.12-1.18x for 1,024 programs: benchmarks/norm_programs.py).
+PROGRAMS_WITHOUT_PARTIALS: int | None = None
 
 
-def _programs(rows: int, device: torch.device) -> int:
-    """Backward programs sharing the rows: :data:`PROGRAMS_PER_SM` per SM on CUDA (each keeps one
-    partial dγ, dβ row)."""
+def _programs(rows: int, device: torch.device, per_sm: int | None = None) -> int:
+    """Backward programs sharing the rows: ``per_sm`` (default :data:`PROGRAMS_PER_SM`) per SM on
+    CUDA (each keeps one partial dγ, dβ row)."""
     sms = 1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         sms = _SMS.get(index)
         if sms is None:
             sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(rows, PROGRAMS_PER_SM * sms))
+    return max(1, min(rows, (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
 
 
-def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool):
+def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool,
+                  per_sm: int | None = None):
     """dx (dy's dtype) and the float32 partial sums of dγ, dβ (uninitialized: every program writes
     its whole row, zeros where it has no rows), each None where not needed; the partials of both
-    are rows of one buffer (one allocation)."""
-    p = _programs(t.numel() // n, t.device)
-    dev = t.device
+    are rows of one buffer (one allocation), ``per_sm`` programs' (:func:`_programs`)."""
     k = int(need_dw) + int(need_db)
-    parts = torch.empty((k, p, n), dtype=torch.float32, device=dev) if k else None
+    p = _programs(t.numel() // n, t.device, per_sm) if k else 0
+    parts = torch.empty((k, p, n), dtype=torch.float32, device=t.device) if k else None
     return (torch.empty_like(t, dtype=dy.dtype, memory_format=torch.contiguous_format) if need_dx else None,
             parts[0] if need_dw else None, parts[k - 1] if need_db else None)
 

@@ -366,14 +366,15 @@ def norm_backward(dy: torch.Tensor, t: torch.Tensor, rstd: torch.Tensor, weight,
                   scale: float = 1.0, z_dtype: torch.dtype = torch.float32):
     """dx (or None) and the per-program partial sums of dγ, dβ (float32 (programs, n), or
     None); ``dw.shape[0]`` (or ``db``'s) programs share the rows, without partials
-    :data:`.dispatch.PROGRAMS_WITHOUT_PARTIALS`.
+    :data:`.dispatch.PROGRAMS_WITHOUT_PARTIALS` (None: one per row).
 
     ``residual`` (the forward of :func:`norm_forward` with a residual): dx (or None) is the
     residual's gradient, dz rounded to ``z_dtype`` then to dx's dtype; ``dh`` (or None) the
     gradient of the dropout's input (``seed``, ``thr``, ``scale`` as in the forward)."""
     rows = rstd.numel()
     parts = dw if dw is not None else db
-    p = parts.shape[0] if parts is not None else max(1, min(rows, _dispatch.PROGRAMS_WITHOUT_PARTIALS))
+    free = _dispatch.PROGRAMS_WITHOUT_PARTIALS
+    p = parts.shape[0] if parts is not None else max(1, rows if free is None else min(rows, free))
     if rows:
         block_n = next_power_of_2(n)
         dummy = t
