@@ -313,6 +313,38 @@ def test_norm_backward_partials_per_sm(monkeypatch):
     assert norms._programs(4096, torch.device("cpu")) == 8
 
 
+def test_each_norm_backward_allocates_its_own_program_count(monkeypatch):
+    """Through the launchers (what leanact.estimate runs on fake tensors): LayerNorm's backward sums
+    its partials over PROGRAMS_PER_SM programs per SM, RMSNorm's over RMS_PROGRAMS_PER_SM, and with
+    γ, β frozen neither allocates partials."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leanact.estimate import cuda_runtime
+    from leanact.estimate.compat import triton_allocations
+    from leanact.ops.triton import dispatch, norm
+
+    monkeypatch.setattr(cuda_runtime, "target", lambda: cuda_runtime.GPU((9, 0), 10))
+    monkeypatch.setattr(dispatch, "PROGRAMS_PER_SM", 3)
+    monkeypatch.setattr(dispatch, "RMS_PROGRAMS_PER_SM", 5)
+    partials = []
+    real = dispatch._grad_outputs
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        partials.append(tuple(None if t is None else tuple(t.shape) for t in out[1:]))
+        return out
+
+    monkeypatch.setattr(dispatch, "_grad_outputs", recording)
+    with FakeTensorMode(), triton_allocations():
+        y, w, b = torch.empty(300, 64), torch.empty(64), torch.empty(64)
+        rstd = torch.empty(300, 1)
+        assert norm.layer_norm_backward(y, y, rstd, w, b, (64,), (True, True, True)) is not None
+        assert norm.rms_norm_backward(y, y, rstd, w, 64, True, True, True) is not None
+        assert norm.layer_norm_backward(y, y, rstd, w, b, (64,), (True, False, False)) is not None
+        assert norm.rms_norm_backward(y, y, rstd, w, 64, True, True, False) is not None
+    assert partials == [((30, 64), (30, 64)), ((50, 64), None), (None, None), (None, None)]
+
+
 def test_fused_loss_multiplies_as_on_the_gpu(monkeypatch):
     """The fused loss picks its matmuls from the tensors' device: the estimate of a CUDA step does
     not depend on the host CPU (16-bit GEMM or not) nor on what ran before in the process (a real

@@ -208,7 +208,8 @@ def triton_allocations():
     RMSNorm from output, the gated MLP's act(g)·u, few-bit activations, 8-bit compression) on fake
     tensors allocate what their Triton kernels allocate on CUDA -- outputs, the norms' per-program
     partial sums (4 programs per SM of the modelled GPU for LayerNorm, 2 for RMSNorm,
-    :func:`leanact.estimate.cuda_runtime.target`: (4·SMs, n) float32 each for dγ and dβ) -- instead of the temporaries of their PyTorch path
+    :func:`leanact.estimate.cuda_runtime.target`: (4·SMs, n) or (2·SMs, n) float32 each for dγ and
+    dβ) -- instead of the temporaries of their PyTorch path
     (per-element int64 hash words, the GELU rebuild's slices, the norms' float32 copies); the kept
     tensors are the same either way. Nothing changes under ``LEANACT_TRITON=0`` (set it where the
     estimate runs when the GPU will run with it): the GPU then runs the PyTorch path too."""

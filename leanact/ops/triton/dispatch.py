@@ -321,8 +321,8 @@ PROGRAMS_PER_SM = 4
 #: The same for RMSNorm's backward.
 RMS_PROGRAMS_PER_SM = 2
 #: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA),
-#: each taking an equal share of the rows; None: one program per row (on an H200 0.97-0.99x torch's
-#: kernel time, against 1.12-1.18x for 1,024 programs: benchmarks/norm_programs.py).
+#: each taking an equal share of the rows; None: one program per row (on an H200 0.79-0.99x torch's
+#: kernel time, against 0.81-1.18x for 1,024 programs: benchmarks/norm_programs.py).
 PROGRAMS_WITHOUT_PARTIALS: int | None = None
 
 
