@@ -10,8 +10,15 @@ or swapped in by ``functional_call``: keeping that alive to recast it would cost
 copy) and autograd will need it, the weight is cast by
 :func:`leanact.ops.weight_recast.recast_weight`, which keeps the fp32 parameter (free: it lives
 anyway) and casts it again in backward (the same rounding: outputs and gradients are bit-identical
-to the unpatched model's). Otherwise, and wherever saved-tensor hooks cannot be pushed
-(``torch.compile``, ``torch.func``, a checkpointed region), the module's own forward runs.
+to the unpatched model's). Where nothing observes saves (no meter, strategy or checkpointed
+region: a plain training step) a Linear's call is one autograd Function,
+:func:`leanact.ops.recast_linear.recast_linear`, which keeps the same as the hooks would (and,
+for an input whose fp32 source a norm keeps anyway, that source, its cast shared with the other
+Linears reading it: :func:`leanact.recompute.recipes.shared_cast`); GPT-2's ``Conv1D``, an input
+with a producer's recipe, or a non-contiguous input get hooks on their matmul's saved tensors
+instead (:func:`leanact.ops.weight_recast.hook_matmul_saves`). Otherwise, and wherever
+saved-tensor hooks cannot be pushed (``torch.compile``, ``torch.func``, a checkpointed region),
+the module's own forward runs.
 
 Only exact ``nn.Linear`` / ``Conv1D`` modules (and leanact's subclasses marked
 ``_leanact_plain_linear``: a Linear under autocast) whose forward was not already replaced on the
@@ -31,9 +38,10 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..ops.amp import autocast_dtype
+from ..ops.recast_linear import recast_linear
 from ..ops.weight_recast import LOW_DTYPES, hook_matmul_saves, recast_weight
 from ..recompute.context_forward import ContextForward, unwrap_forward
-from ..recompute.recipes import foreign_hooks
+from ..recompute.recipes import RecipeTransform, foreign_hooks, has_recipe, shared_cast
 from ..saved import unobserved_ambient, with_ambient
 
 __all__ = ["RecastForward", "apply", "remove", "recast_dtype", "wraps_linears", "NOTE"]
@@ -74,9 +82,14 @@ def _eligible_dtype(weight: torch.Tensor, x: object) -> torch.dtype | None:
         return None
     if weight.dtype != torch.float32 or not (weight.requires_grad or x.requires_grad):
         return None
-    device = x.device.type
-    if weight.device.type != device:
-        return None
+    if x.is_cuda:  # (the common case without building device objects: this runs per Linear call)
+        if not weight.is_cuda:
+            return None
+        device = "cuda"
+    else:
+        device = x.device.type
+        if weight.device.type != device:
+            return None
     dtype = autocast_dtype(device)
     return dtype if dtype in LOW_DTYPES else None
 
@@ -103,7 +116,13 @@ class RecastForward(ContextForward):
         dtype = _eligible_dtype(weight, x)
         if dtype is not None:
             quiet, transform = unobserved_ambient()  # (quiet: not compiling, no hooks of anyone's)
-            if quiet:  # nothing observes saves: hooks on the matmul's saved tensors, none pushed around it
+            if quiet and compute is _linear and x.dim() >= 2 and x.is_contiguous() and (
+                    transform is None or (type(transform) is RecipeTransform and not has_recipe(x))):
+                # nothing observes saves, no producer's recipe for x: one Function keeping the fp32
+                # weight and, where x is kept as is anyway (a norm's output), x (leanact.ops.recast_linear)
+                share = shared_cast(x, dtype, transform) if transform is not None and weight.requires_grad else None
+                return recast_linear(x, weight, m.bias, dtype, share)
+            if quiet:  # hooks on the matmul's saved tensors (Conv1D, a producer's output), none pushed around it
                 cast = weight.to(dtype)
                 return hook_matmul_saves(compute(m, x, cast), weight, cast, transform)
             if torch.compiler.is_compiling() or foreign_hooks():

@@ -28,10 +28,11 @@ import weakref
 
 import torch
 
-__all__ = ["tag_kept", "cast_recipe"]
+__all__ = ["tag_kept", "is_kept", "cast_recipe", "SharedCast", "cast_share"]
 
 _TAG = "_leanact_kept"
 _SHARED = "_leanact_cast_recipes"  # on a tagged node: {dtype: weakref to the recipe of that cast of its output}
+_SHARES = "_leanact_shared_casts"  # on a tagged node: {dtype: the SharedCast of its output}
 
 
 def tag_kept(t: torch.Tensor) -> None:
@@ -45,6 +46,13 @@ def tag_kept(t: torch.Tensor) -> None:
         setattr(gf, _TAG, (weakref.ref(t), t._version, t.output_nr))
     except (AttributeError, TypeError, RuntimeError):
         pass
+
+
+def is_kept(t: torch.Tensor) -> bool:
+    """Whether ``t`` itself was tagged kept as is (:func:`tag_kept`) and is unmodified since."""
+    gf = t.grad_fn
+    tag = getattr(gf, _TAG, None) if gf is not None else None
+    return tag is not None and tag[0]() is t and t._version == tag[1]
 
 
 def _source(c: torch.Tensor) -> torch.Tensor | None:
@@ -68,6 +76,18 @@ def _source(c: torch.Tensor) -> torch.Tensor | None:
     return src
 
 
+def _node_dict(node, name: str) -> dict | None:
+    """The dict stored on autograd ``node`` as ``name``, made on first use (None: the node takes no attributes)."""
+    d = getattr(node, name, None)
+    if d is None:
+        d = {}
+        try:
+            setattr(node, name, d)
+        except (AttributeError, TypeError, RuntimeError):
+            return None
+    return d
+
+
 def _cast(dtype: torch.dtype):
     def fn(src: torch.Tensor) -> torch.Tensor:
         return src.to(dtype)
@@ -88,14 +108,9 @@ def cast_recipe(t: torch.Tensor, make_recipe) -> object | None:
         return None
     # Q, K and V each cast the same norm output: one recipe serves the three casts (bitwise the same
     # tensor), rebuilt once in backward for all of them (held weakly on the source's node)
-    node = src.grad_fn
-    shared = getattr(node, _SHARED, None)
+    shared = _node_dict(src.grad_fn, _SHARED)
     if shared is None:
         shared = {}
-        try:
-            setattr(node, _SHARED, shared)
-        except (AttributeError, TypeError, RuntimeError):
-            pass
     ref = shared.get(c.dtype)
     r = ref() if ref is not None else None
     if r is None:
@@ -103,3 +118,45 @@ def cast_recipe(t: torch.Tensor, make_recipe) -> object | None:
         if r is not None:
             shared[c.dtype] = weakref.ref(r)
     return r
+
+
+class SharedCast:
+    """``src.to(dtype)`` of one kept tensor ``src`` for the backwards of the Linears that read it (Q,
+    K and V of a norm's output; :mod:`leanact.ops.recast_linear`, which keeps ``src`` itself):
+    rebuilt by the first backward that takes it, dropped after the last of its ``users`` (counted
+    again for a further backward, ``retain_graph=True``). A user whose backward never runs leaves
+    it cached until the graph is freed, as a :class:`~leanact.recompute.recipes.Recipe`'s cache."""
+
+    __slots__ = ("dtype", "users", "_left", "_cast", "_counts")
+
+    def __init__(self, dtype: torch.dtype, counts):
+        self.dtype, self.users, self._left, self._cast, self._counts = dtype, 0, 0, None, counts
+
+    def take(self, src: torch.Tensor) -> torch.Tensor:
+        c = self._cast
+        if c is None or c.shape != src.shape:
+            c = self._cast = src.to(self.dtype)  # (the forward's cast: the same kernel, bitwise)
+            self._counts["recompute"] += 1
+            self._counts["recompute:cast"] += 1
+        self._left -= 1
+        if self._left <= 0:
+            self._cast, self._left = None, self.users
+        return c
+
+
+def cast_share(x: torch.Tensor, dtype: torch.dtype, counts) -> SharedCast | None:
+    """A new user of the :class:`SharedCast` of ``x`` to ``dtype``, where ``x`` is a floating tensor of
+    another dtype kept as is by its producer (:func:`is_kept`); else None. ``counts``: a Counter
+    (``claimed`` here; ``recompute``, ``recompute:cast`` at rebuilds)."""
+    if x.dtype == dtype or not x.is_floating_point() or not is_kept(x):
+        return None
+    shares = _node_dict(x.grad_fn, _SHARES)
+    if shares is None:
+        return None
+    share = shares.get(dtype)
+    if share is None:
+        share = shares[dtype] = SharedCast(dtype, counts)
+    share.users += 1
+    share._left += 1
+    counts["claimed"] += 1
+    return share

@@ -61,10 +61,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from leanact.saved import SavedTensorTransform, _foreign_hooks, _stacks, active_transforms, disabled
 
-from .casts import cast_recipe, tag_kept
+from .casts import SharedCast, cast_recipe, cast_share, tag_kept
 
-__all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "foreign_hooks", "scope", "counters", "reset_counters",
-           "cached_bytes", "live_recipes"]
+__all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "has_recipe", "shared_cast",
+           "foreign_hooks", "scope", "counters", "reset_counters", "cached_bytes", "live_recipes"]
 
 _REGISTRY: dict[int, "Recipe"] = {}  # storage key of a live produced output -> its recipe
 _KEPT: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # kept as-is
@@ -312,6 +312,23 @@ def release(ctx: Any) -> None:
     r = ref() if ref is not None else None
     if r is not None and r._cache is not None:
         r.drop_cache()
+
+
+def has_recipe(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) a live, unmodified output with a registered recipe."""
+    return _find(t) is not None
+
+
+def shared_cast(x: torch.Tensor, dtype: torch.dtype, transform: "RecipeTransform") -> SharedCast | None:
+    """For a Linear about to read ``x`` under autocast to ``dtype`` and keep it for its weight's
+    gradient, while ``transform`` is this thread's ambient recipes: the cast of ``x`` shared with the
+    other readers of ``x`` (:class:`~leanact.recompute.casts.SharedCast`) where ``x`` is kept as is
+    anyway, the Linear then keeping ``x`` (a claim: counted as :meth:`RecipeTransform.pack` counts
+    its own); else None (the Linear keeps the cast)."""
+    share = cast_share(x, dtype, _COUNTS)
+    if share is not None:
+        transform.claimed += 1
+    return share
 
 
 class _Claim:
