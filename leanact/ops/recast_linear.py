@@ -34,8 +34,8 @@ class RecastLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype, share):
-        xc = x.to(dtype)
-        y = F.linear(xc, weight.to(dtype), None if bias is None else bias.to(dtype))  # 2-D: addmm / mm
+        xc = x.to(dtype=dtype)  # (the keyword: Python's argument parsing of .to(dtype) tries the device overloads first)
+        y = F.linear(xc, weight.to(dtype=dtype), None if bias is None else bias.to(dtype=dtype))  # 2-D: addmm / mm
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.dtype, ctx.share, ctx.has_bias = dtype, share if need_w else None, bias is not None
         ctx.save_for_backward((x if share is not None else xc) if need_w else None, weight if need_x else None)
@@ -47,7 +47,7 @@ class RecastLinear(torch.autograd.Function):
         dtype = ctx.dtype
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = grad.mm(weight.to(dtype))
+            gx = grad.mm(weight.to(dtype=dtype))
         if ctx.needs_input_grad[1]:
             xc = kept_x if ctx.share is None else ctx.share.take(kept_x)
             gw = grad.t().mm(xc)

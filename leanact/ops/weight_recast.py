@@ -51,7 +51,7 @@ class RecastWeight(SavedTensorTransform):
     def unpack(self, packed) -> torch.Tensor:
         _check_version(self.weight, self._version)
         size, stride, offset = packed
-        return self.weight.to(self.dtype).as_strided(size, stride, offset)
+        return self.weight.to(dtype=self.dtype).as_strided(size, stride, offset)
 
 
 class recast_weight:  # noqa: N801 - used as a function: ``with recast_weight(w, dtype) as cast``

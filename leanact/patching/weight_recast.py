@@ -123,7 +123,7 @@ class RecastForward(ContextForward):
                 share = shared_cast(x, dtype, transform) if transform is not None and weight.requires_grad else None
                 return recast_linear(x, weight, m.bias, dtype, share)
             if quiet:  # hooks on the matmul's saved tensors (Conv1D, a producer's output), none pushed around it
-                cast = weight.to(dtype)
+                cast = weight.to(dtype=dtype)
                 return hook_matmul_saves(compute(m, x, cast), weight, cast, transform)
             if torch.compiler.is_compiling() or foreign_hooks():
                 dtype = None

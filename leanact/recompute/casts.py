@@ -135,7 +135,7 @@ class SharedCast:
     def take(self, src: torch.Tensor) -> torch.Tensor:
         c = self._cast
         if c is None or c.shape != src.shape:
-            c = self._cast = src.to(self.dtype)  # (the forward's cast: the same kernel, bitwise)
+            c = self._cast = src.to(dtype=self.dtype)  # (the forward's cast: the same kernel, bitwise)
             self._counts["recompute"] += 1
             self._counts["recompute:cast"] += 1
         self._left -= 1
