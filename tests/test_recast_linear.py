@@ -67,31 +67,46 @@ def _graph_saved_bytes(root: torch.Tensor, exclude=()) -> int:
 
 
 def test_gradcheck_float64():
-    """The Function's math (dX = dY W, dW = dYᵀ X, db = Σ dY) in float64, with and without a share."""
+    """The Function's math (dX = dY W, dW = dYᵀ X, db = Σ dY; transposed: the (in, out) weight's) in
+    float64, with and without a share."""
     torch.manual_seed(0)
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    wt = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)  # (in, out): GPT-2's Conv1D
     for share in (None, _Share(torch.float64)):
-        assert torch.autograd.gradcheck(lambda x, w, b: RecastLinear.apply(x, w, b, torch.float64, share), (x, w, b))
-        assert torch.autograd.gradgradcheck(lambda x, w, b: RecastLinear.apply(x, w, b, torch.float64, share),
-                                            (x, w, b))
-    assert torch.autograd.gradcheck(lambda x, w: RecastLinear.apply(x, w, None, torch.float64, None), (x, w))
+        for weight, transposed in ((w, False), (wt, True)):
+            def fn(x, w, b):
+                return RecastLinear.apply(x, w, b, torch.float64, share, transposed)
+
+            assert torch.autograd.gradcheck(fn, (x, weight, b))
+            assert torch.autograd.gradgradcheck(fn, (x, weight, b))
+            assert torch.autograd.gradcheck(lambda x, w: RecastLinear.apply(x, w, None, torch.float64, share,
+                                                                            transposed), (x, weight))
     x3 = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, w, b: recast_linear(x, w, b, torch.float64), (x3, w, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: recast_linear(x, w, b, torch.float64, transposed=True), (x3, wt, b))
 
 
-def _op_vs_linear(device, dtype, shape, bias, needs, shared):
-    """Output and gradients bitwise ``nn.Linear`` under autocast; kept (meter): the input's cast where
-    the weight needs a gradient (with a share: the fp32 input instead), no weight copy."""
+def _op_vs_linear(device, dtype, shape, bias, needs, shared, kind="linear"):
+    """Output and gradients bitwise ``nn.Linear``'s (or GPT-2's ``Conv1D``'s) under autocast; kept
+    (meter): the input's cast where the weight needs a gradient (with a share: the fp32 input
+    instead), no weight copy."""
     torch.manual_seed(0)
-    lin = nn.Linear(16, 24, bias=bias).to(device)
+    if kind == "linear":
+        lin = nn.Linear(16, 24, bias=bias).to(device)
+    else:
+        from transformers.pytorch_utils import Conv1D
+
+        lin = Conv1D(24, 16).to(device)
+        nn.init.normal_(lin.bias)
     lin.weight.requires_grad_(needs != "frozen_weight")
     x = torch.randn(shape, device=device)
     dy = torch.randn(*shape[:-1], 24, device=device).to(dtype)
     share = _Share(dtype) if shared else None
     outs, kept = [], []
-    for fn in (lambda xi: lin(xi), lambda xi: recast_linear(xi, lin.weight, lin.bias, dtype, share)):
+    lean = lambda xi: recast_linear(xi, lin.weight, lin.bias, dtype, share, kind == "conv1d")  # noqa: E731
+    for fn in (lambda xi: lin(xi), lean):
         xi = x.clone().requires_grad_(needs != "input_no_grad")
         meter = SavedTensorMeter([])
         with meter, torch.autocast(device, dtype=dtype):
@@ -113,8 +128,11 @@ def _op_vs_linear(device, dtype, shape, bias, needs, shared):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("needs", ["all", "frozen_weight", "input_no_grad"])
 @pytest.mark.parametrize("shared", [False, True])
-def test_op_bitwise_autocast_linear_and_keeps(dtype, shape, bias, needs, shared):
-    _op_vs_linear("cpu", dtype, shape, bias, needs, shared)
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_op_bitwise_autocast_linear_and_keeps(dtype, shape, bias, needs, shared, kind):
+    if kind == "conv1d" and not bias:
+        pytest.skip("transformers' Conv1D always has a bias")
+    _op_vs_linear("cpu", dtype, shape, bias, needs, shared, kind)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -124,9 +142,9 @@ def test_op_bitwise_autocast_linear_and_keeps(dtype, shape, bias, needs, shared)
 @pytest.mark.parametrize("needs", ["all", "frozen_weight"])
 def test_op_bitwise_autocast_linear_and_keeps_cuda(dtype, shape, needs):
     """On CUDA (cuBLAS): the same matmul calls as autocast's Linear, bitwise."""
-    for bias in (True, False):
+    for bias, kind in ((True, "linear"), (False, "linear"), (True, "conv1d")):
         for shared in (False, True):
-            _op_vs_linear("cuda", dtype, shape, bias, needs, shared)
+            _op_vs_linear("cuda", dtype, shape, bias, needs, shared, kind)
 
 
 def test_output_in_place_and_weight_modified_raises():

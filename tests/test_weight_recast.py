@@ -442,17 +442,15 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
 def test_no_cast_kept_by_the_hook_free_path(family, monkeypatch):
     """A plain patched step (nothing observing saves: no meter, no strategy) runs the patched Linears
-    as one Function each (leanact.ops.recast_linear; GPT-2's Conv1D: per-tensor hooks on its matmul's
-    saved tensors, leanact.ops.weight_recast.hook_matmul_saves). After the forward the same fp32 ->
+    (and GPT-2's Conv1D) as one Function each (leanact.ops.recast_linear). After the forward the same fp32 ->
     16-bit casts are alive as with the hooks pushed around each Linear (a meter active: the path the
     byte counts above measure): no weight's, none of a norm's output (BERT: none at all; LLaMA's
     attention keeps its q, k casts), and the loss and gradients are bitwise those of that path."""
     import leanact.patching.weight_recast as patch_recast
 
     calls = []
-    fast = "hook_matmul_saves" if family == "gpt2" else "recast_linear"
-    real = getattr(patch_recast, fast)
-    monkeypatch.setattr(patch_recast, fast, lambda *a: calls.append(1) or real(*a))
+    real = patch_recast.recast_linear
+    monkeypatch.setattr(patch_recast, "recast_linear", lambda *a: calls.append(1) or real(*a))
     base = _model(family)
     batch = _batch(2)
     results, kept, hooked = [], [], []

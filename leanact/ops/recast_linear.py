@@ -30,39 +30,48 @@ __all__ = ["RecastLinear", "recast_linear"]
 
 class RecastLinear(torch.autograd.Function):
     """``linear(x, weight, bias)`` in ``dtype`` on a 2-D ``x`` (module doc); ``share``: an object whose
-    ``take(x)`` returns ``x.to(dtype)`` (kept: ``x``), or None (kept: the cast)."""
+    ``take(x)`` returns ``x.to(dtype)`` (kept: ``x``), or None (kept: the cast). ``transposed``: the
+    weight is stored (in, out), as transformers' ``Conv1D`` (GPT-2) keeps it: ``addmm(bias, x, weight)``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype, share):
+    def forward(ctx, x, weight, bias, dtype, share, transposed):
         xc = x.to(dtype=dtype)  # (the keyword: Python's argument parsing of .to(dtype) tries the device overloads first)
-        y = F.linear(xc, weight.to(dtype=dtype), None if bias is None else bias.to(dtype=dtype))  # 2-D: addmm / mm
+        wc, bc = weight.to(dtype=dtype), None if bias is None else bias.to(dtype=dtype)
+        if transposed:
+            y = torch.addmm(bc, xc, wc) if bc is not None else torch.mm(xc, wc)
+        else:
+            y = F.linear(xc, wc, bc)  # (2-D: addmm / mm with the weight transposed)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.dtype, ctx.share, ctx.has_bias = dtype, share if need_w else None, bias is not None
+        ctx.dtype, ctx.share, ctx.has_bias, ctx.transposed = dtype, share if need_w else None, bias is not None, transposed
         ctx.save_for_backward((x if share is not None else xc) if need_w else None, weight if need_x else None)
         return y
 
     @staticmethod
     def backward(ctx, grad):
+        # addmm's / mm's backward: dX = dY mat2ᵀ; d(mat2) = mat1ᵀ dY, computed as (dYᵀ mat1)ᵀ where
+        # mat2 is column-major (the Linear's Wᵀ: its dW is then dYᵀ X itself)
         kept_x, weight = ctx.saved_tensors
         dtype = ctx.dtype
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = grad.mm(weight.to(dtype=dtype))
+            wc = weight.to(dtype=dtype)
+            gx = grad.mm(wc.t() if ctx.transposed else wc)
         if ctx.needs_input_grad[1]:
             xc = kept_x if ctx.share is None else ctx.share.take(kept_x)
-            gw = grad.t().mm(xc)
+            gw = xc.t().mm(grad) if ctx.transposed else grad.t().mm(xc)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = grad.sum(0)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def recast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                  share=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` under autocast to ``dtype`` (``x`` contiguous, at least 2-D),
-    keeping the fp32 ``weight`` (and, with ``share``, the fp32 ``x``) instead of their casts. An
-    N-D ``x`` is flattened to 2-D and the output viewed back, as aten's ``linear`` does (the
-    Function's own output is no view: in-place ops on the result work as on ``F.linear``'s)."""
+                  share=None, transposed: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``transposed``: ``x @ weight + bias``, GPT-2's ``Conv1D``) under
+    autocast to ``dtype`` (``x`` contiguous, at least 2-D), keeping the fp32 ``weight`` (and, with
+    ``share``, the fp32 ``x``) instead of their casts. An N-D ``x`` is flattened to 2-D and the
+    output viewed back, as aten's ``linear`` and ``Conv1D`` do (the Function's own output is no
+    view: in-place ops on the result work as on ``F.linear``'s)."""
     if x.dim() == 2:
-        return RecastLinear.apply(x, weight, bias, dtype, share)
-    y = RecastLinear.apply(x.view(-1, x.shape[-1]), weight, bias, dtype, share)
-    return y.view(*x.shape[:-1], weight.shape[0])
+        return RecastLinear.apply(x, weight, bias, dtype, share, transposed)
+    y = RecastLinear.apply(x.view(-1, x.shape[-1]), weight, bias, dtype, share, transposed)
+    return y.view(*x.shape[:-1], weight.shape[1 if transposed else 0])

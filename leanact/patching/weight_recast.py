@@ -14,9 +14,9 @@ to the unpatched model's). Where nothing observes saves (no meter, strategy or c
 region: a plain training step) a Linear's call is one autograd Function,
 :func:`leanact.ops.recast_linear.recast_linear`, which keeps the same as the hooks would (and,
 for an input whose fp32 source a norm keeps anyway, that source, its cast shared with the other
-Linears reading it: :func:`leanact.recompute.recipes.shared_cast`); GPT-2's ``Conv1D``, an input
-with a producer's recipe, or a non-contiguous input get hooks on their matmul's saved tensors
-instead (:func:`leanact.ops.weight_recast.hook_matmul_saves`). Otherwise, and wherever
+Linears reading it: :func:`leanact.recompute.recipes.shared_cast`); GPT-2's ``Conv1D`` likewise.
+An input with a producer's recipe or a non-contiguous input gets hooks on its matmul's saved
+tensors instead (:func:`leanact.ops.weight_recast.hook_matmul_saves`). Otherwise, and wherever
 saved-tensor hooks cannot be pushed (``torch.compile``, ``torch.func``, a checkpointed region),
 the module's own forward runs.
 
@@ -116,13 +116,13 @@ class RecastForward(ContextForward):
         dtype = _eligible_dtype(weight, x)
         if dtype is not None:
             quiet, transform = unobserved_ambient()  # (quiet: not compiling, no hooks of anyone's)
-            if quiet and compute is _linear and x.dim() >= 2 and x.is_contiguous() and (
+            if quiet and x.dim() >= 2 and x.is_contiguous() and (
                     transform is None or (type(transform) is RecipeTransform and not has_recipe(x))):
                 # nothing observes saves, no producer's recipe for x: one Function keeping the fp32
                 # weight and, where x is kept as is anyway (a norm's output), x (leanact.ops.recast_linear)
                 share = shared_cast(x, dtype, transform) if transform is not None and weight.requires_grad else None
-                return recast_linear(x, weight, m.bias, dtype, share)
-            if quiet:  # hooks on the matmul's saved tensors (Conv1D, a producer's output), none pushed around it
+                return recast_linear(x, weight, m.bias, dtype, share, compute is _conv1d)
+            if quiet:  # hooks on the matmul's saved tensors (a producer's output, a strided input), none pushed
                 cast = weight.to(dtype=dtype)
                 return hook_matmul_saves(compute(m, x, cast), weight, cast, transform)
             if torch.compiler.is_compiling() or foreign_hooks():

@@ -13,14 +13,19 @@ same conversion kernel (round to nearest even) and gives the bitwise same tensor
 * every tensor kept as is that is the output of a custom autograd Function (a leanact norm or
   GELU keeping its output) is *tagged* on its autograd node, weakly (:func:`tag_kept`);
 * a tensor about to be kept (or the tensor it is a view of) whose autograd node is a ``_to_copy``
-  of a tagged output, unmodified since, with the same shape and dense layout, gets a recipe
+  of a tagged output (or of a reshape of the whole contiguous output: GPT-2's ``Conv1D`` flattens
+  its input first), unmodified since, with the same shape and dense layout, gets a recipe
   ``src.to(dtype)`` (:func:`cast_recipe`), which the transform then keeps instead (the recipe
-  pins ``src``, kept anyway: the cast costs nothing). The casts of one source to one dtype (Q's,
-  K's and V's of a norm's output) share one recipe: backward rebuilds the cast once for all of them.
+  pins ``src``, kept anyway: the cast costs nothing). The casts of one source to one dtype and
+  shape (Q's, K's and V's of a norm's output) share one recipe: backward rebuilds the cast once for
+  all of them.
 
 Only casts between floating dtypes of an output whose node is tagged are recognised; everything
-else (a cast of a plain tensor kept by nobody, a cast of a parameter, a view's cast) stays as
-autocast made it. The rebuild runs with autocast off (the recipe's kernels are explicit).
+else (a cast of a plain tensor kept by nobody, a cast of a parameter, a partial view's cast) stays
+as autocast made it. The rebuild runs with autocast off (the recipe's kernels are explicit).
+
+Where nothing observes saves, a patched Linear keeps the tagged tensor itself and shares its cast
+in backward through a :class:`SharedCast` (:func:`cast_share`) instead: the same bytes kept.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 __all__ = ["tag_kept", "is_kept", "cast_recipe", "SharedCast", "cast_share"]
 
 _TAG = "_leanact_kept"
-_SHARED = "_leanact_cast_recipes"  # on a tagged node: {dtype: weakref to the recipe of that cast of its output}
+_SHARED = "_leanact_cast_recipes"  # on a tagged node: {(dtype, shape): weakref to the recipe of that cast}
 _SHARES = "_leanact_shared_casts"  # on a tagged node: {dtype: the SharedCast of its output}
 
 
@@ -55,8 +60,12 @@ def is_kept(t: torch.Tensor) -> bool:
     return tag is not None and tag[0]() is t and t._version == tag[1]
 
 
+_VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0")
+
+
 def _source(c: torch.Tensor) -> torch.Tensor | None:
-    """The tagged, unmodified tensor ``c`` is a plain cast of, if any."""
+    """The tagged, unmodified tensor ``c`` is a plain cast of (or a cast of a reshape of: GPT-2's
+    ``Conv1D`` flattens its input before its ``addmm``), if any."""
     gf = c.grad_fn
     if gf is None or type(gf).__name__ != "ToCopyBackward0":
         return None
@@ -64,16 +73,22 @@ def _source(c: torch.Tensor) -> torch.Tensor | None:
     if len(nexts) != 1 or nexts[0][0] is None:
         return None
     node, nr = nexts[0]
+    viewed = type(node).__name__ in _VIEW_NODES
+    if viewed:
+        nexts = node.next_functions
+        if len(nexts) != 1 or nexts[0][0] is None:
+            return None
+        node, nr = nexts[0]
     tag = getattr(node, _TAG, None)
     if tag is None:
         return None
     ref, version, out_nr = tag
     src = ref()
-    if src is None or out_nr != nr or src._version != version or src.grad_fn is not node:
+    if src is None or out_nr != nr or src._version != version or src.grad_fn is not node or src.device != c.device:
         return None
-    if src.shape != c.shape or src.stride() != c.stride() or src.device != c.device:
-        return None
-    return src
+    if viewed:  # a view of the whole contiguous tensor: its elements in the same order
+        return src if src.numel() == c.numel() and src.is_contiguous() else None
+    return src if src.shape == c.shape and src.stride() == c.stride() else None
 
 
 def _node_dict(node, name: str) -> dict | None:
@@ -88,9 +103,10 @@ def _node_dict(node, name: str) -> dict | None:
     return d
 
 
-def _cast(dtype: torch.dtype):
+def _cast(dtype: torch.dtype, shape: torch.Size):
     def fn(src: torch.Tensor) -> torch.Tensor:
-        return src.to(dtype)
+        c = src.to(dtype)
+        return c if c.shape == shape else c.view(shape)
 
     return fn
 
@@ -111,12 +127,13 @@ def cast_recipe(t: torch.Tensor, make_recipe) -> object | None:
     shared = _node_dict(src.grad_fn, _SHARED)
     if shared is None:
         shared = {}
-    ref = shared.get(c.dtype)
+    key = (c.dtype, c.shape)
+    ref = shared.get(key)
     r = ref() if ref is not None else None
     if r is None:
-        r = make_recipe("cast", _cast(c.dtype), (src,), c)
+        r = make_recipe("cast", _cast(c.dtype, c.shape), (src,), c)
         if r is not None:
-            shared[c.dtype] = weakref.ref(r)
+            shared[key] = weakref.ref(r)
     return r
 
 
