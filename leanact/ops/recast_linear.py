@@ -35,7 +35,8 @@ class RecastLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype, share, transposed):
-        xc = x.to(dtype=dtype)  # (the keyword: Python's argument parsing of .to(dtype) tries the device overloads first)
+        # (the keyword: Python's argument parsing of .to(dtype) tries the device overloads first)
+        xc = x if x.dtype == dtype else x.to(dtype=dtype)
         wc, bc = weight.to(dtype=dtype), None if bias is None else bias.to(dtype=dtype)
         if transposed:
             y = torch.addmm(bc, xc, wc) if bc is not None else torch.mm(xc, wc)
