@@ -266,3 +266,20 @@ def test_modified_norm_output_raises():
         kept["norm"].mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_inputs_autocast_does_not_cast_raise_as_unpatched(dtype):
+    """Autocast leaves float64 and integer inputs alone, so a Linear of them raises under autocast;
+    the patched Linear must not cast them itself and run: it raises the same error."""
+    errors = []
+    for patched in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4))
+        if patched:
+            leanact.patch(m)
+        x = torch.ones(2, 4, dtype=dtype)
+        with pytest.raises(RuntimeError) as info, torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x.requires_grad_() if dtype.is_floating_point else x)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]

@@ -47,6 +47,8 @@ from ..saved import unobserved_ambient, with_ambient
 __all__ = ["RecastForward", "apply", "remove", "recast_dtype", "wraps_linears", "NOTE"]
 
 _ATTR = "_leanact_recast_weights"
+#: the input dtypes autocast casts (it leaves float64 and integers alone; F.linear then raises, as unpatched)
+_AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 NOTE = "recast_weights: under autocast, {n} Linear layers keep the fp32 weight and recast it in backward"
 
 
@@ -116,7 +118,7 @@ class RecastForward(ContextForward):
         dtype = _eligible_dtype(weight, x)
         if dtype is not None:
             quiet, transform = unobserved_ambient()  # (quiet: not compiling, no hooks of anyone's)
-            if quiet and x.dim() >= 2 and x.is_contiguous() and (
+            if quiet and x.dtype in _AUTOCAST_INPUTS and x.dim() >= 2 and x.is_contiguous() and (
                     transform is None or (type(transform) is RecipeTransform and not has_recipe(x))):
                 # nothing observes saves, no producer's recipe for x: one Function keeping the fp32
                 # weight and, where x is kept as is anyway (a norm's output), x (leanact.ops.recast_linear)
