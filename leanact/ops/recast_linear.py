@@ -43,7 +43,8 @@ class RecastLinear(torch.autograd.Function):
         else:
             y = F.linear(xc, wc, bc)  # (2-D: addmm / mm with the weight transposed)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.dtype, ctx.share, ctx.has_bias, ctx.transposed = dtype, share if need_w else None, bias is not None, transposed
+        ctx.dtype, ctx.share = dtype, share if need_w else None
+        ctx.has_bias, ctx.transposed = bias is not None, transposed
         ctx.save_for_backward((x if share is not None else xc) if need_w else None, weight if need_x else None)
         return y
 
