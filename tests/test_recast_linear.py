@@ -2,14 +2,16 @@
 when nothing observes saves.
 
 * The op: float64 gradcheck and gradgradcheck; under CPU autocast (bf16, fp16) outputs and
-  gradients bitwise ``nn.Linear``'s, for 2-D / 3-D inputs, with and without bias, frozen weights
-  and inputs without grad; what it keeps, counted by the meter: the input's cast only where the
-  weight needs a gradient, the fp32 input instead where a share is given, never a weight copy.
+  gradients bitwise ``nn.Linear``'s (and GPT-2's ``Conv1D``'s: the transposed weight), for 2-D /
+  3-D inputs, with and without bias, frozen weights and inputs without grad; what it keeps,
+  counted by the meter: the input's cast only where the weight needs a gradient, the fp32 input
+  instead where a share is given, never a weight copy. CUDA (cuBLAS) likewise, where present.
 * The patched path: bitwise the hooked path (a meter active) on whole models; what autograd keeps
   there, counted on the graph itself (no hooks: a hook would change the path), exactly the
   meter's count; Q, K and V of one norm output share one cast, rebuilt once per backward
   (retain_graph included) and dropped after the last; in-place ops on the output; an in-place
-  change of the weight or of the norm output before backward raises.
+  change of the weight or of the norm output before backward raises; float64 and integer inputs,
+  which autocast does not cast, raise as unpatched.
 """
 import copy
 
