@@ -172,13 +172,26 @@ def test_output_in_place_and_weight_modified_raises():
         y.float().sum().backward()
 
 
-def _bert(layers=2):
-    from transformers import BertConfig, BertModel
+def _base_model(family="bert", layers=2):
+    """A tiny base model (no head: every saved tensor is in the loss's graph), dropout off."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return BertModel(cfg, add_pooling_layer=False).train()
+    if family == "bert":
+        cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return BertModel(cfg, add_pooling_layer=False).train()
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2)
+        return LlamaModel(cfg).train()
+    cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    return GPT2Model(cfg).train()
+
+
+def _bert(layers=2):
+    return _base_model("bert", layers)
 
 
 def _step(model, ids, observed, retain=False):
@@ -194,10 +207,10 @@ def _step(model, ids, observed, retain=False):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, kept
 
 
-def _quiet_and_hooked(device):
-    """A patched BERT's autocast step with nothing observing saves (the Function path) and with a meter
-    (hooks on the saved tensors): (loss, grads, bytes kept, counters) of each."""
-    base = _bert().to(device)
+def _quiet_and_hooked(device, family="bert"):
+    """A patched model's autocast step with nothing observing saves (the Function path) and with a
+    meter (hooks on the saved tensors): (loss, grads, bytes kept, counters) of each."""
+    base = _base_model(family).to(device)
     ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     runs = {}
     for observed in (False, True):
@@ -222,6 +235,17 @@ def test_patched_quiet_path_is_the_hooked_path():
     once per backward."""
     c = _quiet_and_hooked("cpu")
     assert c.get("claimed") == 8 and c.get("recompute:cast") == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_patched_quiet_path_is_the_hooked_path_families(family):
+    """As for BERT: LLaMA (q, k, v, gate, up after the two RMSNorms; the fused SwiGLU down projection),
+    GPT-2 (Conv1D after ln_1 and ln_2, which flattens its input first): the same gradients bitwise, the
+    same bytes, the same claims and rebuilds (GPT-2: 2 sources per layer, each cast rebuilt once)."""
+    c = _quiet_and_hooked("cpu", family)
+    assert c.get("claimed", 0) > 0
+    if family == "gpt2":
+        assert c.get("claimed") == c.get("recompute:cast") == 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

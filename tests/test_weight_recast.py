@@ -214,9 +214,11 @@ def test_copies_keep_recasting(how):
     assert ref.total_bytes - meter.total_bytes == 2 * _wrapped_weight_elements(c)
 
 
-def test_checkpointed_region_falls_back_and_matches():
-    """Inside torch.utils.checkpoint (someone else's saved-tensor hooks) the Linear runs as autocast
-    does: gradients equal the unpatched ones."""
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_region_falls_back_and_matches(reentrant):
+    """Inside torch.utils.checkpoint the Linear runs as autocast does (non-reentrant: someone else's
+    saved-tensor hooks) or, in the reentrant recompute (grad on, no hooks), as leanact's Function:
+    gradients equal the unpatched ones bitwise either way."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     lean = leanact.patch(copy.deepcopy(net))
@@ -224,7 +226,7 @@ def test_checkpointed_region_falls_back_and_matches():
     res = []
     for m in (net, lean):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+            y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
         y.float().sum().backward()
         res.append([p.grad.clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*res))
