@@ -25,9 +25,9 @@ from leanact.ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from leanact.ops.gelu import GeluFunction, gelu, gelu_grad_from_output, gelu_minimum
 
 # the package's files (leanact.ops.gelu re-exports only the public names)
-buffers, function, minimum, rebuild32, rebuild64, tables = (
+buffers, function, mills32, minimum, rebuild32, rebuild64, slope32, tables = (
     importlib.import_module(f"leanact.ops.gelu.{name}")
-    for name in ("buffers", "function", "minimum", "rebuild32", "rebuild64", "tables"))
+    for name in ("buffers", "function", "mills32", "minimum", "rebuild32", "rebuild64", "slope32", "tables"))
 
 MODES = ["none", "tanh"]
 K1, A = 2.0 * math.sqrt(2.0 / math.pi), 0.044715
@@ -557,6 +557,83 @@ def test_float32_table_guess(mode):
     xs = gelu_minimum(mode)[0]
     err = (ws.x - xt).abs() / (3e-7 * (xt - xs).abs().clamp_max(1.0) + 2 * ulp(xt, torch.float32))
     assert err.max() < 1.0, (err.max(), x[err.argmax()])
+
+
+def _slope_eval(y, right, mode, table):
+    """The CUDA kernel's float32 backward (:mod:`leanact.ops.triton.gelu32_kernels`) in PyTorch: the
+    float32 path's key, its cell's cubic; the cubic evaluated from the float32 coefficients in
+    float64 (so what remains is the table's own error)."""
+    n = y.numel()
+    ws = buffers._Workspace(n, "cpu", rebuild32._WS32)
+    ab, h = rebuild32._guess_tables(mode)
+    rebuild32._guess32(y, right.to(torch.uint8), torch.ones(n), ws, ab, h, rebuild32._C32[mode])
+    kb = ws.key.view(torch.int32)
+    c = table[(kb >> slope32.SHIFT) & (slope32.NCELL - 1)].double()
+    s = (kb & ((1 << slope32.SHIFT) - 1)).double() * 2.0 ** -slope32.SHIFT
+    return c[:, 0] + s * (c[:, 1] + s * (c[:, 2] + s * c[:, 3]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_slope_table(mode):
+    """The CUDA float32 backward's table (:mod:`leanact.ops.gelu.slope32`): each cell's cubic, read
+    with the float32 key, is GELU' of the stored output within B(y) plus 1.5 ulps (1.17 seen: the
+    float32 key's roundings, up to two in the left tail, and the float32 coefficients'); next to
+    the minimum inside B(y). The check can fail: the same table
+    with one coefficient dropped (a quadratic's cells) is hundreds of ulps off."""
+    x = _float32_samples(mode, 1 << 14)
+    x = x[x < 30]
+    y, bits = function._forward(x, mode, with_bits=True)
+    keep = (y.double() > gelu_minimum(mode)[1]) & ((y < 0) | (x.double() > gelu_minimum(mode)[0]))
+    x, y = x[keep], y[keep]
+    right = x.double() > gelu_minimum(mode)[0]
+    lo, hi = grad_interval(y, right, mode, x=x)
+    table = slope32.slope_table(mode)
+    assert table.shape == (slope32.NCELL, 4) and table.dtype == torch.float32
+
+    def beyond(g):
+        return torch.clamp(torch.maximum(lo - g, g - hi), min=0.0) / ulp(g, torch.float32)
+
+    g = _slope_eval(y, right, mode, table)
+    assert beyond(g).max() <= 1.5, (beyond(g).max(), x[beyond(g).argmax()])
+    near = (x.double() - gelu_minimum(mode)[0]).abs() < 0.05
+    assert (g - hi)[near].max() <= 0 and (lo - g)[near].max() <= 0
+    cut = table.clone()
+    cut[:, 3] = 0
+    assert beyond(_slope_eval(y, right, mode, cut)).max() > 100
+
+
+def _mills_eval(a, table):
+    """The CUDA float32 erf forward's ``Phi(-a) exp(a^2/2)`` from the Mills table (float32 ``a``):
+    its cell's cubic in float64 from the float32 coefficients."""
+    ab = a.view(torch.int32)
+    c = table[ab >> mills32.SHIFT].double()
+    s = (ab & ((1 << mills32.SHIFT) - 1)).double() * 2.0 ** -mills32.SHIFT
+    return c[:, 0] + s * (c[:, 1] + s * (c[:, 2] + s * c[:, 3]))
+
+
+def test_float32_mills_table():
+    """The CUDA float32 erf forward's table (:mod:`leanact.ops.gelu.mills32`): each cell's cubic is
+    ``erfcx(a/sqrt 2)/2`` within 1.25 ulps (float32, relative) for ``0 <= a <= 20``, float32
+    subnormals included (mpmath: 30 digits): the cubic itself is within 0.09 ulps (float64
+    coefficients), the float32 coefficients' rounding adds half an ulp of their binade, a whole one
+    of the truth's where a cell straddles a power of two (1.02 seen). The check can fail: one
+    coefficient dropped is far off."""
+    torch.manual_seed(5)
+    a = torch.cat([torch.rand(4000, dtype=torch.float64) * 20, torch.logspace(-45, 1.3, 2000, dtype=torch.float64),
+                   torch.tensor([0.0, 1e-45, 2.0 ** -126, 1.0, 20.0], dtype=torch.float64)]).float()
+    mp.mp.dps = 30
+    truth = torch.tensor([float(mp.erfc(mp.mpf(float(v)) / mp.sqrt(2)) * mp.exp(mp.mpf(float(v)) ** 2 / 2) / 2)
+                          for v in a], dtype=torch.float64)
+    table = mills32.mills_table()
+    assert table.shape == (mills32.NCELL, 4) and table.dtype == torch.float32
+
+    def ulps(r):
+        return ((r - truth).abs() / ulp(truth, torch.float32)).max()
+
+    assert ulps(_mills_eval(a, table)) <= 1.25
+    cut = table.clone()
+    cut[:, 3] = 0
+    assert ulps(_mills_eval(a, cut)) > 10
 
 
 def test_bit_packing_layout():

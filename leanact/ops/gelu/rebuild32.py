@@ -61,30 +61,39 @@ def _solve_f64(t: torch.Tensor, right: torch.Tensor, approximate: str) -> torch.
 _GUESS_CPU: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _cell_points(approximate: str, key_bits: int, nodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(key, x, ok)``, each ``(len(nodes), 2**(8 + key_bits))``: in every cell of the key's
+    exponent and top ``key_bits`` mantissa bits, the keys at the fractions ``nodes`` of the cell,
+    the x (float64) on the branch the key belongs to whose GELU makes that key, and whether an
+    element with a derivative can reach the cell there (elsewhere x = 1: finite, harmless)."""
+    c = _CONSTS[approximate]
+    c32 = _below(c.ys)
+    dc = (c.ys - c32) + c.ys_lo  # y* - c32, in (0, ulp)
+    cell = torch.arange(1 << (8 + key_bits), dtype=torch.float64)
+    e = torch.div(cell, 1 << key_bits, rounding_mode="floor") - 127
+    m = cell.remainder(1 << key_bits)
+    in_r = (e >= _KEY_RIGHT[0]) & (e < _KEY_RIGHT[1])
+    in_l = (e >= _KEY_LEFT[0]) & (e < _KEY_LEFT[1])
+    t = torch.tensor(nodes, dtype=torch.float64)[:, None]
+    key = torch.pow(2.0, e) * (1 + (m + t) / (1 << key_bits))  # (nodes, cells)
+    # right: D = y - c32 = key / scale; left: u = |y| / D = key * scale, D = |c32| / (1 + u)
+    u = key * _KEY_SCALE
+    d = torch.where(in_r, key / _KEY_SCALE, -c32 / (1 + u))
+    y = torch.where(in_l & (u < 1), -(u * -c32) / (1 + u), c32 + d)  # the tail: relative accuracy
+    ok = (in_r | in_l) & (d > dc)
+    x = torch.ones_like(y)
+    x[ok] = _solve_f64(y[ok], in_r.expand_as(y)[ok], approximate)
+    return key, x, ok
+
+
 def _guess_tables(approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ab, h)`` on the CPU: per cell, x ~ a + b key (a, b float32 packed in an int64: linear
     interpolation in the cell), and h = (f''' - f''**2/f')/2 at the cell's centre
     (float64), the second-order coefficient of the float64 step."""
     if approximate in _GUESS_CPU:
         return _GUESS_CPU[approximate]
-    c = _CONSTS[approximate]
-    c32 = _below(c.ys)
-    dc = (c.ys - c32) + c.ys_lo  # y* - c32, in (0, ulp)
-    cell = torch.arange(_NCELL, dtype=torch.float64)
-    e = torch.div(cell, 1 << _KEY_BITS, rounding_mode="floor") - 127
-    m = cell.remainder(1 << _KEY_BITS)
-    in_r = (e >= _KEY_RIGHT[0]) & (e < _KEY_RIGHT[1])
-    in_l = (e >= _KEY_LEFT[0]) & (e < _KEY_LEFT[1])
     nodes = ((1 - math.sqrt(0.5)) / 2, (1 + math.sqrt(0.5)) / 2, 0.5)  # Chebyshev nodes, centre
-    t = torch.tensor(nodes, dtype=torch.float64)[:, None]
-    key = torch.pow(2.0, e) * (1 + (m + t) / (1 << _KEY_BITS))  # (3, cells)
-    # right: D = y - c32 = key / scale; left: u = |y| / D = key * scale, D = |c32| / (1 + u)
-    u = key * _KEY_SCALE
-    d = torch.where(in_r, key / _KEY_SCALE, -c32 / (1 + u))
-    y = torch.where(in_l & (u < 1), -(u * -c32) / (1 + u), c32 + d)  # the tail: relative accuracy
-    ok = (in_r | in_l) & (d > dc)  # cells an element with a derivative can reach
-    x = torch.ones_like(y)  # elsewhere x = 1: finite, harmless
-    x[ok] = _solve_f64(y[ok], in_r.expand_as(y)[ok], approximate)
+    key, x, _ = _cell_points(approximate, _KEY_BITS, nodes)
     xs = x.unbind()
     b = (xs[1] - xs[0]) / (key[1] - key[0])
     a = xs[0] - b * key[0]
@@ -104,14 +113,8 @@ def _build_h32(dtype, approximate, device):
     return _guess_tables(approximate)[1].to(device)
 
 
-def _build_h32f(dtype, approximate, device):
-    """h in float32, for the CUDA kernel (a term ~1e-14 needs no more)."""
-    return _guess_tables(approximate)[1].to(device, torch.float32)
-
-
 register("ab32", _build_ab32, ("float32",))
 register("h32", _build_h32, ("float32",))
-register("h32f", _build_h32f, ("float32",))
 _C32 = {mode: _below(_CONSTS[mode].ys) for mode in _APPROXIMATE}  # the largest float32 below y*
 
 

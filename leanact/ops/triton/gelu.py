@@ -28,16 +28,16 @@ def _args(kind: str, t: torch.Tensor, approximate: str) -> tuple:
     key = (kind, t.dtype, approximate, t.device)
     hit = None if _STATE["fake"] else _ARGS.get(key)
     if hit is None:
-        from ..gelu import minimum, rebuild32, tables
+        from ..gelu import mills32, minimum, rebuild32, slope32, tables  # noqa: F401 (they register tables)
 
         dev, dn = str(t.device), tables._dtype_name(t.dtype)
         if kind == "forward":
-            hit = ((minimum._THRESHOLDS[torch.float32][approximate][0],) if t.dtype == torch.float32 else
+            hit = ((minimum._THRESHOLDS[torch.float32][approximate][0],
+                    tables._ACCESSORS["mills32", "float32", "none"](dev) if approximate == "none" else None)
+                   if t.dtype == torch.float32 else
                    (tables._ACCESSORS["y16", dn, approximate](dev), minimum._THRESHOLDS[t.dtype][approximate][1]))
         elif t.dtype == torch.float32:
-            hit = (tables._ACCESSORS["ab32", "float32", approximate](dev),
-                   tables._ACCESSORS["h32f", "float32", approximate](dev), rebuild32._C32[approximate],
-                   minimum._CONSTS[approximate].xs)
+            hit = (tables._ACCESSORS["slope32", "float32", approximate](dev), rebuild32._C32[approximate])
         else:
             hit = (tables._ACCESSORS["g16", dn, approximate](dev),)
         if not _STATE["fake"] and all(type(a) is torch.Tensor for a in hit if isinstance(a, torch.Tensor)):
@@ -57,8 +57,8 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
         k32 = launchers(k, "gelu32_kernels", "gelu32_forward")
         if k32 is None:
             return None
-        thr, = _args("forward", x, approximate)
-        r = _launch("gelu", x, k32.gelu32_forward, x.contiguous(), y, bits, thr, approximate == "tanh",
+        thr, table = _args("forward", x, approximate)
+        r = _launch("gelu", x, k32.gelu32_forward, x.contiguous(), y, bits, table, thr,
                     check_key=(x.dtype, approximate))
     else:
         table, u = _args("forward", x, approximate)
@@ -76,9 +76,9 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
         k32 = launchers(k, "gelu32_kernels", "gelu32_backward")
         if k32 is None:
             return None
-        ab, h, c32, xs = _args("backward", y, approximate)
-        r = _launch("gelu", y, k32.gelu32_backward, y.contiguous(), bits, dy.contiguous(), out, ab, h, c32, xs,
-                    approximate == "tanh", check_key=(y.dtype, approximate))
+        table, c32 = _args("backward", y, approximate)
+        r = _launch("gelu", y, k32.gelu32_backward, y.contiguous(), bits, dy.contiguous(), out, table, c32,
+                    check_key=(y.dtype, approximate))
     else:
         table, = _args("backward", y, approximate)
         r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table,

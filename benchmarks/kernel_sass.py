@@ -1,0 +1,90 @@
+"""Machine instructions per element of the GELU kernels, compiled for an H100/H200 without a GPU.
+
+    python benchmarks/kernel_sass.py
+
+A float32 GELU kernel does real arithmetic per element (float32 only, correctly rounded), and on a
+GPU the slower of its instructions and its bytes sets its time; the H200 measured the float32
+kernels at 2.5-3.2x torch's time when they took 300-370 instructions per element fwd+bwd. This
+compiles each GELU kernel for sm_90 (Triton's bundled ``ptxas``; ``nvdisasm`` lists the SASS) as
+Triton specializes it at run time for aligned tensors (pointers and ``n`` divisible by 16),
+with ``BLOCK`` 1024 and 4 warps (8 elements per thread), and counts the static instructions per
+element: an upper bound on what one element executes (a division's slow path is counted though
+rarely taken), comparable between kernels and commits. The 16-bit kernels (a table gather each
+way) are the memory-bound reference.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from leanact.ops.triton import gelu32_kernels as G32  # noqa: E402
+from leanact.ops.triton import kernels as K  # noqa: E402
+
+_BLOCK, _PER_THREAD = 1024, 8
+_BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_OP = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
+
+
+def sass(fn, sig: dict, consts: dict, **options) -> list[str]:
+    """The SASS opcodes of ``fn`` compiled for sm_90 (pointers and ``n`` 16-divisible)."""
+    full = dict(sig, **{k: "constexpr" for k in consts})
+    names = list(full)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k == "n"}
+    c = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as d:
+        path = pathlib.Path(d) / "k.cubin"
+        path.write_bytes(c.asm["cubin"])
+        out = subprocess.run([str(_BIN / "nvdisasm"), "-c", str(path)], capture_output=True, text=True, check=True)
+    return _OP.findall(out.stdout)
+
+
+def rows() -> list[tuple[str, str, list[str]]]:
+    f32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
+    out = []
+    for form, tanh in (("erf", False), ("tanh", True)):
+        out.append((f"GELU {form} forward", "float32", sass(
+            G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **f32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
+            {"TANH": tanh, "WITH_BITS": True, "BLOCK": _BLOCK}, **G32.UNFUSED)))
+    out.append(("GELU backward (both forms)", "float32", sass(
+        G32._gelu32f_bwd_kernel, {**f32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
+        {"BLOCK": _BLOCK}, **G32.UNFUSED)))
+    out.append(("GELU forward (table)", "bfloat16", sass(
+        K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
+                               "u": "i32"}, {"WITH_BITS": True, "BLOCK": _BLOCK}, **K.FUSED)))
+    out.append(("GELU backward (table)", "bfloat16", sass(
+        K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
+                               "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": _BLOCK}, **K.FUSED)))
+    return out
+
+
+def main() -> int:
+    if not (_BIN / "nvdisasm").exists():
+        sys.exit(f"nvdisasm not found in this Triton install ({_BIN}): it disassembles the compiled kernels")
+    print(f"SASS for sm_90 (triton {triton.__version__}), static instructions per element "
+          f"(BLOCK {_BLOCK}, {_PER_THREAD} elements per thread)")
+    print("| kernel | dtype | instructions per element | float32 arithmetic (FFMA, FMUL, FADD) | loads | most frequent, per element |")
+    print("|---|---|---|---|---|---|")
+    for name, dtype, ops in rows():
+        n = collections.Counter(o.split(".")[0] for o in ops)
+        flops = n["FFMA"] + n["FMUL"] + n["FADD"]
+        common = ", ".join(f"{k} {v / _PER_THREAD:.1f}" for k, v in n.most_common(5))
+        print(f"| {name} | {dtype} | {len(ops) / _PER_THREAD:.0f} | {flops / _PER_THREAD:.0f} | "
+              f"{n['LDG'] / _PER_THREAD:.1f} | {common} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
