@@ -636,6 +636,22 @@ def test_float32_mills_table():
     assert ulps(_mills_eval(a, cut)) > 10
 
 
+def test_cuda_float32_tables_build_for_real_under_fake_tensors(monkeypatch):
+    """The CUDA float32 kernels' tables are per-process CPU constants: first asked for under
+    ``FakeTensorMode`` (``leanact.estimate`` on a fresh process), they are built from real tensors
+    (no fake one cached for later real use), equal to a build outside it."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    ref = slope32.slope_table("tanh"), mills32.mills_table()
+    monkeypatch.setattr(slope32, "_SLOPE_CPU", {})
+    monkeypatch.setattr(mills32, "_MILLS_CPU", None)
+    with FakeTensorMode():
+        built = slope32.slope_table("tanh"), mills32.mills_table()
+    for b, r in zip(built, ref):
+        assert not isinstance(b, FakeTensor) and torch.equal(b, r)
+    assert slope32.slope_table("tanh") is built[0] and mills32.mills_table() is built[1]
+
+
 def test_bit_packing_layout():
     """The packing and unpacking used on the fast paths give bitpack's layout."""
     spread = tables._table("spread", "uint8", "none", "cpu")

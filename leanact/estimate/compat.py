@@ -77,20 +77,15 @@ def value_decisions(real_of: dict[int, torch.Tensor]):
 def warm_lean_caches(model: nn.Module, dtype: torch.dtype) -> None:
     """Build, on real tensors, the lookup tables leanact's GELU backward creates lazily on first
     use: building them is value-dependent (boolean-mask indexing, ``aten.nonzero``), which
-    ``FakeTensorMode`` cannot run. Cached per process (a few seconds once per dtype and mode); for
-    float32 also the CUDA kernels' tables (built on the CPU, then copied to the device)."""
+    ``FakeTensorMode`` cannot run. Cached per process (a few seconds once per dtype and mode)."""
     from leanact.nn import GELU
-    from leanact.ops.gelu import gelu, mills32, slope32
+    from leanact.ops.gelu import gelu
 
     modes = {m.approximate for m in model.modules() if isinstance(m, GELU)}
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         for approximate in sorted(modes):
             x = torch.linspace(-3, 3, 8, dtype=dtype).requires_grad_(True)
             gelu(x, approximate=approximate).sum().backward()
-            if dtype == torch.float32:
-                slope32.slope_table(approximate)
-                if approximate == "none":
-                    mills32.mills_table()
 
 
 def _faking() -> bool:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .slope32 import _NODES, _fit_cells
+from .slope32 import _NODES, _fit_cells, real_cpu
 from .tables import register
 
 __all__: list[str] = []
@@ -37,17 +37,22 @@ def mills_table() -> torch.Tensor:
     """The ``(NCELL, 4)`` float32 coefficients of ``R`` on the CPU (module doc)."""
     global _MILLS_CPU
     if _MILLS_CPU is None:
-        cell = torch.arange(NCELL, dtype=torch.float64)
-        e = torch.div(cell, 1 << KEY_BITS, rounding_mode="floor") - 127
-        m = cell.remainder(1 << KEY_BITS)
-        t = torch.tensor(_NODES, dtype=torch.float64)[:, None]
-        # exponent -127: float32 subnormals, a = m' 2**-149 with the same mantissa bits
-        a = torch.where(e > -127, torch.pow(2.0, e) * (1 + (m + t) / (1 << KEY_BITS)),
-                        2.0 ** -126 * (m + t) / (1 << KEY_BITS))
-        r = torch.special.erfcx(a * math.sqrt(0.5)) * 0.5
-        r = torch.where(e <= _TOP, r, 0.0)
-        _MILLS_CPU = _fit_cells(r).to(torch.float32)
+        with real_cpu():
+            _MILLS_CPU = _build_mills()
     return _MILLS_CPU
+
+
+def _build_mills() -> torch.Tensor:
+    cell = torch.arange(NCELL, dtype=torch.float64)
+    e = torch.div(cell, 1 << KEY_BITS, rounding_mode="floor") - 127
+    m = cell.remainder(1 << KEY_BITS)
+    t = torch.tensor(_NODES, dtype=torch.float64)[:, None]
+    # exponent -127: float32 subnormals, a = m' 2**-149 with the same mantissa bits
+    a = torch.where(e > -127, torch.pow(2.0, e) * (1 + (m + t) / (1 << KEY_BITS)),
+                    2.0 ** -126 * (m + t) / (1 << KEY_BITS))
+    r = torch.special.erfcx(a * math.sqrt(0.5)) * 0.5
+    r = torch.where(e <= _TOP, r, 0.0)
+    return _fit_cells(r).to(torch.float32)
 
 
 def _build_mills32(dtype, approximate, device):

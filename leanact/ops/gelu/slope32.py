@@ -18,9 +18,11 @@ element with a derivative reaches hold zeros.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .rebuild32 import _cell_points
 from .rebuild64 import _derivs
@@ -40,16 +42,29 @@ _NODES = tuple((1 - math.cos(math.pi * (2 * j + 1) / (2 * (DEGREE + 1)))) / 2 fo
 _SLOPE_CPU: dict[str, torch.Tensor] = {}
 
 
+@contextlib.contextmanager
+def real_cpu():
+    """Build a CPU table with real tensors, whatever dispatch modes are active (``leanact.estimate``'s
+    fake tensors and meters): the table is a per-process constant, not part of the step; only its
+    copy to the device, made by the caller under those modes, is."""
+    with _disable_current_modes(), torch.no_grad():
+        yield
+
+
 def slope_table(approximate: str) -> torch.Tensor:
     """The ``(NCELL, 4)`` float32 coefficients ``c0..c3`` on the CPU (module doc)."""
     hit = _SLOPE_CPU.get(approximate)
-    if hit is not None:
-        return hit
+    if hit is None:
+        with real_cpu():
+            hit = _SLOPE_CPU[approximate] = _build_slope(approximate)
+    return hit
+
+
+def _build_slope(approximate: str) -> torch.Tensor:
     _, x, ok = _cell_points(approximate, KEY_BITS, _NODES)
     _, f1, _, _ = _derivs(x, torch.zeros_like(x), approximate, True, False)
     f1 = torch.where(ok.all(0, keepdim=True), f1, 0.0)  # (nodes, cells); unreachable cells: 0
-    _SLOPE_CPU[approximate] = hit = _fit_cells(f1).to(torch.float32)
-    return hit
+    return _fit_cells(f1).to(torch.float32)
 
 
 def _fit_cells(values: torch.Tensor) -> torch.Tensor:
