@@ -96,9 +96,8 @@ def test_gelu(monkeypatch, dtype, mode):
 def test_gelu32_compiled_within_the_bounds(monkeypatch, mode):
     """The float32 GELU kernels, compiled, on the inputs where they are hardest (next to the
     minimum, the deep negative tail, specials): within the bounds that tests/test_triton_kernels.py
-    measures for them under Triton's interpreter against float64 (the self-check's bounds). Not bit
-    for bit the interpreter: an H100 gave 1-2 ulps apart on about a third of the values (same
-    operations, the device's own rounding of some of them), each within the bounds."""
+    measures for them under Triton's interpreter against float64 (the self-check's bounds): the
+    compiled code need not be the interpreter's bit for bit, so its bounds are checked here."""
     torch.manual_seed(3)
     xs = G._CONSTS[mode].xs
     x = torch.cat([torch.randn(1 << 15) * 4, xs + torch.randn(1 << 12) * 1e-2, torch.empty(1 << 12).uniform_(-15, -3),
