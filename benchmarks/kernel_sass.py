@@ -75,7 +75,8 @@ def main() -> int:
         sys.exit(f"nvdisasm not found in this Triton install ({_BIN}): it disassembles the compiled kernels")
     print(f"SASS for sm_90 (triton {triton.__version__}), static instructions per element "
           f"(BLOCK {_BLOCK}, {_PER_THREAD} elements per thread)")
-    print("| kernel | dtype | instructions per element | float32 arithmetic (FFMA, FMUL, FADD) | loads | most frequent, per element |")
+    print("| kernel | dtype | instructions per element | float32 arithmetic (FFMA, FMUL, FADD) | loads | "
+          "most frequent, per element |")
     print("|---|---|---|---|---|---|")
     for name, dtype, ops in rows():
         n = collections.Counter(o.split(".")[0] for o in ops)

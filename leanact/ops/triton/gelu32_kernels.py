@@ -27,11 +27,10 @@ difference.
 
 Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts): forward 68
 instructions (tanh form 107), backward 64, against 8 and 12 bytes of memory traffic (forward: x
-in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2 (the tanh forward reads none).
+in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2
+(the tanh forward reads none).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -56,7 +55,6 @@ def _split(v: float) -> tuple[float, float]:
     return hi, _f32(v - hi)
 
 
-_SQRT1_2 = tl.constexpr(_f32(_gm._SQRT1_2))
 _K1_HI, _K1_LO = (tl.constexpr(c) for c in _split(_gm._K1))
 _A = tl.constexpr(_f32(_gm._A))
 _A_LO = tl.constexpr(_f32(_gm._A - _f32(_gm._A)))
