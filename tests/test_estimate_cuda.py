@@ -285,6 +285,23 @@ def test_gelu_tables_live_on_the_device(monkeypatch):
     assert not any(k.startswith("GELU") for k in leanact.estimate(_bert(0.1), _ids(), device="cuda").workspace_items)
 
 
+def test_float32_gelu_tables_live_on_the_device(monkeypatch):
+    """A float32 model's GELU reads the CUDA float32 kernels' tables from device memory: the erf
+    forward's (8,192 cubics) and the backward's (4,096), 16 bytes each; the tanh form has no forward
+    table."""
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for act, expected in (("gelu", {"GELU table mills32 float32 none": 8192 * 16,
+                                    "GELU table slope32 float32 none": 4096 * 16}),
+                          ("gelu_new", {"GELU table slope32 float32 tanh": 4096 * 16})):
+        torch.manual_seed(0)
+        cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=256, vocab_size=100, hidden_act=act, attn_implementation="sdpa")
+        model = leanact.patch(transformers.BertForMaskedLM(cfg))
+        est = leanact.estimate(model, _ids(), device="cuda")
+        assert {k: v for k, v in est.workspace_items.items() if k.startswith("GELU")} == expected
+
+
 def test_norm_backward_partials_per_sm(monkeypatch):
     """On CUDA the norms' backward spreads the rows over 4 programs per SM, each summing a float32
     row of dγ and of dβ: (4·SMs, n) float32 each, for the modelled GPU (fake tensors sit on the CPU)."""
