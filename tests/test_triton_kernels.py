@@ -214,18 +214,18 @@ def test_gelu32(K, mode):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["none", "tanh"])
-def test_gelu32_forward_rounded_to_bfloat16_is_the_table(mode):
-    """The float32 kernel's GELU of every bfloat16 value, rounded to bfloat16, is the 16-bit path's
-    lookup table, all 65,536 patterns: a bf16 forward could compute instead of gathering and keep
-    every bit (float16: 6 patterns of the erf form and 1 of the tanh form differ, so not there)."""
+@pytest.mark.parametrize("dtype, mode", [(torch.bfloat16, "none"), (torch.bfloat16, "tanh"), (torch.float16, "none")])
+def test_gelu32_forward_rounded_to_16_bits_is_the_table(dtype, mode):
+    """The float32 kernel's GELU of every 16-bit value, rounded to 16 bits, is the 16-bit path's
+    lookup table, all 65,536 patterns: a 16-bit forward could compute instead of gathering and keep
+    every bit (float16, tanh form: one pattern differs, so not there)."""
     from leanact.ops.gelu import mills32, tables as GT
     from leanact.ops.triton import gelu32_kernels as K32
 
-    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
     y = torch.empty(x.shape)
     K32.gelu32_forward(x.float(), y, None, mills32.mills_table() if mode == "none" else None, 0.0)
-    assert _same(y.to(torch.bfloat16), GT._ACCESSORS["y16", "bfloat16", mode]("cpu").view(torch.bfloat16))
+    assert _same(y.to(dtype), GT._ACCESSORS["y16", str(dtype)[6:], mode]("cpu").view(dtype))
 
 
 @interp

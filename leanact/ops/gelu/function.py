@@ -174,7 +174,7 @@ def _self_check(device: torch.device, key) -> None:
 
 
 #: The float32 kernels' distance from the PyTorch path, with margin (tests/test_triton_kernels.py
-#: bounds them to 7 ulps from the float64 truth in the forward, 2.5 beyond B(y) in the backward,
+#: bounds them to 4.5 ulps from the float64 truth in the forward, 2.5 beyond B(y) in the backward,
 #: where the PyTorch path is within 1/2: with the two products by dy, 5.3 ulps of dx at most).
 _F32_FORWARD_ULPS = 8
 _F32_BACKWARD_ULPS = 6
