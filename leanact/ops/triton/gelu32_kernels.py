@@ -79,7 +79,7 @@ _INV_TWO_BIAS = tl.constexpr(2.0 ** -64)
 @triton.jit
 def _halves(v):
     """The two float32 of an int64 (low word first, as they lie in memory)."""
-    lo = (v & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True)
+    lo = v.to(tl.int32).to(tl.float32, bitcast=True)  # (the cast keeps the low 32 bits)
     hi = (v >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     return lo, hi
 
