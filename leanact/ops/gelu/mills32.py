@@ -18,8 +18,7 @@ import math
 
 import torch
 
-from .slope32 import _NODES, _fit_cells, real_cpu
-from .tables import register
+from .tables import CUBIC_NODES, fit_cubics, real_cpu, register
 
 __all__: list[str] = []
 
@@ -46,13 +45,13 @@ def _build_mills() -> torch.Tensor:
     cell = torch.arange(NCELL, dtype=torch.float64)
     e = torch.div(cell, 1 << KEY_BITS, rounding_mode="floor") - 127
     m = cell.remainder(1 << KEY_BITS)
-    t = torch.tensor(_NODES, dtype=torch.float64)[:, None]
+    t = torch.tensor(CUBIC_NODES, dtype=torch.float64)[:, None]
     # exponent -127: float32 subnormals, a = m' 2**-149 with the same mantissa bits
     a = torch.where(e > -127, torch.pow(2.0, e) * (1 + (m + t) / (1 << KEY_BITS)),
                     2.0 ** -126 * (m + t) / (1 << KEY_BITS))
     r = torch.special.erfcx(a * math.sqrt(0.5)) * 0.5
     r = torch.where(e <= _TOP, r, 0.0)
-    return _fit_cells(r).to(torch.float32)
+    return fit_cubics(r).to(torch.float32)
 
 
 def _build_mills32(dtype, approximate, device):

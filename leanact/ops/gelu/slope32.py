@@ -18,15 +18,11 @@ element with a derivative reaches hold zeros.
 """
 from __future__ import annotations
 
-import contextlib
-import math
-
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .rebuild32 import _cell_points
 from .rebuild64 import _derivs
-from .tables import register
+from .tables import CUBIC_NODES, fit_cubics, real_cpu, register
 
 __all__: list[str] = []
 
@@ -35,20 +31,8 @@ KEY_BITS = 4
 #: The key's bits below the cell: the local coordinate ``s = (bits & (2**SHIFT - 1)) / 2**SHIFT``
 SHIFT = 23 - KEY_BITS
 NCELL = 1 << (8 + KEY_BITS)
-DEGREE = 3
-#: Chebyshev nodes of the cubic in [0, 1]
-_NODES = tuple((1 - math.cos(math.pi * (2 * j + 1) / (2 * (DEGREE + 1)))) / 2 for j in range(DEGREE + 1))
 
 _SLOPE_CPU: dict[str, torch.Tensor] = {}
-
-
-@contextlib.contextmanager
-def real_cpu():
-    """Build a CPU table with real tensors, whatever dispatch modes are active (``leanact.estimate``'s
-    fake tensors and meters): the table is a per-process constant, not part of the step; only its
-    copy to the device, made by the caller under those modes, is."""
-    with _disable_current_modes(), torch.no_grad():
-        yield
 
 
 def slope_table(approximate: str) -> torch.Tensor:
@@ -61,18 +45,10 @@ def slope_table(approximate: str) -> torch.Tensor:
 
 
 def _build_slope(approximate: str) -> torch.Tensor:
-    _, x, ok = _cell_points(approximate, KEY_BITS, _NODES)
+    _, x, ok = _cell_points(approximate, KEY_BITS, CUBIC_NODES)
     _, f1, _, _ = _derivs(x, torch.zeros_like(x), approximate, True, False)
     f1 = torch.where(ok.all(0, keepdim=True), f1, 0.0)  # (nodes, cells); unreachable cells: 0
-    return _fit_cells(f1).to(torch.float32)
-
-
-def _fit_cells(values: torch.Tensor) -> torch.Tensor:
-    """``(cells, DEGREE + 1)`` float64 coefficients ``c0..c3`` (of ``s**0..s**3``) of the cubic
-    through ``values`` (``(nodes, cells)``, at :data:`_NODES`) in each cell."""
-    s = torch.tensor(_NODES, dtype=torch.float64)
-    vander = s[:, None] ** torch.arange(DEGREE + 1, dtype=torch.float64)  # (nodes, powers)
-    return torch.linalg.solve(vander, values).t().contiguous()
+    return fit_cubics(f1).to(torch.float32)
 
 
 def _build_slope32(dtype, approximate, device):

@@ -8,9 +8,12 @@ well. The float32 path registers its own tables here (:mod:`.rebuild32`).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .buffers import _unpack_into, _Workspace
 from .minimum import _APPROXIMATE, _THRESHOLDS, _all_patterns
@@ -83,6 +86,27 @@ def register(kind: str, builder: Callable, dtypes: tuple[str, ...], modes: tuple
     for dtype in dtypes:
         for mode in modes:
             _ACCESSORS[kind, dtype, mode] = _accessor(kind, dtype, mode)
+
+
+@contextlib.contextmanager
+def real_cpu():
+    """Build a CPU table with real tensors, whatever dispatch modes are active (``leanact.estimate``'s
+    fake tensors and meters): the table is a per-process constant, not part of the step; only its
+    copy to the device, made by the caller under those modes, is."""
+    with _disable_current_modes(), torch.no_grad():
+        yield
+
+
+#: Chebyshev nodes in [0, 1] of the cubics of the CUDA float32 kernels' tables (:mod:`.slope32`, :mod:`.mills32`)
+CUBIC_NODES = tuple((1 - math.cos(math.pi * (2 * j + 1) / 8)) / 2 for j in range(4))
+
+
+def fit_cubics(values: torch.Tensor) -> torch.Tensor:
+    """``(cells, 4)`` float64 coefficients ``c0..c3`` (of ``s**0..s**3``) of the cubic through
+    ``values`` (``(4, cells)``, at :data:`CUBIC_NODES`) in each cell."""
+    s = torch.tensor(CUBIC_NODES, dtype=torch.float64)
+    vander = s[:, None] ** torch.arange(4, dtype=torch.float64)  # (nodes, powers)
+    return torch.linalg.solve(vander, values).t().contiguous()
 
 
 register("y16", _build_y16, ("bfloat16", "float16"))
