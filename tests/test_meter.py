@@ -122,6 +122,21 @@ def test_custom_function_records_are_attributed():
     assert "Square" in str(meter.table().columns[1]._cells)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_attribute_reaches_every_node_of_a_wide_graph(device):
+    """Every record of a graph of many branches is labelled: the walk holds the nodes it has seen
+    (torch 2.11 frees a node's Python object with its last reference, and a later node's object
+    can take its id)."""
+    x = torch.randn(8, device=device, requires_grad=True)
+    meter = SavedTensorMeter()
+    with meter:
+        y = torch.stack([(x * (i + 1)).sin().exp() for i in range(40)]).sum()
+    meter.attribute(y)
+    assert [r for r in meter.records if r.op == "?"] == []
+    assert meter.by_op() == {"Sin": 40 * 32, "Exp": 40 * 32}
+
+
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
 def test_encoder_layer_matches_reference_accounting(dropout):
     # HF-eager-style BERT layer, bf16 on the CPU, where dropout keeps its mask in the input dtype

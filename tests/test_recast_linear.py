@@ -42,14 +42,16 @@ def _graph_saved_bytes(root: torch.Tensor, exclude=()) -> int:
     """Bytes of the tensors autograd keeps for ``root``'s backward, read off the graph (no
     saved-tensor hooks): every node's saved tensors, storages counted once, parameters and the
     storages of ``exclude`` (the model's buffers, as the meter) left out."""
-    seen_nodes, storages = set(), {}
+    # id -> node, each node held: a node's Python object may be freed with its last reference (torch
+    # 2.11 does) and its id reused by another node's, which would then pass for seen
+    seen_nodes, storages = {}, {}
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     stack = [root.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen_nodes:
             continue
-        seen_nodes.add(id(node))
+        seen_nodes[id(node)] = node
         kept = []
         if hasattr(node, "saved_tensors") and isinstance(node, torch.autograd.function.BackwardCFunction):
             kept = [t for t in node.saved_tensors if t is not None]

@@ -251,12 +251,14 @@ class SavedTensorMeter(SavedTensorObserver):
         Must be called before backward frees the graph. Records not reachable stay ``"?"``.
         """
         roots = [t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None]
-        seen: set[int] = set()
+        # id -> node, each node held: a node's Python object may be freed with its last reference
+        # (torch 2.11 does) and its id reused by another node's, which would then pass for seen
+        seen: dict[int, Any] = {}
         while roots:
             node = roots.pop()
             if id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             label = _node_label(node)
             self._introspect_log = []
             try:
