@@ -483,26 +483,32 @@ def _time_stream(fn, x, dy, iters: int = 10, repeats: int = 3) -> float:
     between two CUDA events (the wall clock on the CPU), median of ``repeats``: the GPU kept busy
     as in a training step, where a call costs the longer of its host time and its kernels' (not
     the host's latency in front of an idle GPU, as :func:`_time_fwd_bwd`)."""
-    import torch
-
     def once():
         x.grad = None
         fn(x).backward(dy)
 
     once()
+    return ms_per_call(once, x.device.type == "cuda", iters, repeats)
+
+
+def ms_per_call(fn, cuda: bool, iters: int, repeats: int = 1) -> float:
+    """ms per call of ``fn()`` issued ``iters`` times back to back between two CUDA events (``cuda``;
+    else the wall clock), median of ``repeats``."""
+    import torch
+
     out = []
     for _ in range(repeats):
-        if x.device.type != "cuda":
+        if not cuda:
             t0 = time.perf_counter()
             for _ in range(iters):
-                once()
+                fn()
             out.append((time.perf_counter() - t0) * 1000 / iters)
             continue
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(iters):
-            once()
+            fn()
         b.record()
         b.synchronize()
         out.append(a.elapsed_time(b) / iters)

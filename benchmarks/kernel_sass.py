@@ -57,16 +57,33 @@ def rows() -> list[tuple[str, str, list[str]]]:
     for form, tanh in (("erf", False), ("tanh", True)):
         out.append((f"GELU {form} forward", "float32", sass(
             G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **f32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
-            {"TANH": tanh, "WITH_BITS": True, "BLOCK": _BLOCK}, **G32.UNFUSED)))
+            {"TANH": tanh, "WITH_BITS": True, "WIDE": False, "BLOCK": _BLOCK}, **G32.UNFUSED)))
     out.append(("GELU backward (both forms)", "float32", sass(
         G32._gelu32f_bwd_kernel, {**f32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
-        {"BLOCK": _BLOCK}, **G32.UNFUSED)))
+        {"WIDE": False, "BLOCK": _BLOCK}, **G32.UNFUSED)))
     out.append(("GELU forward (table)", "bfloat16", sass(
         K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
                                "u": "i32"}, {"WITH_BITS": True, "BLOCK": _BLOCK}, **K.FUSED)))
     out.append(("GELU backward (table)", "bfloat16", sass(
         K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
                                "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": _BLOCK}, **K.FUSED)))
+    return out
+
+
+#: the kernels' ``wide`` argument: how a table row is read
+ROW_READS = {0: "two 8-byte loads", 1: "a [BLOCK, 2] load, split", 2: "one 16-byte load (PTX)"}
+
+
+def row_reads() -> list[tuple[str, int, list[str]]]:
+    f32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
+    out = []
+    for wide in ROW_READS:
+        out.append(("GELU erf forward", wide, sass(
+            G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **f32, "tab_ptr": "*i64", "thr": "fp32"},
+            {"TANH": False, "WITH_BITS": True, "WIDE": wide, "BLOCK": _BLOCK}, **G32.UNFUSED)))
+        out.append(("GELU backward (both forms)", wide, sass(
+            G32._gelu32f_bwd_kernel, {**f32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
+            {"WIDE": wide, "BLOCK": _BLOCK}, **G32.UNFUSED)))
     return out
 
 
@@ -84,6 +101,16 @@ def main() -> int:
         common = ", ".join(f"{k} {v / _PER_THREAD:.1f}" for k, v in n.most_common(5))
         print(f"| {name} | {dtype} | {len(ops) / _PER_THREAD:.0f} | {flops / _PER_THREAD:.0f} | "
               f"{n['LDG'] / _PER_THREAD:.1f} | {common} |")
+    print()
+    print("float32 table kernels by how they read a 16-byte row (the kernels' `wide`; "
+          "benchmarks/gelu_directions.py times them)")
+    print("| kernel | row read | instructions per element | global loads | shared-memory ops and barriers |")
+    print("|---|---|---|---|---|")
+    for name, wide, ops in row_reads():
+        n = collections.Counter(o.split(".")[0] for o in ops)
+        smem = n["LDS"] + n["STS"] + n["LDSM"] + n["BAR"]
+        print(f"| {name} | {ROW_READS[wide]} | {len(ops) / _PER_THREAD:.0f} | {n['LDG'] / _PER_THREAD:.1f} | "
+              f"{smem / _PER_THREAD:.1f} |")
     return 0
 
 

@@ -229,6 +229,32 @@ def test_gelu32_forward_rounded_to_16_bits_is_the_table(dtype, mode):
 
 
 @interp
+@pytest.mark.parametrize("mode", ["none", "tanh"])
+def test_gelu32_row_reads_agree(mode):
+    """The float32 kernels read a table row as two 8-byte loads or as one [BLOCK, 2] load split in
+    registers (their ``wide`` 0 / 1; 2, inline PTX, has no interpreter: the SASS test and the GPU's
+    benchmarks/gelu_directions.py check it): the same y, bits and dx bitwise, over inputs from
+    -20 to 20 (every cell of the tables' busy range) and the tails."""
+    from leanact.ops.gelu import mills32, rebuild32, slope32
+    from leanact.ops.triton import gelu32_kernels as K32
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-20, 20, 3001), torch.randn(2000, generator=g) * 3,
+                   torch.tensor([-30.0, -1e-30, 0.0, 1e-30, 30.0])])
+    dy = torch.randn(x.shape, generator=g)
+    thr = TG._args("forward", x, mode)[0]
+    mills = mills32.mills_table() if mode == "none" else None
+    slope, c32 = slope32.slope_table(mode), rebuild32._C32[mode]
+    outs = []
+    for wide in (0, 1):
+        y, bits, dx = torch.empty_like(x), torch.empty((x.numel() + 7) // 8, dtype=torch.uint8), torch.empty_like(x)
+        K32.gelu32_forward(x, y, bits, mills, thr, wide=wide)
+        K32.gelu32_backward(y, bits, dy, dx, slope, c32, wide=wide)
+        outs.append((y, bits, dx))
+    assert all(_same(a, b) for a, b in zip(*outs))
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_autograd_saves_the_same(K, dtype):
     x = (torch.randn(4, 33) * 3).to(dtype)
@@ -575,7 +601,7 @@ build(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8"
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
 from leanact.ops.triton import gelu32_kernels as G32
 build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
-      "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"BLOCK": 1024}, **G32.UNFUSED)
+      "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": 0, "BLOCK": 1024}, **G32.UNFUSED)
 '''
 
 

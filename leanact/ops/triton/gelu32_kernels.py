@@ -28,7 +28,10 @@ difference.
 Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts): forward 68
 instructions (tanh form 107), backward 64, against 8 and 12 bytes of memory traffic (forward: x
 in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2
-(the tanh forward reads none).
+(the tanh forward reads none). The launchers' ``wide`` picks how a row is read: 0 (the default,
+the one timed on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through
+shared memory, with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU
+by ``benchmarks/gelu_directions.py``, which times the three).
 """
 from __future__ import annotations
 
@@ -85,11 +88,22 @@ def _halves(v):
 
 
 @triton.jit
-def _row(tab_ptr, cell):
+def _row(tab_ptr, cell, WIDE: tl.constexpr):
     """``c0, c1, c2, c3``: the 16-byte row ``cell`` of a cubics table read as two int64 (``tab_ptr``:
-    the table viewed as int64; every cell index lies inside it: no mask)."""
-    c0, c1 = _halves(tl.load(tab_ptr + cell * 2))
-    c2, c3 = _halves(tl.load(tab_ptr + cell * 2 + 1))
+    the table viewed as int64; every cell index lies inside it: no mask). ``WIDE``: as one 16-byte
+    load per element (a [BLOCK, 2] load, split), else two 8-byte loads."""
+    if WIDE == 2:
+        a, b = tl.inline_asm_elementwise("ld.global.nc.v2.b64 {$0, $1}, [$2];", "=l,=l,l", [tab_ptr + cell * 2],
+                                         dtype=(tl.int64, tl.int64), is_pure=True, pack=1)
+        c0, c1 = _halves(a)
+        c2, c3 = _halves(b)
+    elif WIDE:
+        a, b = tl.split(tl.load(tab_ptr + ((cell * 2)[:, None] + tl.arange(0, 2)[None, :])))
+        c0, c1 = _halves(a)
+        c2, c3 = _halves(b)
+    else:
+        c0, c1 = _halves(tl.load(tab_ptr + cell * 2))
+        c2, c3 = _halves(tl.load(tab_ptr + cell * 2 + 1))
     return c0, c1, c2, c3
 
 
@@ -103,14 +117,14 @@ def _scale(x):
 
 
 @triton.jit
-def _phis(x, bias, up, tab_ptr):
+def _phis(x, bias, up, tab_ptr, WIDE: tl.constexpr):
     """``Phi(x)`` times ``up = 2^bias`` in float32 for ``|x| <= 20``, within a few ulps (relative):
     ``Phi(-a) = R(a) exp(-a^2/2)``, ``a = |x|``, ``R`` from its cell's cubic (:mod:`leanact.ops.gelu.mills32`)."""
     p = x * x
     e = tl.fma(x, x, -p)  # x^2 = p + e exactly
     big = exp_split(p * -0.5, e * -0.5, bias)  # exp(-x^2/2) 2^bias
     ab = tl.abs(x).to(tl.int32, bitcast=True)
-    c0, c1, c2, c3 = _row(tab_ptr, (ab >> _MILLS_SHIFT) & (_MILLS_NCELL - 1))
+    c0, c1, c2, c3 = _row(tab_ptr, (ab >> _MILLS_SHIFT) & (_MILLS_NCELL - 1), WIDE)
     s = (ab & _MILLS_LOW).to(tl.float32) * _MILLS_UNIT  # exact: 19 bits
     half_erfc = tl.fma(s, tl.fma(s, tl.fma(s, c3, c2), c1), c0) * big  # erfc(|x|/sqrt 2) / 2 = Phi(-|x|)
     return tl.where(x > 0, up - half_erfc, half_erfc)
@@ -139,7 +153,7 @@ def _sigmoids(x, bias, up, down):
 
 @triton.jit
 def _gelu32f_fwd_kernel(x_ptr, y_ptr, bits_ptr, tab_ptr, n, thr, TANH: tl.constexpr, WITH_BITS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """``y = x Phi(x)`` (tanh form ``x sigmoid(v)``) in float32; right = x > thr, packed."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -150,7 +164,7 @@ def _gelu32f_fwd_kernel(x_ptr, y_ptr, bits_ptr, tab_ptr, n, thr, TANH: tl.conste
     if TANH:
         s = _sigmoids(xc, bias, up, down)
     else:
-        s = _phis(xc, bias, up, tab_ptr)
+        s = _phis(xc, bias, up, tab_ptr, WIDE)
     tl.store(y_ptr + offs, (x * s) * down, mask=m)  # +-inf: inf * 1 = inf, -inf * 0 = nan (as torch's float64)
     if WITH_BITS:
         right = ((x > thr) & m).to(tl.int32)
@@ -159,7 +173,7 @@ def _gelu32f_fwd_kernel(x_ptr, y_ptr, bits_ptr, tab_ptr, n, thr, TANH: tl.conste
 
 
 @triton.jit
-def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, BLOCK: tl.constexpr):
+def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """dx = dy f'(x) from (y, bit): the float32 path's key (``rebuild32._guess32``: the same float32
     operations), then the cubic of its cell (:mod:`leanact.ops.gelu.slope32`)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -173,27 +187,27 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, BLOCK
     # keep: key > 0 (y above the minimum; on the left branch also y < 0): dy, else 0; nan stays nan
     mk = tl.clamp(key * 1.7014118346046923e38, 0.0, 1.0, propagate_nan=tl.PropagateNan.ALL) * dy  # key 2^127
     kb = key.to(tl.int32, bitcast=True)
-    c0, c1, c2, c3 = _row(tab_ptr, (kb >> _SLOPE_SHIFT) & (_SLOPE_NCELL - 1))
+    c0, c1, c2, c3 = _row(tab_ptr, (kb >> _SLOPE_SHIFT) & (_SLOPE_NCELL - 1), WIDE)
     s = (kb & _SLOPE_LOW).to(tl.float32) * _SLOPE_UNIT  # exact: 19 bits
     g = tl.fma(s, tl.fma(s, tl.fma(s, c3, c2), c1), c0)
     g = tl.where(tl.abs(y) < float("inf"), g, float("nan"))  # y = +-inf, nan: nan, as the PyTorch path
     tl.store(out_ptr + offs, g * mk, mask=m)
 
 
-def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK):
+def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: bool = False):
     """``y = GELU(x)``, ``bits``: x > thr packed (or None); ``table``: the erf form's Mills table
     (:mod:`leanact.ops.gelu.mills32`), None for the tanh form."""
     n = x.numel()
     if n:
         launch(_gelu32f_fwd_kernel, _grid(n, block), x, y, bits if bits is not None else y,
                x if table is None else table.view(torch.int64), n, thr, TANH=table is None,
-               WITH_BITS=bits is not None, BLOCK=block, **UNFUSED)
+               WITH_BITS=bits is not None, WIDE=wide, BLOCK=block, **UNFUSED)
 
 
 def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-                    c32: float, block: int = BLOCK):
+                    c32: float, block: int = BLOCK, wide: bool = False):
     """``out = dy f'(x)``; ``table``: the mode's slope table (:mod:`leanact.ops.gelu.slope32`)."""
     n = y.numel()
     if n:
-        launch(_gelu32f_bwd_kernel, _grid(n, block), y, bits, dy, out, table.view(torch.int64), n, c32, BLOCK=block,
-               **UNFUSED)
+        launch(_gelu32f_bwd_kernel, _grid(n, block), y, bits, dy, out, table.view(torch.int64), n, c32, WIDE=wide,
+               BLOCK=block, **UNFUSED)

@@ -1,0 +1,109 @@
+"""The float32 GELU kernels' device time per direction against torch's, and by how they read a table row.
+
+    python benchmarks/gelu_directions.py [--rows 16384] [--cols 4096] [--out FILE]
+
+On a CUDA GPU: forward and backward apart (``F.gelu`` and ``aten.gelu_backward`` against leanact's
+float32 kernels, both forms), CUDA events around back-to-back calls, variants in turns, medians.
+Each table kernel (the erf forward, the backward) runs with its 16-byte row read three ways (the
+kernels' ``wide`` argument): 0, two 8-byte loads; 1, one [BLOCK, 2] load split in registers (a
+layout change through shared memory); 2, one 16-byte load by inline PTX. Variants 1 and 2 are
+checked bitwise against 0 first. Without a GPU: the same table at tiny sizes under Triton's
+interpreter (variant 2, PTX, is skipped), to check the script.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gpu_suite import ms_per_call  # noqa: E402  (this script's folder is first on sys.path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=16384)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", help="also write the markdown table here")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.rows, args.cols, args.rounds = min(args.rows, 4), min(args.cols, 256), min(args.rounds, 2)
+    from leanact.ops.triton import dispatch
+    from leanact.ops.triton import gelu as G
+    from leanact.ops.triton import gelu32_kernels as G32
+    from leanact.ops.triton import kernels as K
+
+    dev = "cuda" if cuda else "cpu"
+    widths = (0, 1, 2) if cuda else (0, 1)
+    reps = 20 if cuda else 1
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.rows, args.cols, device=dev, generator=g) * 2
+    dy = torch.randn(args.rows, args.cols, device=dev, generator=g)
+    n = x.numel()
+    lines = [f"{torch.cuda.get_device_name(0) if cuda else 'CPU (interpreter, tiny sizes: checks the script)'}, "
+             f"float32 {args.rows}x{args.cols}, ms per call (median of {args.rounds} rounds of {reps} calls, "
+             "variants in turns)", "",
+             "| form | direction | torch | leanact, 2 loads | leanact, split | leanact, 16-byte PTX | best / torch |",
+             "|---|---|---|---|---|---|---|"]
+    with dispatch.use_kernels(K, strict=True) if not cuda else _null():
+        for approximate in ("none", "tanh"):
+            thr, mills = G._args("forward", x, approximate)
+            slope, c32 = G._args("backward", x, approximate)
+            y = torch.empty_like(x)
+            bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
+            out = torch.empty_like(x)
+            fwd = {w: (lambda w=w: G32.gelu32_forward(x, y, bits, mills, thr, wide=w)) for w in widths}
+            bwd = {w: (lambda w=w: G32.gelu32_backward(y, bits, dy, out, slope, c32, wide=w)) for w in widths}
+            ref_y, ref_bits, ref_out = [], [], []
+            for w in widths:  # the variants agree bitwise
+                fwd[w]()
+                bwd[w]()
+                ref_y.append(y.clone()), ref_bits.append(bits.clone()), ref_out.append(out.clone())
+            for w in range(1, len(widths)):
+                assert torch.equal(ref_y[w], ref_y[0]) and torch.equal(ref_bits[w], ref_bits[0]), (approximate, w)
+                assert torch.equal(ref_out[w], ref_out[0]), (approximate, w)
+            cases = {
+                "forward": {"torch": lambda: F.gelu(x, approximate=approximate), **fwd},
+                "backward": {"torch": lambda: torch.ops.aten.gelu_backward(dy, x, approximate=approximate), **bwd},
+            }
+            if approximate == "tanh":  # the tanh forward reads no table: one variant
+                cases["forward"] = {"torch": cases["forward"]["torch"], 0: fwd[0]}
+            for direction, fns in cases.items():
+                times = {k: [] for k in fns}
+                for fn in fns.values():
+                    fn()
+                for _ in range(args.rounds):
+                    for k, fn in fns.items():
+                        times[k].append(ms_per_call(fn, cuda, reps))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                cells = [f"{med[w]:.4f}" if w in med else "" for w in (0, 1, 2)]
+                best = min(v for k, v in med.items() if k != "torch")
+                form = "erf" if approximate == "none" else "tanh"
+                lines.append(f"| {form} | {direction} | {med['torch']:.4f} | {' | '.join(cells)} | "
+                             f"{best / med['torch']:.2f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""benchmarks/gelu_directions.py without a GPU: the float32 GELU kernels under Triton's interpreter at
+tiny sizes, each row read checked bitwise against the two-load one, the table printed."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gelu_directions_runs_on_a_cpu(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "dirs.md"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gelu_directions.py"), "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| erf") or
+            line.startswith("| tanh")]
+    assert [(r[0], r[1]) for r in rows] == [("| erf", "forward"), ("| erf", "backward"), ("| tanh", "forward"),
+                                            ("| tanh", "backward")]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0  # torch's, the two-load kernel's
+    assert all(float(row[4]) > 0 for row in rows if row[:2] != ["| tanh", "forward"])  # the split read's
