@@ -90,8 +90,9 @@ def _halves(v):
 @triton.jit
 def _row(tab_ptr, cell, WIDE: tl.constexpr):
     """``c0, c1, c2, c3``: the 16-byte row ``cell`` of a cubics table read as two int64 (``tab_ptr``:
-    the table viewed as int64; every cell index lies inside it: no mask). ``WIDE``: as one 16-byte
-    load per element (a [BLOCK, 2] load, split), else two 8-byte loads."""
+    the table viewed as int64; every cell index lies inside it: no mask). ``WIDE`` (module doc): 0,
+    two 8-byte loads; 1, one [BLOCK, 2] load, split; 2, one 16-byte load (``ld.global.nc.v2.b64``:
+    the row is 16-byte aligned, the table is not written while a kernel reads it)."""
     if WIDE == 2:
         a, b = tl.inline_asm_elementwise("ld.global.nc.v2.b64 {$0, $1}, [$2];", "=l,=l,l", [tab_ptr + cell * 2],
                                          dtype=(tl.int64, tl.int64), is_pure=True, pack=1)
@@ -194,7 +195,7 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE:
     tl.store(out_ptr + offs, g * mk, mask=m)
 
 
-def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: bool = False):
+def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: int = 0):
     """``y = GELU(x)``, ``bits``: x > thr packed (or None); ``table``: the erf form's Mills table
     (:mod:`leanact.ops.gelu.mills32`), None for the tanh form."""
     n = x.numel()
@@ -205,7 +206,7 @@ def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, bl
 
 
 def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-                    c32: float, block: int = BLOCK, wide: bool = False):
+                    c32: float, block: int = BLOCK, wide: int = 0):
     """``out = dy f'(x)``; ``table``: the mode's slope table (:mod:`leanact.ops.gelu.slope32`)."""
     n = y.numel()
     if n:
