@@ -57,10 +57,10 @@ def rows() -> list[tuple[str, str, list[str]]]:
     for form, tanh in (("erf", False), ("tanh", True)):
         out.append((f"GELU {form} forward", "float32", sass(
             G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **f32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
-            {"TANH": tanh, "WITH_BITS": True, "WIDE": False, "BLOCK": _BLOCK}, **G32.UNFUSED)))
+            {"TANH": tanh, "WITH_BITS": True, "WIDE": 0, "BLOCK": _BLOCK}, **G32.UNFUSED)))
     out.append(("GELU backward (both forms)", "float32", sass(
         G32._gelu32f_bwd_kernel, {**f32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
-        {"WIDE": False, "BLOCK": _BLOCK}, **G32.UNFUSED)))
+        {"WIDE": 0, "BLOCK": _BLOCK}, **G32.UNFUSED)))
     out.append(("GELU forward (table)", "bfloat16", sass(
         K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
                                "u": "i32"}, {"WITH_BITS": True, "BLOCK": _BLOCK}, **K.FUSED)))

@@ -127,7 +127,7 @@ def test_custom_function_records_are_attributed():
 def test_attribute_reaches_every_node_of_a_wide_graph(device):
     """Every record of a graph of many branches is labelled: the walk holds the nodes it has seen
     (torch 2.11 frees a node's Python object with its last reference, and a later node's object
-    can take its id)."""
+    can take its id; torch 2.13 holds it, so there only a walk that skips nodes otherwise fails)."""
     x = torch.randn(8, device=device, requires_grad=True)
     meter = SavedTensorMeter()
     with meter:
