@@ -7,8 +7,11 @@ float32 kernels, both forms), CUDA events around back-to-back calls, variants in
 Each table kernel (the erf forward, the backward) runs with its 16-byte row read three ways (the
 kernels' ``wide`` argument): 0, two 8-byte loads; 1, one [BLOCK, 2] load split in registers (a
 layout change through shared memory); 2, one 16-byte load by inline PTX. Variants 1 and 2 are
-checked bitwise against 0 first. Without a GPU: the same table at tiny sizes under Triton's
-interpreter (variant 2, PTX, is skipped), to check the script.
+checked bitwise against 0 first. A second table times each direction's fastest read at other launch
+shapes (``BLOCK`` and warps per program: 4 elements per thread instead of 8 halves the registers a
+thread holds, so more warps fit on an SM; ``python benchmarks/kernel_sass.py`` lists the registers).
+Without a GPU: the same tables at tiny sizes under Triton's interpreter (variant 2, PTX, is
+skipped), to check the script.
 """
 from __future__ import annotations
 
@@ -25,6 +28,21 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gpu_suite import ms_per_call  # noqa: E402  (this script's folder is first on sys.path)
+
+
+#: (BLOCK, warps per program) the second table tries; the first is the kernels' default
+SHAPES = ((1024, 4), (1024, 8), (512, 4), (2048, 8))
+
+
+def medians(fns: dict, rounds: int, cuda: bool, reps: int) -> dict:
+    """The median ms per call of each function, the functions timed in turns."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(ms_per_call(fn, cuda, reps))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -58,6 +76,9 @@ def main(argv=None) -> int:
     # bytes leanact's kernels must move per element: forward x in, y and a bit out; backward y, a
     # bit and dy in, dx out
     moved = {"forward": 8 + 1 / 8, "backward": 12 + 1 / 8}
+    shape_lines = ["", "The fastest read of each direction by launch shape (ms per call; BLOCK / warps)", "",
+                   "| form | direction | read | " + " | ".join(f"{b} / {w}" for b, w in SHAPES) + " | best / torch |",
+                   "|---|---|---|" + "---|" * len(SHAPES) + "---|"]
     with dispatch.use_kernels(K, strict=True) if not cuda else contextlib.nullcontext():
         for approximate in ("none", "tanh"):
             thr, mills = G._args("forward", x, approximate)
@@ -65,36 +86,41 @@ def main(argv=None) -> int:
             y = torch.empty_like(x)
             bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
             out = torch.empty_like(x)
-            fwd = {w: (lambda w=w: G32.gelu32_forward(x, y, bits, mills, thr, wide=w)) for w in widths}
-            bwd = {w: (lambda w=w: G32.gelu32_backward(y, bits, dy, out, slope, c32, wide=w)) for w in widths}
-            ref_y, ref_bits, ref_out = [], [], []
-            for w in widths:  # the variants agree bitwise
-                fwd[w]()
-                bwd[w]()
-                ref_y.append(y.clone()), ref_bits.append(bits.clone()), ref_out.append(out.clone())
-            for w in range(1, len(widths)):
-                assert torch.equal(ref_y[w], ref_y[0]) and torch.equal(ref_bits[w], ref_bits[0]), (approximate, w)
-                assert torch.equal(ref_out[w], ref_out[0]), (approximate, w)
+            def fwd_at(w, block=1024, warps=4):
+                return lambda: G32.gelu32_forward(x, y, bits, mills, thr, block=block, wide=w, num_warps=warps)
+
+            def bwd_at(w, block=1024, warps=4):
+                return lambda: G32.gelu32_backward(y, bits, dy, out, slope, c32, block=block, wide=w, num_warps=warps)
+
+            fwd = {w: fwd_at(w) for w in widths}
+            bwd = {w: bwd_at(w) for w in widths}
+            variants = [(w, 1024, 4) for w in widths] + [(0, b, k) for b, k in SHAPES[1:]]
+            ref = []
+            for w, b, k in variants:  # every read and launch shape computes the same bits
+                fwd_at(w, b, k)()
+                bwd_at(w, b, k)()
+                ref.append((y.clone(), bits.clone(), out.clone()))
+            for v, got in zip(variants[1:], ref[1:]):
+                assert all(torch.equal(a, b) for a, b in zip(got, ref[0])), (approximate, v)
             cases = {
                 "forward": {"torch": lambda: F.gelu(x, approximate=approximate), **fwd},
                 "backward": {"torch": lambda: torch.ops.aten.gelu_backward(dy, x, approximate=approximate), **bwd},
             }
             if approximate == "tanh":  # the tanh forward reads no table: one variant
                 cases["forward"] = {"torch": cases["forward"]["torch"], 0: fwd[0]}
+            form = "erf" if approximate == "none" else "tanh"
             for direction, fns in cases.items():
-                times = {k: [] for k in fns}
-                for fn in fns.values():
-                    fn()
-                for _ in range(args.rounds):
-                    for k, fn in fns.items():
-                        times[k].append(ms_per_call(fn, cuda, reps))
-                med = {k: statistics.median(v) for k, v in times.items()}
+                med = medians(fns, args.rounds, cuda, reps)
                 cells = [f"{med[w]:.4f}" if w in med else "" for w in (0, 1, 2)]
-                best = min(v for k, v in med.items() if k != "torch")
-                form = "erf" if approximate == "none" else "tanh"
+                read = min((k for k in med if k != "torch"), key=med.get)
                 lines.append(f"| {form} | {direction} | {med['torch']:.4f} | {' | '.join(cells)} | "
-                             f"{best / med['torch']:.2f}x | {moved[direction] * n / best / 1e6:,.0f} |")
-    text = "\n".join(lines)
+                             f"{med[read] / med['torch']:.2f}x | {moved[direction] * n / med[read] / 1e6:,.0f} |")
+                at = fwd_at if direction == "forward" else bwd_at
+                shaped = medians({"torch": fns["torch"], **{s: at(read, *s) for s in SHAPES}}, args.rounds, cuda, reps)
+                best = min(shaped[s] for s in SHAPES)
+                cells = " | ".join(f"{shaped[s]:.4f}" for s in SHAPES)
+                shape_lines.append(f"| {form} | {direction} | {read} | {cells} | {best / shaped['torch']:.2f}x |")
+    text = "\n".join(lines + shape_lines)
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")

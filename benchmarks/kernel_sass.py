@@ -8,9 +8,12 @@ kernels at 2.5-3.2x torch's time when they took 300-370 instructions per element
 compiles each GELU kernel for sm_90 (Triton's bundled ``ptxas``; ``nvdisasm`` lists the SASS) as
 Triton specializes it at run time for aligned tensors (pointers and ``n`` divisible by 16),
 with ``BLOCK`` 1024 and 4 warps (8 elements per thread), and counts the static instructions per
-element: an upper bound on what one element executes (a division's slow path is counted though
-rarely taken), comparable between kernels and commits. The 16-bit kernels (a table gather each
-way) are the memory-bound reference.
+element in the kernel's own body: what one element executes, but for a branch's untaken side. A
+correctly rounded division's rare slow path is a subroutine the body calls: counted apart. The
+16-bit kernels (a table gather each way) are the memory-bound reference. The last table gives the
+registers a thread of each float32 kernel holds at each launch shape ``gelu_directions.py`` times
+and the warps an SM then fits (of 64; 65,536 registers, allocated per warp in units of 256): more
+warps hide more of the loads' and gathers' latency.
 """
 from __future__ import annotations
 
@@ -31,40 +34,77 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from leanact.ops.triton import gelu32_kernels as G32  # noqa: E402
 from leanact.ops.triton import kernels as K  # noqa: E402
+from gelu_directions import SHAPES  # noqa: E402  (this script's folder is first on sys.path)
 
 _BLOCK, _PER_THREAD = 1024, 8
 _BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _OP = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
+_SUBROUTINE = re.compile(r"^\s+\.type\s+\$__internal\S*,@function", re.M)
+_REGS = re.compile(r"REG:(\d+)")
 
 
-def sass(fn, sig: dict, consts: dict, **options) -> list[str]:
-    """The SASS opcodes of ``fn`` compiled for sm_90 (pointers and ``n`` 16-divisible)."""
+def _tool(name: str, cubin: bytes, *flags: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        path = pathlib.Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(_BIN / name), *flags, str(path)], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def cubin(fn, sig: dict, consts: dict, **options) -> bytes:
+    """``fn`` compiled for sm_90 (pointers and ``n`` 16-divisible)."""
     full = dict(sig, **{k: "constexpr" for k in consts})
     names = list(full)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*") or k == "n"}
-    c = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.TemporaryDirectory() as d:
-        path = pathlib.Path(d) / "k.cubin"
-        path.write_bytes(c.asm["cubin"])
-        out = subprocess.run([str(_BIN / "nvdisasm"), "-c", str(path)], capture_output=True, text=True, check=True)
-    return _OP.findall(out.stdout)
+    return triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-def rows() -> list[tuple[str, str, list[str]]]:
-    f32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
+def sass(fn, sig: dict, consts: dict, **options) -> list[str]:
+    """The SASS opcodes of the kernel's body (its subroutines, such as a division's slow path, left out)."""
+    return split_sass(cubin(fn, sig, consts, **options))[0]
+
+
+def split_sass(binary: bytes) -> tuple[list[str], list[str]]:
+    """``(the kernel body's opcodes, its subroutines' opcodes)``."""
+    text = _tool("nvdisasm", binary, "-c")
+    body, _, subs = text.partition(next((m.group(0) for m in _SUBROUTINE.finditer(text)), "\0"))
+    return _OP.findall(body), _OP.findall(subs)
+
+
+def registers(binary: bytes) -> int:
+    """Registers per thread."""
+    return int(_REGS.search(_tool("cuobjdump", binary, "--dump-resource-usage")).group(1))
+
+
+def warps_per_sm(regs: int, warps: int) -> int:
+    """Resident warps per SM of an sm_90 (64 at most, 32 programs at most) for ``regs`` per thread."""
+    per_warp = -(-regs // 8) * 8 * 32
+    return min(32, 65536 // (per_warp * warps), 64 // warps) * warps
+
+
+_F32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
+
+
+def float32_kernels(block: int = _BLOCK, wide: int = 0, **options) -> list[tuple[str, bytes]]:
+    """The float32 GELU kernels compiled (both forward forms, the backward)."""
     out = []
     for form, tanh in (("erf", False), ("tanh", True)):
-        out.append((f"GELU {form} forward", "float32", sass(
-            G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **f32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
-            {"TANH": tanh, "WITH_BITS": True, "WIDE": 0, "BLOCK": _BLOCK}, **G32.UNFUSED)))
-    out.append(("GELU backward (both forms)", "float32", sass(
-        G32._gelu32f_bwd_kernel, {**f32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
-        {"WIDE": 0, "BLOCK": _BLOCK}, **G32.UNFUSED)))
-    out.append(("GELU forward (table)", "bfloat16", sass(
+        out.append((f"GELU {form} forward", cubin(
+            G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **_F32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
+            {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "BLOCK": block}, **G32.UNFUSED, **options)))
+    out.append(("GELU backward (both forms)", cubin(
+        G32._gelu32f_bwd_kernel, {**_F32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
+        {"WIDE": wide, "BLOCK": block}, **G32.UNFUSED, **options)))
+    return out
+
+
+def rows() -> list[tuple[str, str, bytes]]:
+    out = [(name, "float32", b) for name, b in float32_kernels()]
+    out.append(("GELU forward (table)", "bfloat16", cubin(
         K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
                                "u": "i32"}, {"WITH_BITS": True, "BLOCK": _BLOCK}, **K.FUSED)))
-    out.append(("GELU backward (table)", "bfloat16", sass(
+    out.append(("GELU backward (table)", "bfloat16", cubin(
         K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
                                "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": _BLOCK}, **K.FUSED)))
     return out
@@ -75,15 +115,11 @@ ROW_READS = {0: "two 8-byte loads", 1: "a [BLOCK, 2] load, split", 2: "one 16-by
 
 
 def row_reads() -> list[tuple[str, int, list[str]]]:
-    f32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
     out = []
     for wide in ROW_READS:
-        out.append(("GELU erf forward", wide, sass(
-            G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **f32, "tab_ptr": "*i64", "thr": "fp32"},
-            {"TANH": False, "WITH_BITS": True, "WIDE": wide, "BLOCK": _BLOCK}, **G32.UNFUSED)))
-        out.append(("GELU backward (both forms)", wide, sass(
-            G32._gelu32f_bwd_kernel, {**f32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
-            {"WIDE": wide, "BLOCK": _BLOCK}, **G32.UNFUSED)))
+        for name, b in float32_kernels(wide=wide):
+            if name != "GELU tanh forward":  # reads no table
+                out.append((name, wide, split_sass(b)[0]))
     return out
 
 
@@ -92,14 +128,15 @@ def main() -> int:
         sys.exit(f"nvdisasm not found in this Triton install ({_BIN}): it disassembles the compiled kernels")
     print(f"SASS for sm_90 (triton {triton.__version__}), static instructions per element "
           f"(BLOCK {_BLOCK}, {_PER_THREAD} elements per thread)")
-    print("| kernel | dtype | instructions per element | float32 arithmetic (FFMA, FMUL, FADD) | loads | "
-          "most frequent, per element |")
-    print("|---|---|---|---|---|---|")
-    for name, dtype, ops in rows():
+    print("| kernel | dtype | instructions per element | in subroutines (slow paths) | float32 arithmetic (FFMA, "
+          "FMUL, FADD) | loads | most frequent, per element |")
+    print("|---|---|---|---|---|---|---|")
+    for name, dtype, binary in rows():
+        ops, subs = split_sass(binary)
         n = collections.Counter(o.split(".")[0] for o in ops)
         flops = n["FFMA"] + n["FMUL"] + n["FADD"]
         common = ", ".join(f"{k} {v / _PER_THREAD:.1f}" for k, v in n.most_common(5))
-        print(f"| {name} | {dtype} | {len(ops) / _PER_THREAD:.0f} | {flops / _PER_THREAD:.0f} | "
+        print(f"| {name} | {dtype} | {len(ops) / _PER_THREAD:.0f} | {len(subs)} | {flops / _PER_THREAD:.0f} | "
               f"{n['LDG'] / _PER_THREAD:.1f} | {common} |")
     print()
     print("float32 table kernels by how they read a 16-byte row (the kernels' `wide`; "
@@ -111,6 +148,18 @@ def main() -> int:
         smem = n["LDS"] + n["STS"] + n["LDSM"] + n["BAR"]
         print(f"| {name} | {ROW_READS[wide]} | {len(ops) / _PER_THREAD:.0f} | {n['LDG'] / _PER_THREAD:.1f} | "
               f"{smem / _PER_THREAD:.1f} |")
+    print()
+    print("float32 kernels' registers per thread and resident warps per SM (of 64), by launch shape "
+          "(BLOCK / warps per program; gelu_directions.py times them)")
+    print("| kernel | " + " | ".join(f"{b} / {w}" for b, w in SHAPES) + " |")
+    print("|---|" + "---|" * len(SHAPES))
+    table: dict = {}
+    for b, w in SHAPES:
+        for name, binary in float32_kernels(block=b, num_warps=w):
+            regs = registers(binary)
+            table.setdefault(name, []).append(f"{regs}, {warps_per_sm(regs, w)}")
+    for name, cells in table.items():
+        print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -19,7 +19,7 @@ pytestmark, interp = interpreter_marks(INTERPRETED)
 
 import triton.language as tl  # noqa: E402
 
-from leanact.ops.triton.math32 import exp as _exp, tanh as _tanh  # noqa: E402
+from leanact.ops.triton.math32 import exp as _exp, recip12 as _recip12, tanh as _tanh  # noqa: E402
 
 
 @triton.jit
@@ -80,3 +80,27 @@ def test_in_subprocess():
     if INTERPRETED:
         pytest.skip("the interpreter runs in this process")
     run_interpreted(__file__)
+
+
+@triton.jit
+def _recip_kernel(d_ptr, r_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(r_ptr + offs, _recip12(tl.load(d_ptr + offs, mask=m, other=1.0)), mask=m)
+
+
+@interp
+def test_recip12_is_the_correctly_rounded_reciprocal_on_all_of_one_to_two():
+    """Every float32 d in [1, 2]: the same bits as IEEE division (torch's float32 1/d, correctly
+    rounded), which the tanh-form GELU forward computed with div_rn before."""
+    d = torch.arange(0x3F800000, 0x40000001, dtype=torch.int32).view(torch.float32)  # 1.0 ... 2.0
+    assert d[0].item() == 1.0 and d[-1].item() == 2.0
+    r = torch.empty_like(d)
+    _recip_kernel[(triton.cdiv(d.numel(), 1 << 16),)](d, r, d.numel(), BLOCK=1 << 16, enable_fp_fusion=False)
+    want = torch.full_like(d, 1.0) / d
+    bad = (r.view(torch.int32) != want.view(torch.int32)).nonzero()
+    assert bad.numel() == 0, (bad.numel(), d[bad[:5, 0]].tolist(), r[bad[:5, 0]].tolist(), want[bad[:5, 0]].tolist())
+    nan = torch.tensor([float("nan")])
+    out = torch.empty_like(nan)
+    _recip_kernel[(1,)](nan, out, 1, BLOCK=16, enable_fp_fusion=False)
+    assert out.isnan().all()

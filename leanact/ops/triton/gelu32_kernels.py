@@ -16,8 +16,9 @@ cubic's exact argument):
   operations), then ``f'`` from the cubic of the key's cell (:mod:`leanact.ops.gelu.slope32`): no
   ``x``, no ``erfc``, no Newton step.
 
-Only correctly rounded operations: add, mul, ``fma``, ``div_rn``, integer and bit operations (no
-``exp``/``erf`` intrinsics, no approximate division), launched with ``enable_fp_fusion=False``.
+Only correctly rounded operations: add, mul, ``fma``, ``div_rn`` (or ``recip12``, the same bits),
+integer and bit operations (no ``exp``/``erf`` intrinsics, no approximate division), launched with
+``enable_fp_fusion=False``.
 tests/test_triton_cuda.py checks the compiled kernels on a GPU against the bounds the interpreter
 tests measure against float64 (``docs/gelu_bound.md``, section 8): forward within 3.6 ulps of the
 truth (tanh form 3.1), backward within the interval ``B(y)`` of what the stored output allows plus
@@ -25,9 +26,12 @@ truth (tanh form 3.1), backward within the interval ``B(y)`` of what the stored 
 one (forward correctly rounded, backward within ``B(y)`` + 1/2 ulp); the self-check allows the
 difference.
 
-Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts): forward 68
-instructions (tanh form 107), backward 64, against 8 and 12 bytes of memory traffic (forward: x
-in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2
+Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel
+body): forward 68 instructions (tanh form 86: its one quotient, ``1 / (1 + exp(-|v|))`` with the
+divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s eight ``fma``, the same bits as
+``div_rn`` without its slow-path call, which cost 6 instructions per element and 24 registers per
+thread), backward 50 (and its division's slow path, rarely taken), against 8 and 12 bytes of
+memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2
 (the tanh forward reads none). The launchers' ``wide`` picks how a row is read: 0 (the default,
 the one timed on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through
 shared memory, with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU
@@ -46,7 +50,7 @@ from leanact.ops.gelu import slope32 as _slope
 
 from .dispatch import BLOCK
 from .kernels import UNFUSED, _grid, _pack8, _unpack1
-from .math32 import exp_split, f32 as _f32
+from .math32 import exp_split, f32 as _f32, recip12
 from .launch import launch
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
@@ -148,7 +152,7 @@ def _sigmoids(x, bias, up, down):
     ve = tl.fma(m, _K1_HI, -v) + tl.fma(me, _K1_HI, m * _K1_LO)
     neg = v < 0
     big = exp_split(-tl.abs(v), tl.where(neg, ve, -ve), bias)  # exp(-|v|) 2^bias
-    inv = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), big * down + 1.0)
+    inv = recip12(big * down + 1.0)  # 1 / (1 + exp(-|v|)), correctly rounded (the divisor is in [1, 2])
     return tl.where(neg, big * inv, inv * up)  # times 2^bias
 
 
@@ -195,20 +199,22 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE:
     tl.store(out_ptr + offs, g * mk, mask=m)
 
 
-def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: int = 0):
+def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: int = 0,
+                   num_warps: int = 4):
     """``y = GELU(x)``, ``bits``: x > thr packed (or None); ``table``: the erf form's Mills table
-    (:mod:`leanact.ops.gelu.mills32`), None for the tanh form."""
+    (:mod:`leanact.ops.gelu.mills32`), None for the tanh form. ``block / (32 num_warps)`` elements
+    per thread (8 by default)."""
     n = x.numel()
     if n:
         launch(_gelu32f_fwd_kernel, _grid(n, block), x, y, bits if bits is not None else y,
                x if table is None else table.view(torch.int64), n, thr, TANH=table is None,
-               WITH_BITS=bits is not None, WIDE=wide, BLOCK=block, **UNFUSED)
+               WITH_BITS=bits is not None, WIDE=wide, BLOCK=block, num_warps=num_warps, **UNFUSED)
 
 
 def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-                    c32: float, block: int = BLOCK, wide: int = 0):
+                    c32: float, block: int = BLOCK, wide: int = 0, num_warps: int = 4):
     """``out = dy f'(x)``; ``table``: the mode's slope table (:mod:`leanact.ops.gelu.slope32`)."""
     n = y.numel()
     if n:
         launch(_gelu32f_bwd_kernel, _grid(n, block), y, bits, dy, out, table.view(torch.int64), n, c32, WIDE=wide,
-               BLOCK=block, **UNFUSED)
+               BLOCK=block, num_warps=num_warps, **UNFUSED)

@@ -8,6 +8,11 @@ bits in both places (launched with ``enable_fp_fusion=False``): ``exp`` within 1
 ``tanh`` within 3 (2.5 measured; tests/test_triton_math32.py, over the float32 range against
 float64), with no float64 (1/2 to 1/64 of float32's rate on GPUs).
 
+``recip12``: ``1/d`` correctly rounded for ``d`` in [1, 2] (the ``div_rn`` quotient, tested on every
+such float32) from a quadratic guess and three Newton steps, eight ``fma`` and no branch: ``div_rn``
+calls a slow path it rarely takes, whose branch around every division keeps the compiler from
+interleaving the eight quotients a thread computes.
+
 ``exp``: ``x = k ln 2 + r`` with ``ln 2`` in two parts (``k ln2_hi`` exact for ``|k| < 512``),
 ``|r| <= ln 2 / 2``, ``e^r`` by its Taylor polynomial to degree 7 (remainder 0.1 ulp) in Horner's
 form with ``fma``, times ``2^k`` as two normal factors (a subnormal result is rounded once).
@@ -32,9 +37,34 @@ _L2E = tl.constexpr(f32(1.0 / math.log(2.0)))
 _LN2_HI = tl.constexpr(0.693145751953125)  # 9 trailing zero bits: k * _LN2_HI exact for |k| < 512
 _LN2_LO = tl.constexpr(f32(math.log(2.0) - 0.693145751953125))
 #: exp's argument is clamped to [_EXP_FLOOR, _EXP_CEIL]: e^-160 2^64 underflows to 0 (64: the
-#: largest ``bias`` of :func:`exp_split`, which the float32 GELU kernels use), e^89 overflows to inf, and 2^k stays a product of two normal factors.
+#: largest ``bias`` of :func:`exp_split`, which the float32 GELU kernels use), e^89 overflows to
+#: inf, and 2^k stays a product of two normal factors.
 _EXP_FLOOR = tl.constexpr(-160.0)
 _EXP_CEIL = tl.constexpr(89.0)
+
+
+#: 1/d on [1, 2] ~ _R0 + d (_R1 + d _R2), relative error below 0.0102 (minimax, float32 coefficients)
+_R0 = tl.constexpr(2.121136426925659)
+_R1 = tl.constexpr(-1.4544689655303955)
+_R2 = tl.constexpr(0.3232150375843048)
+#: The one d in [1, 2] the steps round wrongly: 1/d = 1/2 + 2^-25 (1 + 2^-24 + ...), 2^-49 above the
+#: midpoint of 1/2 and its successor; the last step starts from r = 1/2 and lands on the midpoint.
+_D_TIE = tl.constexpr(2.0 - 2.0 ** -23)
+_R_TIE = tl.constexpr(0.5 + 2.0 ** -24)
+
+
+@triton.jit
+def recip12(d):
+    """``1/d`` correctly rounded, for float32 ``d`` in [1, 2] (nan stays nan): each Newton step
+    ``r + r (1 - d r)`` squares the relative error, 0.0102 -> 1e-4 -> 1e-8 -> 1e-16, and the last,
+    from within an ulp, rounds once to the nearest float32, except at ``_D_TIE`` (selected; the
+    exact value ``1/d (1 - e^2)`` the step rounds lies ``e^2/d`` below ``1/d``, and only there does
+    that cross a midpoint). tests/test_triton_math32.py checks all 2^23 + 1 inputs."""
+    r = tl.fma(d, tl.fma(d, _R2, _R1), _R0)
+    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    return tl.where(d == _D_TIE, _R_TIE, r)
 
 
 @triton.jit
