@@ -7,7 +7,9 @@ float32 kernels, both forms), CUDA events around back-to-back calls, variants in
 Each table kernel (the erf forward, the backward) runs with its 16-byte row read three ways (the
 kernels' ``wide`` argument): 0, two 8-byte loads; 1, one [BLOCK, 2] load split in registers (a
 layout change through shared memory); 2, one 16-byte load by inline PTX. Variants 1 and 2 are
-checked bitwise against 0 first. A second table times each direction's fastest read at other launch
+checked bitwise against 0 first. The backward also runs with its quotient in ``fma`` (the
+launcher's ``fma_div``: no slow-path call, fewer registers, more instructions), checked against
+``div_rn``'s values. A second table times each direction's fastest read at other launch
 shapes (``BLOCK`` and warps per program: 4 elements per thread instead of 8 halves the registers a
 thread holds, so more warps fit on an SM; ``python benchmarks/kernel_sass.py`` lists the registers).
 Without a GPU: the same tables at tiny sizes under Triton's interpreter (variant 2, PTX, is
@@ -86,37 +88,42 @@ def main(argv=None) -> int:
             y = torch.empty_like(x)
             bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
             out = torch.empty_like(x)
+
             def fwd_at(w, block=1024, warps=4):
                 return lambda: G32.gelu32_forward(x, y, bits, mills, thr, block=block, wide=w, num_warps=warps)
 
-            def bwd_at(w, block=1024, warps=4):
-                return lambda: G32.gelu32_backward(y, bits, dy, out, slope, c32, block=block, wide=w, num_warps=warps)
+            def bwd_at(w, block=1024, warps=4, fma_div=False):
+                return lambda: G32.gelu32_backward(y, bits, dy, out, slope, c32, block=block, wide=w, num_warps=warps,
+                                                   fma_div=fma_div)
 
-            fwd = {w: fwd_at(w) for w in widths}
-            bwd = {w: bwd_at(w) for w in widths}
-            variants = [(w, 1024, 4) for w in widths] + [(0, b, k) for b, k in SHAPES[1:]]
+            def fma_at(w, block=1024, warps=4):
+                return bwd_at(w, block, warps, True)
+
+            variants = [(w, 1024, 4, False) for w in widths] + [(0, b, k, False) for b, k in SHAPES[1:]]
+            variants += [(w, 1024, 4, True) for w in widths]
             ref = []
-            for w, b, k in variants:  # every read and launch shape computes the same bits
+            for w, b, k, f in variants:  # every read, launch shape and quotient computes the same values
                 fwd_at(w, b, k)()
-                bwd_at(w, b, k)()
+                bwd_at(w, b, k, f)()
                 ref.append((y.clone(), bits.clone(), out.clone()))
             for v, got in zip(variants[1:], ref[1:]):
                 assert all(torch.equal(a, b) for a, b in zip(got, ref[0])), (approximate, v)
-            cases = {
-                "forward": {"torch": lambda: F.gelu(x, approximate=approximate), **fwd},
-                "backward": {"torch": lambda: torch.ops.aten.gelu_backward(dy, x, approximate=approximate), **bwd},
+            torch_bwd = lambda: torch.ops.aten.gelu_backward(dy, x, approximate=approximate)  # noqa: E731
+            cases = {  # direction: (its launcher at a read and shape, torch's op)
+                "forward": (fwd_at, lambda: F.gelu(x, approximate=approximate)),
+                "backward": (bwd_at, torch_bwd),
+                "backward, fma quotient": (fma_at, torch_bwd),
             }
-            if approximate == "tanh":  # the tanh forward reads no table: one variant
-                cases["forward"] = {"torch": cases["forward"]["torch"], 0: fwd[0]}
             form = "erf" if approximate == "none" else "tanh"
-            for direction, fns in cases.items():
-                med = medians(fns, args.rounds, cuda, reps)
+            for direction, (at, ref_fn) in cases.items():
+                reads = (0,) if (form, direction) == ("tanh", "forward") else widths  # (the tanh forward reads no table)
+                med = medians({"torch": ref_fn, **{w: at(w) for w in reads}}, args.rounds, cuda, reps)
                 cells = [f"{med[w]:.4f}" if w in med else "" for w in (0, 1, 2)]
                 read = min((k for k in med if k != "torch"), key=med.get)
+                bytes_ = moved[direction.split(",")[0]]
                 lines.append(f"| {form} | {direction} | {med['torch']:.4f} | {' | '.join(cells)} | "
-                             f"{med[read] / med['torch']:.2f}x | {moved[direction] * n / med[read] / 1e6:,.0f} |")
-                at = fwd_at if direction == "forward" else bwd_at
-                shaped = medians({"torch": fns["torch"], **{s: at(read, *s) for s in SHAPES}}, args.rounds, cuda, reps)
+                             f"{med[read] / med['torch']:.2f}x | {bytes_ * n / med[read] / 1e6:,.0f} |")
+                shaped = medians({"torch": ref_fn, **{s: at(read, *s) for s in SHAPES}}, args.rounds, cuda, reps)
                 best = min(shaped[s] for s in SHAPES)
                 cells = " | ".join(f"{shaped[s]:.4f}" for s in SHAPES)
                 shape_lines.append(f"| {form} | {direction} | {read} | {cells} | {best / shaped['torch']:.2f}x |")

@@ -87,15 +87,17 @@ _F32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
 
 
 def float32_kernels(block: int = _BLOCK, wide: int = 0, **options) -> list[tuple[str, bytes]]:
-    """The float32 GELU kernels compiled (both forward forms, the backward)."""
+    """The float32 GELU kernels compiled (both forward forms; the backward with its quotient by
+    ``div_rn``, then by ``fma``: its ``fma_div``)."""
     out = []
     for form, tanh in (("erf", False), ("tanh", True)):
         out.append((f"GELU {form} forward", cubin(
             G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **_F32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
             {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "BLOCK": block}, **G32.UNFUSED, **options)))
-    out.append(("GELU backward (both forms)", cubin(
-        G32._gelu32f_bwd_kernel, {**_F32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
-        {"WIDE": wide, "BLOCK": block}, **G32.UNFUSED, **options)))
+    for name, fma_div in (("GELU backward (both forms)", False), ("GELU backward, fma quotient", True)):
+        out.append((name, cubin(
+            G32._gelu32f_bwd_kernel, {**_F32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
+            {"WIDE": wide, "FMA_DIV": fma_div, "BLOCK": block}, **G32.UNFUSED, **options)))
     return out
 
 

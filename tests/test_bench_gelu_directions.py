@@ -1,5 +1,6 @@
 """benchmarks/gelu_directions.py without a GPU: the float32 GELU kernels under Triton's interpreter at
-tiny sizes, each row read and launch shape checked bitwise against the default, both tables printed."""
+tiny sizes, each row read, launch shape and the backward's fma quotient checked against the default,
+both tables printed."""
 import os
 import pathlib
 import subprocess
@@ -20,8 +21,8 @@ def test_gelu_directions_runs_on_a_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     all_rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| erf") or
                 line.startswith("| tanh")]
-    rows, shaped = all_rows[:4], all_rows[4:]
-    order = [("| erf", "forward"), ("| erf", "backward"), ("| tanh", "forward"), ("| tanh", "backward")]
+    rows, shaped = all_rows[:6], all_rows[6:]
+    order = [(f"| {form}", d) for form in ("erf", "tanh") for d in ("forward", "backward", "backward, fma quotient")]
     assert [(r[0], r[1]) for r in rows] == order and [(r[0], r[1]) for r in shaped] == order
     for row in shaped:  # the read (0 or 1 here), a time per launch shape, best / torch
         assert row[2] in ("0", "1") and len(row) == 3 + 4 + 1

@@ -22,13 +22,14 @@ def test_kernel_sass_prints_every_gelu_kernel():
     first, second, third = r.stdout.split("\n\n")  # the kernels' table, the row reads', the registers'
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in first.splitlines()
             if line.startswith("| GELU")}
-    assert set(rows) == {"GELU erf forward", "GELU tanh forward", "GELU backward (both forms)", "GELU forward (table)",
-                         "GELU backward (table)"}
+    assert set(rows) == {"GELU erf forward", "GELU tanh forward", "GELU backward (both forms)",
+                         "GELU backward, fma quotient", "GELU forward (table)", "GELU backward (table)"}
     per_element = {k: int(v[2]) for k, v in rows.items()}
     assert all(n > 0 for n in per_element.values())
     # the tanh forward's quotient is recip12's fma (no division, no slow path); the backward's
     # left key is a div_rn, whose slow path is a subroutine counted apart
     assert int(rows["GELU tanh forward"][3]) == 0 < int(rows["GELU backward (both forms)"][3])
+    assert int(rows["GELU backward, fma quotient"][3]) == 0  # math32.quotient: no slow path either
     # the float32 kernels do arithmetic the 16-bit ones (a gather) do not
     assert per_element["GELU backward (both forms)"] > per_element["GELU backward (table)"]
     # a table row read as one 16-byte load: one global load per element fewer than as two 8-byte
@@ -47,7 +48,8 @@ def test_kernel_sass_prints_every_gelu_kernel():
     assert shapes[0] == (1024, 4) and len(shapes) >= 2  # the kernels' default first
     regs = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[1:] for line in lines
             if line.startswith("| GELU")}
-    assert set(regs) == {"GELU erf forward", "GELU tanh forward", "GELU backward (both forms)"}
+    assert set(regs) == {"GELU erf forward", "GELU tanh forward", "GELU backward (both forms)",
+                         "GELU backward, fma quotient"}
     for cells in regs.values():
         assert len(cells) == len(shapes)
         for cell, (_, warps) in zip(cells, shapes):

@@ -255,6 +255,47 @@ def test_gelu32_row_reads_agree(mode):
 
 
 @interp
+@pytest.mark.parametrize("mode", ["none", "tanh"])
+def test_gelu32_backward_fma_quotient_agrees(mode):
+    """The float32 backward's left key by ``math32.quotient`` (its ``fma_div``) gives the dx of
+    ``div_rn``'s bitwise: over the outputs of inputs from -20 to 20, tails to the last subnormal
+    outputs, y next to the minimum (c32 and its neighbours, where the key's divisor is subnormal or
+    tiny), random bit patterns of y with both branch bits, and specials."""
+    from leanact.ops.gelu import rebuild32, slope32
+    from leanact.ops.triton import gelu32_kernels as K32
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-20, 20, 4001), torch.randn(4000, generator=g) * 3,
+                   -torch.linspace(12, 15, 2000), torch.tensor([-30.0, -1e-30, 0.0, 1e-30, 30.0])])
+    thr = TG._args("forward", x, mode)[0]
+    mills = K32._mills.mills_table() if mode == "none" else None
+    slope, c32 = slope32.slope_table(mode), rebuild32._C32[mode]
+    y = torch.empty_like(x)
+    bits = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
+    K32.gelu32_forward(x, y, bits, mills, thr)
+    near = torch.tensor(c32).view(torch.int32) + torch.arange(-40, 41, dtype=torch.int32)
+    noise = torch.randint(-2 ** 31, 2 ** 31 - 1, (8000,), generator=g, dtype=torch.int64).to(torch.int32)
+    extra = torch.cat([near.view(torch.float32), noise.view(torch.float32),
+                       torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -1e-45, 1e-45])])
+    n_extra = extra.numel()  # each extra y twice: once on each branch
+    y = torch.cat([y, extra, extra])
+    from leanact.ops.bitpack import pack_bits, unpack_bits
+    right = torch.cat([unpack_bits(bits, x.numel()), torch.zeros(n_extra, dtype=torch.bool),
+                       torch.ones(n_extra, dtype=torch.bool)])
+    bits = pack_bits(right)
+    dy = torch.randn(y.shape, generator=g)
+    outs = []
+    for fma_div in (False, True):
+        dx = torch.empty_like(y)
+        K32.gelu32_backward(y, bits, dy, dx, slope, c32, fma_div=fma_div)
+        outs.append(dx)
+    assert torch.equal(outs[0].isnan(), outs[1].isnan())
+    ok = ~outs[0].isnan()
+    assert torch.equal(outs[0][ok], outs[1][ok])  # (+0 and -0 compare equal: a zero's sign may differ)
+    assert (outs[0][ok] != 0).sum() > x.numel() // 2  # most elements carry a gradient
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_autograd_saves_the_same(K, dtype):
     x = (torch.randn(4, 33) * 3).to(dtype)
@@ -600,8 +641,9 @@ build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "*
 build(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
 from leanact.ops.triton import gelu32_kernels as G32
-build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
-      "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": 0, "BLOCK": 1024}, **G32.UNFUSED)
+for fma_div in (False, True):
+    build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
+          "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": 0, "FMA_DIV": fma_div, "BLOCK": 1024}, **G32.UNFUSED)
 '''
 
 

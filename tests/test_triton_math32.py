@@ -19,7 +19,7 @@ pytestmark, interp = interpreter_marks(INTERPRETED)
 
 import triton.language as tl  # noqa: E402
 
-from leanact.ops.triton.math32 import exp as _exp, recip12 as _recip12, tanh as _tanh  # noqa: E402
+from leanact.ops.triton.math32 import exp as _exp, quotient as _quotient, recip12 as _recip12, tanh as _tanh  # noqa: E402,E501
 
 
 @triton.jit
@@ -104,3 +104,60 @@ def test_recip12_is_the_correctly_rounded_reciprocal_on_all_of_one_to_two():
     out = torch.empty_like(nan)
     _recip_kernel[(1,)](nan, out, 1, BLOCK=16, enable_fp_fusion=False)
     assert out.isnan().all()
+
+
+@triton.jit
+def _quotient_kernel(a_ptr, b_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(a_ptr + offs, mask=m, other=1.0)
+    tl.store(q_ptr + offs, _quotient(a, tl.load(b_ptr + offs, mask=m, other=1.0)), mask=m)
+
+
+def _quotients(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    q = torch.empty_like(a)
+    _quotient_kernel[(triton.cdiv(a.numel(), 1 << 16),)](a, b, q, a.numel(), BLOCK=1 << 16, enable_fp_fusion=False)
+    return q
+
+
+def _bits(n: int, lo_exp: int, hi_exp: int, g: torch.Generator) -> torch.Tensor:
+    """float32 with uniformly random mantissas, exponents in [lo_exp, hi_exp] and signs."""
+    mant = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int32)
+    exp = torch.randint(lo_exp + 127, hi_exp + 128, (n,), generator=g, dtype=torch.int32)
+    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int32) << 31
+    return (sign | (exp << 23) | mant).view(torch.float32)
+
+
+@interp
+def test_quotient_is_the_correctly_rounded_quotient():
+    """``quotient(a, b)`` against IEEE division (torch's float32 a / b) wherever its doc promises
+    ``div_rn``'s bits: random mantissas over the whole normal range of b (below 2^126) and of the
+    quotient, numerators down to the smallest subnormal, divisors with mantissas next to 1 and 2
+    (where the reciprocal's rounding changes binade), and the float32 GELU backward's own operands
+    (y in (c32, 0) over kr = ((y - c32) - 2^-52) 2^-77)."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 21
+    b = _bits(n, -126, 125, g)
+    a = torch.cat([_bits(n // 2, -126, 127, g), _bits(n // 2, -149, -100, g)])  # normal, then tiny (and subnormal)
+    edge = torch.tensor([1.0, 2.0 - 2.0 ** -23, 1.0 + 2.0 ** -23, 1.5, 3.0, 1.0 - 2.0 ** -24]).repeat(n // 6 + 1)[:n]
+    b2 = edge * 2.0 ** torch.randint(-100, 100, (n,), generator=g).float()
+    from leanact.ops.gelu import rebuild32
+    c32 = rebuild32._C32["none"]
+    y = -torch.rand(n, generator=g) ** 8 * -c32  # (c32, 0], dense near 0
+    y = torch.cat([y, -torch.rand(n // 4, generator=g) * 1e-38, torch.tensor([-1e-45, -2e-45, c32 / 2])])
+    kr = ((y - c32) - 2.0 ** -52) * 2.0 ** -77
+    for num, den in ((a, b), (a, b2), (y, kr)):
+        want = num / den
+        ok = want.isfinite() & ((want.abs() >= 2.0 ** -126) | (want == 0))  # a normal (or zero) quotient
+        got = _quotients(num.contiguous(), den.contiguous())
+        bad = (got.view(torch.int32) != want.view(torch.int32)) & ok
+        assert ok.float().mean() > 0.5 and not bad.any(), (bad.sum().item(), num[bad][:3].tolist(), den[bad][:3].tolist(),
+                                                            got[bad][:3].tolist(), want[bad][:3].tolist())
+    # outside the promise: nan in, nan out; a divisor that is subnormal or zero gives the right sign
+    # (the GELU backward masks such a key by its sign)
+    num = torch.tensor([float("nan"), 1.0, float("nan"), -1.0, 0.5, 1.0, -0.17, 0.3])
+    den = torch.tensor([1.0, float("nan"), float("nan"), 1e-40, -2e-41, -0.0, -2.0 ** -129, 0.0])
+    got, want = _quotients(num, den), num / den
+    assert torch.equal(got.isnan(), want.isnan())
+    fin = ~want.isnan()
+    assert torch.equal(torch.signbit(got[fin]), torch.signbit(want[fin]))

@@ -107,8 +107,10 @@ for wide in (0, 1, 2):  # the three ways to read a table row
         build(G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "bits_ptr": "*u8",
               "tab_ptr": "*fp32" if tanh else "*i64", "n": "i32", "thr": "fp32"},
               {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "BLOCK": 1024}, **G32.UNFUSED)
-    build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
-          "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": wide, "BLOCK": 1024}, **G32.UNFUSED)
+    for fma_div in (False, True):  # the left key's quotient by div_rn, or by math32.quotient
+        build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
+              "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": wide, "FMA_DIV": fma_div, "BLOCK": 1024},
+              **G32.UNFUSED)
 '''
 
 _F64 = r'''

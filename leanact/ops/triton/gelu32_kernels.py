@@ -35,7 +35,10 @@ memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8 byte in,
 (the tanh forward reads none). The launchers' ``wide`` picks how a row is read: 0 (the default,
 the one timed on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through
 shared memory, with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU
-by ``benchmarks/gelu_directions.py``, which times the three).
+by ``benchmarks/gelu_directions.py``, which times the three). The backward's ``fma_div`` computes
+its one quotient by :func:`~leanact.ops.triton.math32.quotient` (no slow-path call: 35 registers a
+thread instead of 56, 10 more instructions per element), the same bits where the key is kept;
+``gelu_directions.py`` times both.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from leanact.ops.gelu import slope32 as _slope
 
 from .dispatch import BLOCK
 from .kernels import UNFUSED, _grid, _pack8, _unpack1
-from .math32 import exp_split, f32 as _f32, recip12
+from .math32 import exp_split, f32 as _f32, quotient, recip12
 from .launch import launch
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
@@ -178,9 +181,12 @@ def _gelu32f_fwd_kernel(x_ptr, y_ptr, bits_ptr, tab_ptr, n, thr, TANH: tl.conste
 
 
 @triton.jit
-def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE: tl.constexpr, FMA_DIV: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """dx = dy f'(x) from (y, bit): the float32 path's key (``rebuild32._guess32``: the same float32
-    operations), then the cubic of its cell (:mod:`leanact.ops.gelu.slope32`)."""
+    operations), then the cubic of its cell (:mod:`leanact.ops.gelu.slope32`). ``FMA_DIV``: the left
+    key's quotient by :func:`~leanact.ops.triton.math32.quotient` (``div_rn``'s bits wherever the
+    key is kept) instead of ``div_rn``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     y = tl.load(y_ptr + offs, mask=m, other=0.0)
@@ -188,7 +194,7 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE:
     right = _unpack1(bits_ptr, offs, m) != 0
     kr = ((y - c32) - _KEY_TINY) * _KEY_SCALE  # right key
     key = tl.where(right, tl.minimum(kr, _KEY_RIGHT_MAX, propagate_nan=tl.PropagateNan.ALL),
-                   -tl.math.div_rn(y, kr))  # left key
+                   -(quotient(y, kr) if FMA_DIV else tl.math.div_rn(y, kr)))  # left key
     # keep: key > 0 (y above the minimum; on the left branch also y < 0): dy, else 0; nan stays nan
     mk = tl.clamp(key * 1.7014118346046923e38, 0.0, 1.0, propagate_nan=tl.PropagateNan.ALL) * dy  # key 2^127
     kb = key.to(tl.int32, bitcast=True)
@@ -212,9 +218,10 @@ def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, bl
 
 
 def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-                    c32: float, block: int = BLOCK, wide: int = 0, num_warps: int = 4):
-    """``out = dy f'(x)``; ``table``: the mode's slope table (:mod:`leanact.ops.gelu.slope32`)."""
+                    c32: float, block: int = BLOCK, wide: int = 0, num_warps: int = 4, fma_div: bool = False):
+    """``out = dy f'(x)``; ``table``: the mode's slope table (:mod:`leanact.ops.gelu.slope32`);
+    ``fma_div``: the left key's quotient in ``fma`` (module doc)."""
     n = y.numel()
     if n:
         launch(_gelu32f_bwd_kernel, _grid(n, block), y, bits, dy, out, table.view(torch.int64), n, c32, WIDE=wide,
-               BLOCK=block, num_warps=num_warps, **UNFUSED)
+               FMA_DIV=fma_div, BLOCK=block, num_warps=num_warps, **UNFUSED)

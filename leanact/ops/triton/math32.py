@@ -11,7 +11,9 @@ float64), with no float64 (1/2 to 1/64 of float32's rate on GPUs).
 ``recip12``: ``1/d`` correctly rounded for ``d`` in [1, 2] (the ``div_rn`` quotient, tested on every
 such float32) from a quadratic guess and three Newton steps, eight ``fma`` and no branch: ``div_rn``
 calls a slow path it rarely takes, whose branch around every division keeps the compiler from
-interleaving the eight quotients a thread computes.
+interleaving the eight quotients a thread computes. ``quotient``: ``a / b`` correctly rounded the
+same way, through ``recip12`` of ``b``'s mantissa and one Markstein correction (for a normal
+divisor and a normal quotient).
 
 ``exp``: ``x = k ln 2 + r`` with ``ln 2`` in two parts (``k ln2_hi`` exact for ``|k| < 512``),
 ``|r| <= ln 2 / 2``, ``e^r`` by its Taylor polynomial to degree 7 (remainder 0.1 ulp) in Horner's
@@ -65,6 +67,32 @@ def recip12(d):
     r = tl.fma(r, tl.fma(-d, r, 1.0), r)
     r = tl.fma(r, tl.fma(-d, r, 1.0), r)
     return tl.where(d == _D_TIE, _R_TIE, r)
+
+
+_EXP_BITS = tl.constexpr(0x7F800000)
+_MANT_BITS = tl.constexpr(0x007FFFFF)
+_ONE_BITS = tl.constexpr(0x3F800000)
+_SIGN_BITS = tl.constexpr(-0x80000000)
+_TINY_NUMERATOR = tl.constexpr(2.0 ** -100)
+
+
+@triton.jit
+def quotient(a, b):
+    """``a / b`` correctly rounded (``div_rn``'s bits) where ``b`` is normal, ``|b| < 2^126``, and the
+    quotient is normal or zero. Elsewhere: nan if ``a`` or ``b`` is; for a subnormal or zero ``b``
+    and a finite nonzero ``a``, a value of the quotient's sign; otherwise unspecified.
+    ``y = RN(1/b)`` exactly (:func:`recip12` of the mantissa, times the power of two), ``q = RN(a y)``
+    within an ulp, ``r = a - b q`` exact (``fma``), and ``RN(q + r y)`` is ``RN(a / b)``
+    (Markstein's theorem); a numerator below 2^-100 is scaled by 2^64 first so that ``r`` stays normal."""
+    bb = b.to(tl.int32, bitcast=True)
+    m = ((bb & _MANT_BITS) | _ONE_BITS).to(tl.float32, bitcast=True)  # |b|'s mantissa, in [1, 2)
+    scale = (((254 << 23) - (bb & _EXP_BITS)) | (bb & _SIGN_BITS)).to(tl.float32, bitcast=True)  # +-2^-e
+    y = recip12(m) * scale
+    tiny = tl.abs(a) < _TINY_NUMERATOR
+    a = a * tl.where(tiny, 18446744073709551616.0, 1.0)
+    q = a * y
+    q = tl.where(a == 0, q, tl.fma(tl.fma(-b, q, a), y, q))  # (the sum loses a zero's sign)
+    return q * tl.where(tiny, 5.421010862427522e-20, 1.0)
 
 
 @triton.jit
