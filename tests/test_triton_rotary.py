@@ -65,6 +65,44 @@ def test_kernel_is_hf_bitwise(KM, x_dtype, t_dtype, tables):
     assert all(_bitwise(a, b) for a, b in zip(got, want))
 
 
+@interp
+def test_gradients_of_any_layout_and_checks_once_per_call(KM, monkeypatch):
+    """The tensors are checked once per call (forward: all four together; backward: only the
+    gradient, whose shape and dtype autograd fixes): a gradient whose last dimension is not unit-stride
+    takes the PyTorch path, bitwise autograd's still; one with unit stride, the kernel."""
+    from leanact.ops.triton import rotary as TR
+
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 9, 3, 8, generator=g) * 3).to(torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = (torch.randn(2, 1, 9, 8, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    cos, sin = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 8, generator=g)
+    calls = {"usable": 0, "backward_with": 0}
+    usable, backward_with = TR.usable, TR.backward_with
+
+    def counted(name, fn):
+        def run(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return run
+
+    monkeypatch.setattr(TR, "usable", counted("usable", usable))
+    monkeypatch.setattr(TR, "backward_with", counted("backward_with", backward_with))
+    for strided in (False, True):
+        qe, ke = ML.apply_rotary_pos_emb(q, k, cos, sin)
+        gq = torch.randn(qe.shape, generator=g)
+        if strided:  # the same values, the last dimension strided
+            gq = gq.transpose(-1, -2).contiguous().transpose(-1, -2)
+            assert gq.stride(-1) != 1
+        want = torch.autograd.grad((qe, ke), (q, k), (gq, torch.zeros_like(ke)))
+        calls.update(usable=0, backward_with=0)
+        with dispatch.use_kernels(KM[0]):
+            out = R.rotary(q, k, cos, sin)
+            assert calls["usable"] == 1  # forward: q, k, cos, sin together
+            got = torch.autograd.grad(out, (q, k), (gq, torch.zeros_like(ke)))
+        assert calls == {"usable": 3, "backward_with": 2}  # backward: each gradient alone
+        assert all(_bitwise(a, b) for a, b in zip(got, want)), strided
+
+
 def _llama():
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=100)

@@ -51,17 +51,20 @@ def rotary_backward_reference(g: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 class RotaryFunction(torch.autograd.Function):
-    """(q_embed, k_embed) of :func:`rotary`; keeps cos and sin. Runs the kernels (the caller checked
-    :func:`rotary`'s conditions), the PyTorch path where a kernel fails."""
+    """(q_embed, k_embed) of :func:`rotary`; keeps cos and sin. ``launchers``: the kernels'
+    launchers when the caller (:func:`rotary`) has checked the four tensors, or None (checked here,
+    per tensor). Runs the kernels, the PyTorch path where a kernel fails or does not apply."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, cos, sin, launchers=None):
         outs = []
         for x in (q, k):
-            y = _kernel.rotary_forward(x, cos, sin)
+            y = (_kernel.rotary_forward(x, cos, sin) if launchers is None
+                 else _kernel.forward_with(launchers, x, cos, sin))
             outs.append(rotary_reference(x, cos, sin) if y is None else y)
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = (q.dtype, k.dtype)
+        ctx.checked = launchers is not None
         ctx.set_materialize_grads(False)  # (an output nothing used: no zero gradient made and rotated)
         return tuple(outs)
 
@@ -74,23 +77,28 @@ class RotaryFunction(torch.autograd.Function):
             if g is None or not need:
                 grads.append(None)
                 continue
-            dx = _kernel.rotary_backward(g, cos, sin, dtype)
+            # the tables were checked in forward (when ctx.checked) and g has its output's shape:
+            # only g itself is looked at
+            launchers = _kernel.usable(g) if ctx.checked else None
+            dx = (_kernel.rotary_backward(g, cos, sin, dtype) if not ctx.checked
+                  else None if launchers is None else _kernel.backward_with(launchers, g, cos, sin, dtype))
             grads.append(rotary_backward_reference(g, cos, sin, dtype) if dx is None else dx)
-        return grads[0], grads[1], None, None
+        return grads[0], grads[1], None, None, None
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``(q·cos + rotate_half(q)·sin, k·cos + rotate_half(k)·sin)`` through the kernels, or None
     where they do not apply (module doc). q, k: (B, H, S, D) (k may have fewer heads); cos, sin:
-    (B or 1, S, D), not needing a gradient."""
+    (B or 1, S, D), not needing a gradient. The checks run once here, not again per tensor."""
     if cos.requires_grad or sin.requires_grad or q.dtype != k.dtype:
         return None
     if k.dim() != 4 or q.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
         return None
-    if _kernel._module(_kernel._usable(q, k, cos, sin)) is None or not _kernel._shapes_ok(q, cos, sin) \
-            or not _kernel._shapes_ok(k, cos, sin):
+    launchers = _kernel.usable(q, k, cos, sin)
+    if launchers is None or not _kernel.tables_ok(cos, sin) or not _kernel.tensor_ok(q, cos) \
+            or not _kernel.tensor_ok(k, cos):
         return None
-    return RotaryFunction.apply(q, k, cos, sin)
+    return RotaryFunction.apply(q, k, cos, sin, launchers)
 
 
 def _check(device: torch.device, key) -> None:

@@ -20,19 +20,32 @@ def _module(k):
     return launchers(k, "rotary_kernels", "rotary")
 
 
-def _shapes_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    if x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or x.dtype not in _DTYPES:
+def usable(*tensors):
+    """The rotary launchers when every tensor may run a kernel (:func:`.dispatch._usable`), else None."""
+    return _module(_usable(*tensors))
+
+
+def tables_ok(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """(B or 1, S, D) tables of one dtype, unit stride along D."""
+    return (cos.dim() == 3 and sin.shape == cos.shape and cos.dtype in _DTYPES and sin.dtype == cos.dtype
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def tensor_ok(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """``x`` (B, H, S, D), even D, unit stride along D, for tables that passed :func:`tables_ok`."""
+    if x.dim() != 4 or x.dtype not in _DTYPES or x.stride(-1) != 1:
         return False
     b, _, s, d = x.shape
-    return (d % 2 == 0 and cos.shape[0] in (1, b) and cos.shape[1:] == (s, d) and cos.dtype in _DTYPES
-            and sin.dtype == cos.dtype and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+    cb, cs, cd = cos.shape
+    return d % 2 == 0 and cs == s and cd == d and (cb == 1 or cb == b)
 
 
-def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``x·cos + rotate_half(x)·sin`` in the promoted dtype (x's layout), or None."""
-    k = _module(_usable(x, cos, sin))
-    if k is None or not _shapes_ok(x, cos, sin):
-        return None
+def _shapes_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return tables_ok(cos, sin) and tensor_ok(x, cos)
+
+
+def forward_with(k, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """:func:`rotary_forward` with the launchers ``k`` and the shapes already checked, or None."""
     p = torch.promote_types(x.dtype, cos.dtype)
     out = torch.empty_like(x, dtype=p)
     if _launch("rotary", x, k.rotary, x, cos, sin, out, False, p, x.dtype, check_key=(x.dtype, p)) is _FAILED:
@@ -40,15 +53,29 @@ def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return out
 
 
-def rotary_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
-    """The gradient of x (``x_dtype``, g's layout) from the output's gradient g, or None."""
-    k = _module(_usable(g, cos, sin))
-    if k is None or not _shapes_ok(g, cos, sin) or x_dtype not in _DTYPES:
-        return None
+def backward_with(k, g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
+    """:func:`rotary_backward` for a gradient ``g`` of the output :func:`forward_with` made (its
+    shape; autograd gives it the output's dtype, not its layout): only g's layout is checked."""
     p = torch.promote_types(x_dtype, cos.dtype)
-    if g.dtype != p:
+    if g.dtype != p or g.stride(-1) != 1:
         return None
     dx = torch.empty_like(g, dtype=x_dtype)
     if _launch("rotary", g, k.rotary, g, cos, sin, dx, True, p, x_dtype, check_key=(x_dtype, p)) is _FAILED:
         return None
     return dx
+
+
+def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``x·cos + rotate_half(x)·sin`` in the promoted dtype (x's layout), or None."""
+    k = usable(x, cos, sin)
+    if k is None or not _shapes_ok(x, cos, sin):
+        return None
+    return forward_with(k, x, cos, sin)
+
+
+def rotary_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
+    """The gradient of x (``x_dtype``, g's layout) from the output's gradient g, or None."""
+    k = usable(g, cos, sin)
+    if k is None or not _shapes_ok(g, cos, sin) or x_dtype not in _DTYPES:
+        return None
+    return backward_with(k, g, cos, sin, x_dtype)
