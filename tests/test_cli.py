@@ -42,7 +42,9 @@ def _json(capsys, argv):
 
 
 def _profile(bert_json, *extra):
-    return ["profile", "--model", bert_json, "--seq", str(S), "--batch", "2", *extra]
+    """bf16 (the numbers below are bf16's) unless ``extra`` picks a dtype: the default depends on the CPU."""
+    dtype = [] if "--dtype" in extra or "--autocast" in extra else ["--dtype", "bf16"]
+    return ["profile", "--model", bert_json, "--seq", str(S), "--batch", "2", *dtype, *extra]
 
 
 def test_profile_json_tiny_bert(bert_json, capsys):
@@ -327,7 +329,8 @@ def test_config_json_without_model_type(tmp_path, capsys):
 
 
 # -- `leanact layers`: one BERT-style encoder layer, torch.nn modules vs leanact drop-ins ----------
-LAYERS_SMALL = ["layers", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--repeats", "1"]
+LAYERS_SMALL = ["layers", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--dtype", "bf16",
+                "--repeats", "1"]
 
 
 def test_layers_json_small(capsys, monkeypatch):
@@ -435,7 +438,7 @@ def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
     path.write_text(json.dumps(cfg))
     budget = 160 << 20
     out = _json(capsys, ["profile", "--model", str(path), "--seq", "32", "--batch", "1", "--repeats", "0",
-                         "--budget", "160MiB"])
+                         "--budget", "160MiB", "--dtype", "bf16"])
     longest = out["longest"]
     assert set(longest["by_strategy"]) == set(LONGEST_CANDIDATES)
     reached = longest["by_strategy"]
@@ -450,3 +453,25 @@ def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
                  for n in (longest["seq"], longest["seq"] + 128))
     assert at.peak == longest["peak"] <= budget - longest["reserve"] < after.peak
     assert at.host == longest["host"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_default_dtype_follows_the_cpus_bf16_matmul(native, bert_json, capsys, monkeypatch):
+    """No --dtype: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32 (a bf16
+    step there takes up to 60x an fp32 one), said on stderr; an explicit --dtype is kept either way."""
+    import leanact.cli.profile as P
+
+    monkeypatch.setattr(P, "native_16bit_gemm", lambda dtype: native)
+    argv = ["profile", "--model", bert_json, "--seq", str(S), "--batch", "2", "--repeats", "0"]
+    assert main(argv + ["--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["dtype"] == ("bf16" if native else "fp32")
+    assert ("no native bf16 matrix multiply" in captured.err) is not native
+    assert main(argv + ["--json", "--dtype", "bf16"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["dtype"] == "bf16" and "native" not in captured.err
+    layers = ["layers", "--hidden", "64", "--heads", "4", "--seq", "32", "--repeats", "0", "--json"]
+    assert main(layers) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["dtype"] == ("bf16" if native else "fp32")
+    assert ("leanact layers: fp32" in captured.err) is not native

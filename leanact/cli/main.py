@@ -73,7 +73,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--batch", type=_positive, help="batch for the activation column and the timing "
                                                    "(default: per model, 2 for bert-base)")
     p.add_argument("--dtype", choices=list(profile_cmd.DTYPES), default=None,
-                   help="weights and inputs (default bf16; fp32 with --autocast)")
+                   help="weights and inputs (default bf16 where the CPU multiplies bf16 natively, AVX512-BF16 "
+                        "or AMX, else fp32; fp32 with --autocast)")
     p.add_argument("--autocast", choices=list(profile_cmd.AUTOCAST), default=None,
                    help="fp32 weights, every forward under torch.autocast of this dtype (mixed precision)")
     p.add_argument("--dropout", type=_probability, help="set every dropout probability of the config "
@@ -99,7 +100,8 @@ def _add_layers(sub) -> None:
     p.add_argument("--heads", type=_positive, default=d.heads, help=f"attention heads a (default {d.heads})")
     p.add_argument("--seq", type=_positive, default=d.seq, help=f"sequence length s (default {d.seq})")
     p.add_argument("--batch", type=_positive, default=d.batch, help=f"micro-batch b (default {d.batch})")
-    p.add_argument("--dtype", choices=sorted(layer_cmd.DTYPES), default=d.dtype, help=f"default {d.dtype}")
+    p.add_argument("--dtype", choices=sorted(layer_cmd.DTYPES), default=None,
+                   help="default bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32")
     p.add_argument("--dropout", type=_probability, default=d.dropout, help=f"default {d.dropout}")
     p.add_argument("--repeats", type=_non_negative, default=d.repeats,
                    help=f"timed steps per mode, 0 to skip timing (default {d.repeats})")
@@ -156,7 +158,7 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
 
     try:
         geo = resolve(args.model)
-        dtype = args.dtype or ("fp32" if args.autocast else "bf16")
+        dtype = args.dtype or ("fp32" if args.autocast else profile_cmd.default_dtype())
         cfg = profile_cmd.ProfileConfig(args.model, args.seq, args.batch, dtype, args.dropout, args.repeats,
                                         args.budget, autocast=args.autocast).resolved(geo)
         geo.check_seq(cfg.seq)
@@ -164,6 +166,8 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
         parser.error(str(e))
     if args.plot:
         _check_plot(parser, args.plot)
+    if args.dtype is None and not args.autocast and cfg.dtype == "fp32":
+        print(profile_cmd.FP32_NOTE, file=sys.stderr)
     _warn_if_busy(cfg.repeats)
     if args.json:
         result = profile_cmd.run_profile(cfg)
@@ -229,7 +233,10 @@ def _layers(parser: argparse.ArgumentParser, args) -> int:
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     cfg = layer_cmd.ProfileConfig(hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch,
-                                  dtype=args.dtype, dropout=args.dropout, repeats=args.repeats)
+                                  dtype=args.dtype or profile_cmd.default_dtype(), dropout=args.dropout,
+                                  repeats=args.repeats)
+    if args.dtype is None and cfg.dtype == "fp32":
+        print(profile_cmd.FP32_NOTE.replace("leanact profile", "leanact layers"), file=sys.stderr)
     _warn_if_busy(cfg.repeats)
     if args.json:
         print(json.dumps(layer_cmd.run_profile(cfg).to_dict(), indent=2))

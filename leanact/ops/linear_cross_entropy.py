@@ -67,6 +67,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .backward import once_differentiable
+from .cpu_gemm import native_16bit_gemm as _native_16bit_gemm
 from .transforms import functorch_active
 from .triton import cross_entropy as _triton_ce
 
@@ -85,15 +86,6 @@ COMPACT = 0.5
 #: (:func:`product_rows`; at least one chunk)
 PRODUCT_FRACTION = 0.5
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-def _native_16bit_gemm(dtype: torch.dtype) -> bool:
-    try:
-        if dtype == torch.bfloat16:
-            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-        return bool(torch.cpu._is_amx_fp16_supported())
-    except (AttributeError, RuntimeError):  # pragma: no cover - other torch builds
-        return True
 
 
 def _matmul_dtype(cdtype: torch.dtype, device: torch.device) -> torch.dtype:
