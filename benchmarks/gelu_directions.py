@@ -126,11 +126,13 @@ def main(argv=None) -> int:
             }
             form = "erf" if approximate == "none" else "tanh"
             for direction, (at, ref_fn) in cases.items():
-                reads = (0,) if (form, direction) == ("tanh", "forward") else widths  # (the tanh forward reads no table)
+                tanh_forward = (form, direction) == ("tanh", "forward")  # (reads no table)
+                reads = (0,) if tanh_forward else widths
                 reads = [w for w in reads if (direction, w) not in skip]
                 if not reads:  # (only the fma quotient's: the default is the reference)
                     lines.append(f"| {form} | {direction} | | | | | MISMATCH | |")
-                    shape_lines.append(f"| {form} | {direction} | | " + " | ".join("" for _ in SHAPES) + " | MISMATCH |")
+                    blank = " | ".join("" for _ in SHAPES)
+                    shape_lines.append(f"| {form} | {direction} | | {blank} | MISMATCH |")
                     continue
                 med = medians({"torch": ref_fn, **{w: at(w) for w in reads}}, args.rounds, cuda, reps)
                 cells = [f"{med[w]:.4f}" if w in med else "" for w in (0, 1, 2)]

@@ -129,8 +129,9 @@ def test_gelu32_variants_compute_the_same_on_this_gpu(mode):
     thr, mills = TG._args("forward", x, mode)
     slope, c32 = TG._args("backward", x, mode)
     outs = []
-    for wide, block, warps, fma_div in ((0, 1024, 4, False), (1, 1024, 4, False), (2, 1024, 4, False),
-                                        (0, 1024, 8, False), (2, 512, 4, False), (0, 1024, 4, True), (2, 1024, 8, True)):
+    variants = ((0, 1024, 4, False), (1, 1024, 4, False), (2, 1024, 4, False), (0, 1024, 8, False),
+                (2, 512, 4, False), (0, 1024, 4, True), (2, 1024, 8, True))  # (read, BLOCK, warps, fma quotient)
+    for wide, block, warps, fma_div in variants:
         y, bits, dx = torch.empty_like(x), torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device="cuda"), \
             torch.empty_like(x)
         K32.gelu32_forward(x, y, bits, mills, thr, block=block, wide=wide, num_warps=warps)

@@ -31,8 +31,8 @@ body): forward 68 instructions (tanh form 86: its one quotient, ``1 / (1 + exp(-
 divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s eight ``fma``, the same bits as
 ``div_rn`` without its slow-path call, which cost 6 instructions per element and 24 registers per
 thread), backward 50 (and its division's slow path, rarely taken), against 8 and 12 bytes of
-memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2
-(the tanh forward reads none). The launchers' ``wide`` picks how a row is read: 0 (the default,
+memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a
+16-byte table row from L1/L2 (the tanh forward reads none). The launchers' ``wide`` picks how a row is read: 0 (the default,
 the one timed on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through
 shared memory, with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU
 by ``benchmarks/gelu_directions.py``, which times the three). The backward's ``fma_div`` computes
