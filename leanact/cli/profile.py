@@ -52,13 +52,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 def default_dtype() -> str:
     """bf16 where this CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32: elsewhere a bf16
-    step takes 4x (AVX-512) to 60x (AVX2 only) an fp32 one (:mod:`leanact.ops.cpu_gemm`)."""
+    step takes about 4x (AVX-512) to 70x (AVX2 only) an fp32 one (:mod:`leanact.ops.cpu_gemm`)."""
     return "bf16" if native_16bit_gemm(torch.bfloat16) else "fp32"
 
 
 #: Printed when :func:`default_dtype` picks fp32.
 FP32_NOTE = ("leanact profile: fp32, as this CPU has no native bf16 matrix multiply (AVX512-BF16 or AMX), "
-             "where bf16 steps take up to 60x longer; --dtype bf16 profiles bf16 anyway")
+             "where a bf16 step can take 70x an fp32 one; --dtype bf16 profiles bf16 anyway")
 AUTOCAST = ("bf16", "fp16")  # --autocast: fp32 weights, the forward under torch.autocast
 DEFAULT_MODEL = "bert-base"
 # (label, HF attention implementation, leanact.patch attention mode or None for unpatched)
