@@ -11,7 +11,9 @@ cubic's exact argument):
   (:mod:`leanact.ops.gelu.mills32`) and ``exp`` of ``-a^2/2`` split exactly into two floats
   (``fma``) and reduced by ``ln 2`` in two parts, so the tails keep their relative accuracy (a
   plain float32 ``exp(-x*x/2)`` is off by ``x^2`` ulps). Tanh form: ``x sigmoid(v)`` with ``v = K1
-  x (1 + A x^2)`` carried as a two-float sum for the same reason (no table).
+  x (1 + A x^2)`` carried as a two-float sum for the same reason (no table). ``exp``'s power of two
+  (:func:`~leanact.ops.triton.math32.exp_parts`) is multiplied in last, after ``x``, so a ``y``
+  below float32's normal range is rounded once, at the end.
 - backward: the float32 path's key of ``(y, bit)`` (``rebuild32._guess32``, the same float32
   operations), then ``f'`` from the cubic of the key's cell (:mod:`leanact.ops.gelu.slope32`): no
   ``x``, no ``erfc``, no Newton step.
@@ -20,14 +22,14 @@ Only correctly rounded operations: add, mul, ``fma``, ``div_rn`` (or ``recip12``
 integer and bit operations (no ``exp``/``erf`` intrinsics, no approximate division), launched with
 ``enable_fp_fusion=False``.
 tests/test_triton_cuda.py checks the compiled kernels on a GPU against the bounds the interpreter
-tests measure against float64 (``docs/gelu_bound.md``, section 8): forward within 3.6 ulps of the
-truth (tanh form 3.1), backward within the interval ``B(y)`` of what the stored output allows plus
+tests measure against float64 (``docs/gelu_bound.md``, section 8): forward within 3.8 ulps of the
+truth (tanh form 3.2), backward within the interval ``B(y)`` of what the stored output allows plus
 1.7 ulps of the gradient, inside ``B(y)`` next to the minimum. The PyTorch path stays the float64
 one (forward correctly rounded, backward within ``B(y)`` + 1/2 ulp); the self-check allows the
 difference.
 
 Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel
-body): forward 68 instructions (tanh form 86: its one quotient, ``1 / (1 + exp(-|v|))`` with the
+body): forward 53 instructions (tanh form 73: its one quotient, ``1 / (1 + exp(-|v|))`` with the
 divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s eight ``fma``, the same bits as
 ``div_rn`` without its slow-path call, which cost 6 instructions per element and 24 registers per
 thread), backward 50 (and its division's slow path, rarely taken), against 8 and 12 bytes of
@@ -53,7 +55,7 @@ from leanact.ops.gelu import slope32 as _slope
 
 from .dispatch import BLOCK
 from .kernels import UNFUSED, _grid, _pack8, _unpack1
-from .math32 import exp_split, f32 as _f32, quotient, recip12
+from .math32 import exp_parts, f32 as _f32, quotient, recip12
 from .launch import launch
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
@@ -68,8 +70,13 @@ def _split(v: float) -> tuple[float, float]:
 _K1_HI, _K1_LO = (tl.constexpr(c) for c in _split(_gm._K1))
 _A = tl.constexpr(_f32(_gm._A))
 _A_LO = tl.constexpr(_f32(_gm._A - _f32(_gm._A)))
-#: |x| beyond which the tails are flat in float32 (Phi(-20) ~ 3e-89, sigmoid(v(-20)) ~ e^-603).
-_X_CLAMP = tl.constexpr(20.0)
+#: |x| beyond which the tails are flat in float32 (15 Phi(-15) ~ 6e-50 and 12 sigmoid(v(-12)) ~ 1e-61
+#: round to zero, 1 - Phi(-15) and sigmoid(v(12)) to 1) and exp's 2^k stays two normal factors
+#: (x^2 / 2 = 112.5, |v(12)| = 142.5: :func:`~leanact.ops.triton.math32.exp_parts` takes 170).
+_X_CLAMP = tl.constexpr(15.0)
+_X_CLAMP_TANH = tl.constexpr(12.0)
+_INV_TWO_64 = tl.constexpr(2.0 ** -64)
+_INV_TWO_96 = tl.constexpr(2.0 ** -96)
 _KEY_TINY = tl.constexpr(_g32._KEY_TINY)
 _KEY_SCALE = tl.constexpr(_g32._KEY_SCALE)
 _KEY_RIGHT_MAX = tl.constexpr(_g32._KEY_RIGHT_MAX)
@@ -81,9 +88,6 @@ _MILLS_SHIFT = tl.constexpr(_mills.SHIFT)
 _MILLS_NCELL = tl.constexpr(_mills.NCELL)
 _MILLS_UNIT = tl.constexpr(2.0 ** -_mills.SHIFT)
 _MILLS_LOW = tl.constexpr((1 << _mills.SHIFT) - 1)
-_BIAS = tl.constexpr(64)
-_TWO_BIAS = tl.constexpr(2.0 ** 64)
-_INV_TWO_BIAS = tl.constexpr(2.0 ** -64)
 
 
 @triton.jit
@@ -116,47 +120,42 @@ def _row(tab_ptr, cell, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _scale(x):
-    """``(bias, 2^bias, 2^-bias)``: in the left tail (x < -5) the tiny values Phi, phi, sigmoid(v),
-    f, f', f'' are carried times 2^_BIAS, so none of them loses bits to subnormal range (y does
-    from x < -13); the result is scaled back once, at the end."""
-    tail = x < -5.0
-    return (tl.where(tail, _BIAS, 0), tl.where(tail, _TWO_BIAS, 1.0), tl.where(tail, _INV_TWO_BIAS, 1.0))
-
-
-@triton.jit
-def _phis(x, bias, up, tab_ptr, WIDE: tl.constexpr):
-    """``Phi(x)`` times ``up = 2^bias`` in float32 for ``|x| <= 20``, within a few ulps (relative):
-    ``Phi(-a) = R(a) exp(-a^2/2)``, ``a = |x|``, ``R`` from its cell's cubic (:mod:`leanact.ops.gelu.mills32`)."""
-    p = x * x
-    e = tl.fma(x, x, -p)  # x^2 = p + e exactly
-    big = exp_split(p * -0.5, e * -0.5, bias)  # exp(-x^2/2) 2^bias
-    ab = tl.abs(x).to(tl.int32, bitcast=True)
+def _gelu_erf(x, xc, tab_ptr, WIDE: tl.constexpr):
+    """``x Phi(x)`` (``xc``: x clamped to [-15, 15]), within a few ulps (relative, subnormal y
+    rounded once): ``Phi(-a) = R(a) exp(-a^2/2)``, ``a = |x|``, ``R`` from its cell's cubic
+    (:mod:`leanact.ops.gelu.mills32`), ``exp``'s powers of two multiplied in last
+    (:func:`~leanact.ops.triton.math32.exp_parts`): ``1 - Phi(-a)`` above 0, ``x R e^r`` below."""
+    p = xc * xc
+    e = tl.fma(xc, xc, -p)  # x^2 = p + e exactly
+    q, sk = exp_parts(-p, -e, 64, True)  # exp(-x^2/2) = q sk 2^-64
+    ab = tl.abs(xc).to(tl.int32, bitcast=True)
     c0, c1, c2, c3 = _row(tab_ptr, (ab >> _MILLS_SHIFT) & (_MILLS_NCELL - 1), WIDE)
     s = (ab & _MILLS_LOW).to(tl.float32) * _MILLS_UNIT  # exact: 19 bits
-    half_erfc = tl.fma(s, tl.fma(s, tl.fma(s, c3, c2), c1), c0) * big  # erfc(|x|/sqrt 2) / 2 = Phi(-|x|)
-    return tl.where(x > 0, up - half_erfc, half_erfc)
+    t = tl.fma(s, tl.fma(s, tl.fma(s, c3, c2), c1), c0) * q  # erfc(|x|/sqrt 2) / 2 = Phi(-|x|) = t sk 2^-64
+    pos = xc > 0
+    w = (tl.where(pos, t, xc * t) * sk) * _INV_TWO_64  # Phi(-x) above 0, x Phi(x) at and below
+    return tl.where(pos, x * (1.0 - w), w)
 
 
 @triton.jit
-def _sigmoids(x, bias, up, down):
-    """``s 2^bias`` with ``s = sigmoid(v)``, ``v = K1 x (1 + A x^2)`` carried as
-    two floats (relative accuracy in the tails); ``up = 2^bias``, ``down = 2^-bias``. ``|x| <= 20``."""
-    p = x * x
-    e = tl.fma(x, x, -p)
+def _gelu_tanh(x, xc):
+    """``x sigmoid(v)``, ``v = K1 x (1 + A x^2)`` carried as two floats (relative accuracy in the
+    tails), ``xc``: x clamped to [-12, 12]: ``x / (1 + e^-v)`` above 0, ``x e^v / (1 + e^v)`` below."""
+    p = xc * xc
+    e = tl.fma(xc, xc, -p)
     u = p * _A  # A x^2 = u + ue
     ue = tl.fma(p, _A, -u) + tl.fma(e, _A, p * _A_LO)
     s = u + 1.0  # 1 + A x^2 = s + se (TwoSum)
     bb = s - 1.0
     se = ((1.0 - (s - bb)) + (u - bb)) + ue
-    m = x * s  # x (1 + A x^2) = m + me
-    me = tl.fma(x, s, -m) + x * se
+    m = xc * s  # x (1 + A x^2) = m + me
+    me = tl.fma(xc, s, -m) + xc * se
     v = m * _K1_HI  # v = v + ve
     ve = tl.fma(m, _K1_HI, -v) + tl.fma(me, _K1_HI, m * _K1_LO)
     neg = v < 0
-    big = exp_split(-tl.abs(v), tl.where(neg, ve, -ve), bias)  # exp(-|v|) 2^bias
-    inv = recip12(big * down + 1.0)  # 1 / (1 + exp(-|v|)), correctly rounded (the divisor is in [1, 2])
-    return tl.where(neg, big * inv, inv * up)  # times 2^bias
+    q, sk = exp_parts(-tl.abs(v), tl.where(neg, ve, -ve), 96, False)  # exp(-|v|) = q sk 2^-96
+    inv = recip12(tl.fma(q * sk, _INV_TWO_96, 1.0))  # 1 / (1 + exp(-|v|)), correctly rounded (the divisor is in [1, 2])
+    return tl.where(neg, ((xc * (q * inv)) * sk) * _INV_TWO_96, x * inv)
 
 
 @triton.jit
@@ -167,13 +166,11 @@ def _gelu32f_fwd_kernel(x_ptr, y_ptr, bits_ptr, tab_ptr, n, thr, TANH: tl.conste
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0)
-    xc = tl.clamp(x, -_X_CLAMP, _X_CLAMP, propagate_nan=tl.PropagateNan.ALL)
-    bias, up, down = _scale(xc)
     if TANH:
-        s = _sigmoids(xc, bias, up, down)
+        y = _gelu_tanh(x, tl.clamp(x, -_X_CLAMP_TANH, _X_CLAMP_TANH, propagate_nan=tl.PropagateNan.ALL))
     else:
-        s = _phis(xc, bias, up, tab_ptr, WIDE)
-    tl.store(y_ptr + offs, (x * s) * down, mask=m)  # +-inf: inf * 1 = inf, -inf * 0 = nan (as torch's float64)
+        y = _gelu_erf(x, tl.clamp(x, -_X_CLAMP, _X_CLAMP, propagate_nan=tl.PropagateNan.ALL), tab_ptr, WIDE)
+    tl.store(y_ptr + offs, tl.where(x == -float("inf"), float("nan"), y), mask=m)  # -inf Phi(-inf): nan, as torch's
     if WITH_BITS:
         right = ((x > thr) & m).to(tl.int32)
         boffs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
