@@ -29,7 +29,7 @@ one (forward correctly rounded, backward within ``B(y)`` + 1/2 ulp); the self-ch
 difference.
 
 Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel
-body): forward 53 instructions (tanh form 73: its one quotient, ``1 / (1 + exp(-|v|))`` with the
+body): forward 53 instructions (tanh form 64: its one quotient, ``1 / (1 + exp(-|v|))`` with the
 divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s eight ``fma``, the same bits as
 ``div_rn`` without its slow-path call, which cost 6 instructions per element and 24 registers per
 thread), backward 50 (and its division's slow path, rarely taken), against 8 and 12 bytes of
@@ -142,16 +142,13 @@ def _gelu_tanh(x, xc):
     """``x sigmoid(v)``, ``v = K1 x (1 + A x^2)`` carried as two floats (relative accuracy in the
     tails), ``xc``: x clamped to [-12, 12]: ``x / (1 + e^-v)`` above 0, ``x e^v / (1 + e^v)`` below."""
     p = xc * xc
-    e = tl.fma(xc, xc, -p)
-    u = p * _A  # A x^2 = u + ue
-    ue = tl.fma(p, _A, -u) + tl.fma(e, _A, p * _A_LO)
-    s = u + 1.0  # 1 + A x^2 = s + se (TwoSum)
-    bb = s - 1.0
-    se = ((1.0 - (s - bb)) + (u - bb)) + ue
-    m = xc * s  # x (1 + A x^2) = m + me
-    me = tl.fma(xc, s, -m) + xc * se
+    e = tl.fma(xc, xc, -p)  # x^2 = p + e exactly
+    w = tl.fma(p, _A, 1.0)  # 1 + A x^2 = w + we: w - 1 is exact (w >= 1), so the fma's rounding
+    we = tl.fma(p, _A_LO, tl.fma(e, _A, tl.fma(p, _A, -(w - 1.0))))  # error is an fma away
+    m = xc * w  # x (1 + A x^2) = m + me
+    me = tl.fma(xc, we, tl.fma(xc, w, -m))
     v = m * _K1_HI  # v = v + ve
-    ve = tl.fma(m, _K1_HI, -v) + tl.fma(me, _K1_HI, m * _K1_LO)
+    ve = tl.fma(me, _K1_HI, tl.fma(m, _K1_LO, tl.fma(m, _K1_HI, -v)))
     neg = v < 0
     q, sk = exp_parts(-tl.abs(v), tl.where(neg, ve, -ve), 96, False)  # exp(-|v|) = q sk 2^-96
     inv = recip12(tl.fma(q * sk, _INV_TWO_96, 1.0))  # 1 / (1 + exp(-|v|)), correctly rounded (the divisor is in [1, 2])
