@@ -160,7 +160,7 @@ def _gelu32_inputs(mode: str, n: int = 30000) -> torch.Tensor:
 
 
 #: The float32 kernels' distance from the float64 truth (float32 arithmetic only), erf / tanh form:
-#: forward 3.8 / 3.2 ulps; backward (the slope table's cubic) 1.62 / 1.63 ulps beyond B(y): the
+#: forward 3.8 / 3.4 ulps; backward (the slope table's cubic) 1.62 / 1.63 ulps beyond B(y): the
 #: largest seen here and on 1.6M more inputs per form (docs/gelu_bound.md, section 8), plus a margin.
 _FWD_ULPS = {"none": 4.5, "tanh": 4}
 _BWD_ULPS = {"none": 2.5, "tanh": 2.5}

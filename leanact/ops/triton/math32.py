@@ -9,7 +9,8 @@ bits in both places (launched with ``enable_fp_fusion=False``): ``exp`` within 1
 float64), with no float64 (1/2 to 1/64 of float32's rate on GPUs).
 
 ``recip12``: ``1/d`` correctly rounded for ``d`` in [1, 2] (the ``div_rn`` quotient, tested on every
-such float32) from a quadratic guess and three Newton steps, eight ``fma`` and no branch: ``div_rn``
+such float32) from a quadratic guess and three Newton steps, eight ``fma`` and no branch (two steps
+within 0.67 ulps: ``EXACT=False``): ``div_rn``
 calls a slow path it rarely takes, whose branch around every division keeps the compiler from
 interleaving the eight quotients a thread computes. ``quotient``: ``a / b`` correctly rounded the
 same way, through ``recip12`` of ``b``'s mantissa and one Markstein correction (for a normal
@@ -62,17 +63,21 @@ _R_TIE = tl.constexpr(0.5 + 2.0 ** -24)
 
 
 @triton.jit
-def recip12(d):
+def recip12(d, EXACT: tl.constexpr = True):
     """``1/d`` correctly rounded, for float32 ``d`` in [1, 2] (nan stays nan): each Newton step
     ``r + r (1 - d r)`` squares the relative error, 0.0102 -> 1e-4 -> 1e-8 -> 1e-16, and the last,
     from within an ulp, rounds once to the nearest float32, except at ``_D_TIE`` (selected; the
     exact value ``1/d (1 - e^2)`` the step rounds lies ``e^2/d`` below ``1/d``, and only there does
-    that cross a midpoint). tests/test_triton_math32.py checks all 2^23 + 1 inputs."""
+    that cross a midpoint). tests/test_triton_math32.py checks all 2^23 + 1 inputs.
+    ``EXACT=False``: two steps (six ``fma``, no select), within 0.67 ulps of ``1/d`` (1e-8 before
+    the last rounding; 4.3% of the quotients one ulp off): where a few ulps are allowed anyway."""
     r = tl.fma(d, tl.fma(d, _R2, _R1), _R0)
     r = tl.fma(r, tl.fma(-d, r, 1.0), r)
     r = tl.fma(r, tl.fma(-d, r, 1.0), r)
-    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
-    return tl.where(d == _D_TIE, _R_TIE, r)
+    if EXACT:
+        r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+        r = tl.where(d == _D_TIE, _R_TIE, r)
+    return r
 
 
 _EXP_BITS = tl.constexpr(0x7F800000)
