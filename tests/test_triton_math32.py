@@ -19,7 +19,8 @@ pytestmark, interp = interpreter_marks(INTERPRETED)
 
 import triton.language as tl  # noqa: E402
 
-from leanact.ops.triton.math32 import exp as _exp, exp_parts as _exp_parts, quotient as _quotient, recip12 as _recip12  # noqa: E402
+from leanact.ops.triton.math32 import exp as _exp, exp_half_neg_parts as _exp_half_neg_parts  # noqa: E402
+from leanact.ops.triton.math32 import exp_parts as _exp_parts, quotient as _quotient, recip12 as _recip12  # noqa: E402
 from leanact.ops.triton.math32 import tanh as _tanh  # noqa: E402
 
 
@@ -77,44 +78,52 @@ def test_tanh_within_the_bound():
 
 
 @triton.jit
-def _parts_kernel(h_ptr, l_ptr, q_ptr, s_ptr, n, BIAS: tl.constexpr, HALVED: tl.constexpr, BLOCK: tl.constexpr):
+def _parts_kernel(h_ptr, l_ptr, q_ptr, s_ptr, n, BIAS: tl.constexpr, HALF_NEG: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    q, s = _exp_parts(tl.load(h_ptr + offs, mask=m, other=0.0), tl.load(l_ptr + offs, mask=m, other=0.0), BIAS, HALVED)
+    h = tl.load(h_ptr + offs, mask=m, other=0.0)
+    lo = tl.load(l_ptr + offs, mask=m, other=0.0)
+    if HALF_NEG:
+        q, s = _exp_half_neg_parts(h, lo, BIAS)
+    else:
+        q, s = _exp_parts(h, lo, BIAS)
     tl.store(q_ptr + offs, q, mask=m)
     tl.store(s_ptr + offs, s, mask=m)
 
 
-def _parts(hi: torch.Tensor, lo: torch.Tensor, bias: int, halved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _parts(hi: torch.Tensor, lo: torch.Tensor, bias: int, half_neg: bool) -> tuple[torch.Tensor, torch.Tensor]:
     q, s = torch.empty_like(hi), torch.empty_like(hi)
-    _parts_kernel[(triton.cdiv(hi.numel(), 4096),)](hi, lo, q, s, hi.numel(), BIAS=bias, HALVED=halved, BLOCK=4096,
-                                                    enable_fp_fusion=False)
+    _parts_kernel[(triton.cdiv(hi.numel(), 4096),)](hi, lo, q, s, hi.numel(), BIAS=bias, HALF_NEG=half_neg,
+                                                    BLOCK=4096, enable_fp_fusion=False)
     return q, s
 
 
 @interp
 @pytest.mark.parametrize("bias", [64, 96])
 def test_exp_parts(bias):
-    """``e^(hi + lo) = q s 2^-bias``: ``q`` in [0.7, 1.42] within 1.35 ulps (r's two roundings, up to
-    0.39 ulps of q; h's, times |r| <= 0.35: 0.35; the polynomial's 0.08; the last fma's 1/2), ``s`` a normal power of two, over the whole range of
-    ``k`` (``hi log2 e`` in [-126 - bias, 127 - bias]); halved (``e^((hi + lo)/2)``) the same bits
-    for twice the arguments; nan stays nan."""
+    """``e^(hi - lo) = q s 2^-bias``: ``q`` in [0.7, 1.42] within 1.35 ulps (r's two roundings, up to
+    0.39 ulps of q; h's, times |r| <= 0.35: 0.35; the polynomial's 0.08; the last fma's 1/2), ``s`` a normal
+    power of two, over the whole range of ``k`` (``hi log2 e`` in [-126 - bias, 127 - bias]);
+    ``exp_half_neg_parts(a, b)`` (``e^(-(a + b)/2)``) the same bits for ``a = -2 hi``, ``b = 2 lo``;
+    nan stays nan."""
     torch.manual_seed(1)
     kmin, kmax = -126 - bias, 127 - bias
     hi = torch.cat([torch.empty(1 << 20).uniform_((kmin + 0.5) * 0.6931, min(0.0, (kmax - 0.5) * 0.6931)),
                     torch.randn(1 << 16) * 1e-3, torch.tensor([0.0, -0.0, -0.34657, 0.34657, 1e-30])]).float()
     lo = (torch.randn(hi.shape) * 1e-6).float()
     q, s = _parts(hi, lo, bias, False)
-    truth = torch.exp(hi.double() + lo.double())
+    truth = torch.exp(hi.double() - lo.double())
     assert bool(((q >= 0.7) & (q <= 1.42)).all())
     e = torch.frexp(s)[1] - 1  # s = 2^e
     assert torch.equal(s, torch.ldexp(torch.ones_like(s), e)) and bool((s >= 2.0 ** -126).all())
     exact_q = truth / s.double() * 2.0 ** bias  # the q that would make the product exact
     assert _ulps(q, exact_q).max().item() <= 1.35
-    q2, s2 = _parts(hi * 2, lo * 2, bias, True)
-    assert torch.equal(q2, q) and torch.equal(s2, s)
-    qn, _ = _parts(torch.tensor([float("nan")] * 4), torch.zeros(4), bias, False)
-    assert bool(qn.isnan().all())
+    keep = hi <= 0  # (its range: a >= 0)
+    q2, s2 = _parts(-2 * hi[keep], 2 * lo[keep], bias, True)
+    assert torch.equal(q2, q[keep]) and torch.equal(s2, s[keep])
+    for half_neg in (False, True):
+        qn, _ = _parts(torch.tensor([float("nan")] * 4), torch.zeros(4), bias, half_neg)
+        assert bool(qn.isnan().all())
 
 
 def test_in_subprocess():

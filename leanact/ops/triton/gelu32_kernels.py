@@ -19,8 +19,8 @@ cubic's exact argument):
   ``x``, no ``erfc``, no Newton step.
 
 Only correctly rounded operations: add, mul, ``fma``, ``div_rn`` (or ``recip12``, the same bits;
-the tanh form's its two-step version, within 0.67 ulps), integer and bit operations (no ``exp``/``erf`` intrinsics, no approximate division), launched with
-``enable_fp_fusion=False``.
+the tanh form takes its two-step version, within 0.67 ulps), integer and bit operations (no
+``exp``/``erf`` intrinsics, no approximate division), launched with ``enable_fp_fusion=False``.
 tests/test_triton_cuda.py checks the compiled kernels on a GPU against the bounds the interpreter
 tests measure against float64 (``docs/gelu_bound.md``, section 8): forward within 3.8 ulps of the
 truth (tanh form 3.4), backward within the interval ``B(y)`` of what the stored output allows plus
@@ -28,17 +28,20 @@ truth (tanh form 3.4), backward within the interval ``B(y)`` of what the stored 
 one (forward correctly rounded, backward within ``B(y)`` + 1/2 ulp); the self-check allows the
 difference.
 
-Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel
-body): forward 53 instructions (tanh form 60: its one quotient, ``1 / (1 + exp(-|v|))`` with the
-divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s two Newton steps, six ``fma``
-within 0.67 ulps, where ``div_rn`` took 6 more instructions per element and 24 registers per thread
-for its slow-path call), backward 50 (and its division's slow path, rarely taken), against 8 and 12 bytes of
-memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a
-16-byte table row from L1/L2 (the tanh forward reads none). The launchers' ``wide`` picks how a row is read: 0 (the default,
-the one timed on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through
-shared memory, with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU
-by ``benchmarks/gelu_directions.py``, which times the three). The backward's ``fma_div`` computes
-its one quotient by :func:`~leanact.ops.triton.math32.quotient` (no slow-path call: 35 registers a
+Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel body,
+Triton 3.9 / 3.6): forward 53 / 55 instructions, tanh form 59 / 62, backward 50 / 50 (and its
+division's slow path, rarely taken), against 8 and 12 bytes of memory traffic (forward: x in, y and
+1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2 (the tanh
+forward reads none). Triton 3.6 compiles a negation ``-t`` to an instruction (``0 - t``), so the
+forward's negations are folded into constants (:func:`~leanact.ops.triton.math32.exp_half_neg_parts`,
+:func:`~leanact.ops.triton.math32.recip12_of_negated`). The tanh form's quotient ``1 / (1 +
+exp(-|v|))``, divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s two Newton steps
+(six ``fma``), where ``div_rn`` took 6 more instructions per element and 24 registers a thread for
+its slow-path call. The launchers' ``wide`` picks how a row is read: 0 (the default, the one timed
+on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through shared memory,
+with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU by
+``benchmarks/gelu_directions.py``, which times the three). The backward's ``fma_div`` computes its
+one quotient by :func:`~leanact.ops.triton.math32.quotient` (no slow-path call: 35 registers a
 thread instead of 56, 10 more instructions per element), the same bits where the key is kept;
 ``gelu_directions.py`` times both.
 """
@@ -55,7 +58,7 @@ from leanact.ops.gelu import slope32 as _slope
 
 from .dispatch import BLOCK
 from .kernels import UNFUSED, _grid, _pack8, _unpack1
-from .math32 import exp_parts, f32 as _f32, quotient, recip12
+from .math32 import exp_half_neg_parts, exp_parts, f32 as _f32, quotient, recip12_of_negated
 from .launch import launch
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
@@ -68,6 +71,7 @@ def _split(v: float) -> tuple[float, float]:
 
 
 _K1_HI, _K1_LO = (tl.constexpr(c) for c in _split(_gm._K1))
+_NEG_K1_HI = tl.constexpr(-_split(_gm._K1)[0])
 _A = tl.constexpr(_f32(_gm._A))
 _A_LO = tl.constexpr(_f32(_gm._A - _f32(_gm._A)))
 #: |x| beyond which the tails are flat in float32 (15 Phi(-15) ~ 6e-50 and 12 sigmoid(v(-12)) ~ 1e-61
@@ -127,7 +131,7 @@ def _gelu_erf(x, xc, tab_ptr, WIDE: tl.constexpr):
     (:func:`~leanact.ops.triton.math32.exp_parts`): ``1 - Phi(-a)`` above 0, ``x R e^r`` below."""
     p = xc * xc
     e = tl.fma(xc, xc, -p)  # x^2 = p + e exactly
-    q, sk = exp_parts(-p, -e, 64, True)  # exp(-x^2/2) = q sk 2^-64
+    q, sk = exp_half_neg_parts(p, e, 64)  # exp(-x^2/2) = q sk 2^-64
     ab = tl.abs(xc).to(tl.int32, bitcast=True)
     c0, c1, c2, c3 = _row(tab_ptr, (ab >> _MILLS_SHIFT) & (_MILLS_NCELL - 1), WIDE)
     s = (ab & _MILLS_LOW).to(tl.float32) * _MILLS_UNIT  # exact: 19 bits
@@ -140,19 +144,21 @@ def _gelu_erf(x, xc, tab_ptr, WIDE: tl.constexpr):
 @triton.jit
 def _gelu_tanh(x, xc):
     """``x sigmoid(v)``, ``v = K1 x (1 + A x^2)`` carried as two floats (relative accuracy in the
-    tails), ``xc``: x clamped to [-12, 12]: ``x / (1 + e^-v)`` above 0, ``x e^v / (1 + e^v)`` below."""
-    p = xc * xc
-    e = tl.fma(xc, xc, -p)  # x^2 = p + e exactly
-    w = tl.fma(p, _A, 1.0)  # 1 + A x^2 = w + we: w - 1 is exact (w >= 1), so the fma's rounding
-    we = tl.fma(p, _A_LO, tl.fma(e, _A, tl.fma(p, _A, -(w - 1.0))))  # error is an fma away
-    m = xc * w  # x (1 + A x^2) = m + me
-    me = tl.fma(xc, we, tl.fma(xc, w, -m))
-    v = m * _K1_HI  # v = v + ve
-    ve = tl.fma(me, _K1_HI, tl.fma(m, _K1_LO, tl.fma(m, _K1_HI, -v)))
-    neg = v < 0
-    q, sk = exp_parts(-tl.abs(v), tl.where(neg, ve, -ve), 96, False)  # exp(-|v|) = q sk 2^-96
-    inv = recip12(tl.fma(q * sk, _INV_TWO_96, 1.0), EXACT=False)  # 1 / (1 + exp(-|v|)) within 0.67 ulps
-    return tl.where(neg, ((xc * (q * inv)) * sk) * _INV_TWO_96, x * inv)
+    tails), ``xc``: x clamped to [-12, 12]: ``x / (1 + e^-|v|)`` at and above 0, ``x e^-|v| / (1 +
+    e^-|v|)`` below; ``|v|`` from ``|x|``, and its negation and the divisor's made from negative
+    constants (Triton 3.6 compiles ``-t`` to an instruction, ``0 - t``)."""
+    ax = tl.abs(xc)
+    p = ax * ax
+    e = tl.fma(ax, ax, -p)  # x^2 = p + e exactly
+    w = tl.fma(p, _A, 1.0)  # 1 + A x^2 = w + we: 1 - w is exact (w >= 1), so the fma's rounding
+    we = tl.fma(p, _A_LO, tl.fma(e, _A, tl.fma(p, _A, 1.0 - w)))  # error is an fma away
+    m = ax * w  # |x| (1 + A x^2) = m + me
+    me = tl.fma(ax, we, tl.fma(ax, w, -m))
+    vn = m * _NEG_K1_HI  # |v| = -vn + ve
+    ve = tl.fma(me, _K1_HI, tl.fma(m, _K1_LO, tl.fma(m, _K1_HI, vn)))
+    q, sk = exp_parts(vn, ve, 96)  # exp(-|v|) = q sk 2^-96
+    inv = recip12_of_negated(tl.fma(q * sk, -_INV_TWO_96, -1.0), False)  # 1 / (1 + exp(-|v|)) within 0.67 ulps
+    return tl.where(xc < 0, ((xc * (q * inv)) * sk) * _INV_TWO_96, x * inv)
 
 
 @triton.jit

@@ -71,12 +71,20 @@ def recip12(d, EXACT: tl.constexpr = True):
     that cross a midpoint). tests/test_triton_math32.py checks all 2^23 + 1 inputs.
     ``EXACT=False``: two steps (six ``fma``, no select), within 0.67 ulps of ``1/d`` (1e-8 before
     the last rounding; 4.3% of the quotients one ulp off): where a few ulps are allowed anyway."""
-    r = tl.fma(d, tl.fma(d, _R2, _R1), _R0)
-    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
-    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    return recip12_of_negated(-d, EXACT)
+
+
+@triton.jit
+def recip12_of_negated(dn, EXACT: tl.constexpr = True):
+    """:func:`recip12` of ``-dn`` (``dn`` in [-2, -1]), the same bits: every step takes ``-d``
+    where it would negate ``d`` (a caller that can make ``-d`` from constants saves the negation,
+    which Triton 3.6 compiles to an instruction of its own, ``0 - d``)."""
+    r = tl.fma(dn, tl.fma(dn, _R2, -_R1), _R0)  # R0 + d (R1 + d R2)
+    r = tl.fma(r, tl.fma(dn, r, 1.0), r)
+    r = tl.fma(r, tl.fma(dn, r, 1.0), r)
     if EXACT:
-        r = tl.fma(r, tl.fma(-d, r, 1.0), r)
-        r = tl.where(d == _D_TIE, _R_TIE, r)
+        r = tl.fma(r, tl.fma(dn, r, 1.0), r)
+        r = tl.where(dn == -_D_TIE, _R_TIE, r)
     return r
 
 
@@ -96,9 +104,9 @@ def quotient(a, b):
     within an ulp, ``r = a - b q`` exact (``fma``), and ``RN(q + r y)`` is ``RN(a / b)``
     (Markstein's theorem); a numerator below 2^-100 is scaled by 2^64 first so that ``r`` stays normal."""
     bb = b.to(tl.int32, bitcast=True)
-    m = ((bb & _MANT_BITS) | _ONE_BITS).to(tl.float32, bitcast=True)  # |b|'s mantissa, in [1, 2)
+    mn = ((bb & _MANT_BITS) | (_ONE_BITS | _SIGN_BITS)).to(tl.float32, bitcast=True)  # -(|b|'s mantissa, in [1, 2))
     scale = (((254 << 23) - (bb & _EXP_BITS)) | (bb & _SIGN_BITS)).to(tl.float32, bitcast=True)  # +-2^-e
-    y = recip12(m) * scale
+    y = recip12_of_negated(mn) * scale
     tiny = tl.abs(a) < _TINY_NUMERATOR
     a = a * tl.where(tiny, 18446744073709551616.0, 1.0)
     q = a * y
@@ -149,8 +157,8 @@ def exp_split(hi, lo, bias):
 _P = (0.49999994039535522, 0.16666515171527863, 0.041668463498353958, 0.0083694076165556908,
       0.0013813229743391275)
 _P0, _P1, _P2, _P3, _P4 = (tl.constexpr(c) for c in _P)
-#: the same for e^(r/2), |r| <= 0.7: each coefficient times a power of two, so every step is the
-#: undoubled one's times that power (the same bits)
+#: the same for e^(-r/2), |r| <= 0.7 (:func:`exp_half_neg_parts`): each coefficient times a power of
+#: two, so every step is the undoubled one's times that power (the same bits)
 _H0, _H1, _H2, _H3, _H4 = (tl.constexpr(c * 2.0 ** -(n + 2)) for n, c in enumerate(_P))
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 2^23: RN(v + _MAGIC) - _MAGIC is v rounded to an integer
 _MAGIC_BITS = tl.constexpr(0x4B400000)
@@ -160,31 +168,42 @@ _LN2X2_LO = tl.constexpr(f32(2 * (math.log(2.0) - 0.693145751953125)))
 
 
 @triton.jit
-def exp_parts(hi, lo, BIAS: tl.constexpr, HALVED: tl.constexpr):
-    """``(q, s)`` with ``e^(hi + lo) = q s 2^-BIAS`` (``HALVED``: ``e^((hi + lo)/2)``): ``q = e^r`` in
-    [0.7, 1.42] within 1.35 ulps (1.0 measured), ``s = 2^(k + BIAS)`` a normal power of two, for ``k = hi log2(e)``
-    (``HALVED``: half that) rounded, in [-126 - BIAS, 127 - BIAS], and ``|lo|`` below 1e-3 (nan:
-    ``q`` nan). A caller multiplies its other factors into ``q``, then ``s``, then ``2^-BIAS``, so a
-    value below float32's normal range is rounded once, at the end.
+def exp_parts(hi, lo, BIAS: tl.constexpr):
+    """``(q, s)`` with ``e^(hi - lo) = q s 2^-BIAS``: ``q = e^r`` in [0.7, 1.42] within 1.35 ulps
+    (1.0 measured), ``s = 2^(k + BIAS)`` a normal power of two, for ``k = hi log2(e)`` rounded, in
+    [-126 - BIAS, 127 - BIAS], and ``|lo|`` below 1e-3 (nan: ``q`` nan). A caller multiplies its
+    other factors into ``q``, then ``s``, then ``2^-BIAS``, so a value below float32's normal range
+    is rounded once, at the end. (``lo`` is subtracted: a caller holding ``-lo`` passes it without a
+    negation, an instruction of its own under Triton 3.6.)
 
     ``k``: rounded by adding ``1.5 2^23`` (no ``floor``, no conversion: ``k`` is the sum's low bits,
     and ``s`` its bits shifted into the exponent), ``r = hi - k ln 2`` exact with ``ln 2``'s first
-    part, then the second and ``lo``; ``e^r`` by :data:`_P` (HALVED: every quantity times 2, :data:`_H`)."""
-    if HALVED:
-        t = tl.fma(hi, _HALF_L2E, _MAGIC)
-        k = t - _MAGIC
-        r = tl.fma(k, -_LN2X2_LO, tl.fma(k, -_LN2X2_HI, hi)) + lo
-        p = tl.fma(tl.fma(tl.fma(tl.fma(r, _H4, _H3), r, _H2), r, _H1), r, _H0)
-        h = tl.fma(p, r, 0.5)
-    else:
-        t = tl.fma(hi, _L2E, _MAGIC)
-        k = t - _MAGIC
-        r = tl.fma(k, -_LN2_LO, tl.fma(k, -_LN2_HI, hi)) + lo
-        p = tl.fma(tl.fma(tl.fma(tl.fma(r, _P4, _P3), r, _P2), r, _P1), r, _P0)
-        h = tl.fma(p, r, 1.0)
+    part, then the second and ``lo``; ``e^r`` by :data:`_P`."""
+    t = tl.fma(hi, _L2E, _MAGIC)
+    k = t - _MAGIC
+    r = tl.fma(k, -_LN2_LO, tl.fma(k, -_LN2_HI, hi)) - lo
+    p = tl.fma(tl.fma(tl.fma(tl.fma(r, _P4, _P3), r, _P2), r, _P1), r, _P0)
+    return tl.fma(tl.fma(p, r, 1.0), r, 1.0), _scale_of(t, BIAS)
+
+
+@triton.jit
+def exp_half_neg_parts(a, b, BIAS: tl.constexpr):
+    """:func:`exp_parts` of ``hi = -a/2``, ``lo = b/2``, the same bits (``e^(-(a + b)/2)``,
+    ``-340 <= -a <= 0``), with no negation: every quantity is the other's times ``-2``
+    (``rn = -2 r``), so the constants carry the signs and the factors of 2 (:data:`_H`)."""
+    t = tl.fma(a, -_HALF_L2E, _MAGIC)
+    k = t - _MAGIC
+    rn = tl.fma(k, _LN2X2_LO, tl.fma(k, _LN2X2_HI, a)) + b  # -2 r
+    # 1 + r (1 + r P(r)) with r = -rn/2: the Horner steps with every other sign flipped
+    g = tl.fma(tl.fma(tl.fma(tl.fma(rn, _H4, -_H3), rn, _H2), rn, -_H1), rn, _H0)
+    return tl.fma(tl.fma(g, rn, -0.5), rn, 1.0), _scale_of(t, BIAS)
+
+
+@triton.jit
+def _scale_of(t, BIAS: tl.constexpr):
+    """``2^(k + BIAS)`` from ``t = 1.5 2^23 + k``."""
     # bits(t) = bits(1.5 2^23) + k, whose low 9 bits are 0: shifted by 23, k's exponent field
-    s = ((t.to(tl.int32, bitcast=True) << 23) + ((127 + BIAS) << 23)).to(tl.float32, bitcast=True)
-    return tl.fma(h, r, 1.0), s
+    return ((t.to(tl.int32, bitcast=True) << 23) + ((127 + BIAS) << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
