@@ -128,7 +128,7 @@ def _gelu_erf(x, xc, tab_ptr, WIDE: tl.constexpr):
     """``x Phi(x)`` (``xc``: x clamped to [-15, 15]), within a few ulps (relative, subnormal y
     rounded once): ``Phi(-a) = R(a) exp(-a^2/2)``, ``a = |x|``, ``R`` from its cell's cubic
     (:mod:`leanact.ops.gelu.mills32`), ``exp``'s powers of two multiplied in last
-    (:func:`~leanact.ops.triton.math32.exp_parts`): ``1 - Phi(-a)`` above 0, ``x R e^r`` below."""
+    (:func:`~leanact.ops.triton.math32.exp_half_neg_parts`): ``1 - Phi(-a)`` above 0, ``x R e^r`` below."""
     p = xc * xc
     e = tl.fma(xc, xc, -p)  # x^2 = p + e exactly
     q, sk = exp_half_neg_parts(p, e, 64)  # exp(-x^2/2) = q sk 2^-64

@@ -16,11 +16,11 @@ interleaving the eight quotients a thread computes. ``quotient``: ``a / b`` corr
 same way, through ``recip12`` of ``b``'s mantissa and one Markstein correction (for a normal
 divisor and a normal quotient).
 
-``exp_parts``: what the float32 GELU forward uses: ``e^r`` and the power of two ``2^k`` apart (the
-caller multiplies ``2^k`` in last, so a subnormal result is rounded once without a bias), ``k``
-rounded by adding ``1.5 2^23`` and read from the sum's bits, ``e^r`` as ``1 + r (1 + r P(r))`` with
-a fitted ``P`` of degree 4 (six ``fma``): 15 operations where ``exp_split`` takes 23 with a
-conversion and a ``floor``.
+``exp_parts`` and ``exp_half_neg_parts``: what the float32 GELU forward uses: ``e^r`` and the power
+of two ``2^k`` apart (the caller multiplies ``2^k`` in last, so a subnormal result is rounded once
+without a bias), ``k`` rounded by adding ``1.5 2^23`` and read from the sum's bits, ``e^r`` as ``1 +
+r (1 + r P(r))`` with a fitted ``P`` of degree 4 (six ``fma``): no clamp, ``floor``, conversion or
+second power-of-two factor, which ``exp_split`` takes.
 
 ``exp``: ``x = k ln 2 + r`` with ``ln 2`` in two parts (``k ln2_hi`` exact for ``|k| < 512``),
 ``|r| <= ln 2 / 2``, ``e^r`` by its Taylor polynomial to degree 7 (remainder 0.1 ulp) in Horner's
@@ -161,7 +161,6 @@ _P0, _P1, _P2, _P3, _P4 = (tl.constexpr(c) for c in _P)
 #: two, so every step is the undoubled one's times that power (the same bits)
 _H0, _H1, _H2, _H3, _H4 = (tl.constexpr(c * 2.0 ** -(n + 2)) for n, c in enumerate(_P))
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 2^23: RN(v + _MAGIC) - _MAGIC is v rounded to an integer
-_MAGIC_BITS = tl.constexpr(0x4B400000)
 _HALF_L2E = tl.constexpr(f32(0.5 / math.log(2.0)))
 _LN2X2_HI = tl.constexpr(2 * 0.693145751953125)
 _LN2X2_LO = tl.constexpr(f32(2 * (math.log(2.0) - 0.693145751953125)))
@@ -202,7 +201,7 @@ def exp_half_neg_parts(a, b, BIAS: tl.constexpr):
 @triton.jit
 def _scale_of(t, BIAS: tl.constexpr):
     """``2^(k + BIAS)`` from ``t = 1.5 2^23 + k``."""
-    # bits(t) = bits(1.5 2^23) + k, whose low 9 bits are 0: shifted by 23, k's exponent field
+    # bits(t) = bits(1.5 2^23) + k = 0x4B400000 + k, whose low 9 bits are 0: shifted by 23, k's exponent field
     return ((t.to(tl.int32, bitcast=True) << 23) + ((127 + BIAS) << 23)).to(tl.float32, bitcast=True)
 
 
