@@ -457,8 +457,9 @@ def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_default_dtype_follows_the_cpus_bf16_matmul(native, bert_json, capsys, monkeypatch):
-    """No --dtype: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32 (a bf16
-    step there takes up to 60x an fp32 one), said on stderr; an explicit --dtype is kept either way."""
+    """No --dtype: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32 (a
+    bf16 step there can take 70x an fp32 one: leanact.ops.cpu_gemm), said on stderr; an explicit
+    --dtype is kept either way."""
     import leanact.cli.profile as P
 
     monkeypatch.setattr(P, "native_16bit_gemm", lambda dtype: native)

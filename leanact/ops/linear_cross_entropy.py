@@ -40,16 +40,16 @@ Two ways to get the gradients (``grad_in_forward``):
   gradient. Three matmuls, as plain PyTorch; the gradients exist from the forward's end instead of
   the backward's start.
 
-Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without native 16-bit GEMM
-(no AVX512-BF16 / AMX), where they run in fp32 on upcast chunks (``matmul_dtype``): oneDNN emulates
-bf16 GEMM there about 4x slower than fp32, and the fp32 products are exact. Accumulation: dW over
-chunks in an fp32 buffer (W's size: ``addmm`` with ``out_dtype`` where the device has it, CUDA),
-db in fp32; each is cast to its parameter's dtype once. The chunks' logit gradients stay in one
-buffer (the matmul dtype) for :func:`product_rows` rows, whose dx, dW and db are then one matmul
-each: on a GPU each sum into dW's accumulator costs a read and a write of V·H·4 bytes, so one per
-several chunks, not per chunk. Transients: that buffer (one chunk, or up to half of dW's
-accumulator when dW sums over chunks), one chunk's fp32 logits on the PyTorch path, one product's
-copy of x when its dtype differs from the matmul dtype, dx and the fp32 dW accumulator.
+Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without native 16-bit GEMM (no
+AVX512-BF16 / AMX), where they run in fp32 on upcast chunks (``matmul_dtype``): bf16 GEMM there is
+many times slower than fp32 (65x on an AVX2-only CPU: :mod:`.cpu_gemm`), and the fp32 products are
+exact. Accumulation: dW over chunks in an fp32 buffer (W's size: ``addmm`` with ``out_dtype`` where
+the device has it, CUDA), db in fp32; each is cast to its parameter's dtype once. The chunks' logit
+gradients stay in one buffer (the matmul dtype) for :func:`product_rows` rows, whose dx, dW and db
+are then one matmul each: on a GPU each sum into dW's accumulator costs a read and a write of V·H·4
+bytes, so one per several chunks, not per chunk. Transients: that buffer (one chunk, or up to half
+of dW's accumulator when dW sums over chunks), one chunk's fp32 logits on the PyTorch path, one
+product's copy of x when its dtype differs from the matmul dtype, dx and the fp32 dW accumulator.
 
 Ignored tokens: when fewer than half the tokens are valid (masked LM), the valid rows are gathered
 first (real tensors; one host sync to count them) and ignored tokens cost nothing; otherwise (causal
@@ -89,7 +89,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _matmul_dtype(cdtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """fp32 for 16-bit tiles on a CPU that emulates 16-bit GEMM (about 4x slower than fp32 there)."""
+    """fp32 for 16-bit tiles on a CPU without native 16-bit GEMM (many times slower than fp32 there:
+    :mod:`.cpu_gemm`)."""
     if device.type == "cpu" and cdtype in (torch.bfloat16, torch.float16) and not _native_16bit_gemm(cdtype):
         return torch.float32
     return cdtype

@@ -76,7 +76,8 @@ _A = tl.constexpr(_f32(_gm._A))
 _A_LO = tl.constexpr(_f32(_gm._A - _f32(_gm._A)))
 #: |x| beyond which the tails are flat in float32 (15 Phi(-15) ~ 6e-50 and 12 sigmoid(v(-12)) ~ 1e-61
 #: round to zero, 1 - Phi(-15) and sigmoid(v(12)) to 1) and exp's 2^k stays two normal factors
-#: (x^2 / 2 = 112.5, |v(12)| = 142.5: :func:`~leanact.ops.triton.math32.exp_parts` takes 170).
+#: (x^2 / 2 = 112.5 and |v(12)| = 142.5 give k = -163 and -206, inside [-126 - bias, 127 - bias] of
+#: :func:`~leanact.ops.triton.math32.exp_parts` for the biases 64 and 96 the forms pass).
 _X_CLAMP = tl.constexpr(15.0)
 _X_CLAMP_TANH = tl.constexpr(12.0)
 _INV_TWO_64 = tl.constexpr(2.0 ** -64)

@@ -187,8 +187,8 @@ def exp_parts(hi, lo, BIAS: tl.constexpr):
 
 @triton.jit
 def exp_half_neg_parts(a, b, BIAS: tl.constexpr):
-    """:func:`exp_parts` of ``hi = -a/2``, ``lo = b/2``, the same bits (``e^(-(a + b)/2)``,
-    ``-340 <= -a <= 0``), with no negation: every quantity is the other's times ``-2``
+    """:func:`exp_parts` of ``hi = -a/2``, ``lo = b/2``, the same bits (``e^(-(a + b)/2)``, ``a >= 0``,
+    the same range of ``k``), with no negation: every quantity is the other's times ``-2``
     (``rn = -2 r``), so the constants carry the signs and the factors of 2 (:data:`_H`)."""
     t = tl.fma(a, -_HALF_L2E, _MAGIC)
     k = t - _MAGIC
