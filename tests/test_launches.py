@@ -141,9 +141,9 @@ def test_gated_mlp_one_kernel_each_way_beside_its_matmuls(kind):
     assert (b_aten, b_k) == (["mm", "mm"], ["glu_backward"])  # dh = dy·W; dg, du and h; dW = dyᵀ·h
 
 
-def test_rotary_one_kernel_per_tensor_each_way():
-    """RoPE of q and k (leanact.ops.rotary): one kernel per tensor forward, one per gradient backward,
-    no aten kernel around them; Hugging Face's apply_rotary_pos_emb starts 5 per tensor forward (a
+def test_rotary_one_kernel_for_q_and_k_each_way():
+    """RoPE of q and k (leanact.ops.rotary): one kernel for both forward, one for their gradients
+    backward (both, or the one there is), no aten kernel around them; Hugging Face's apply_rotary_pos_emb starts 5 per tensor forward (a
     negation, a concatenation, two products, a sum) and 9 per gradient backward (two products and
     their casts to q's dtype, the negation, two zero-padded slices, two sums): docs/triton.md."""
     from leanact.ops.rotary import rotary, rotary_reference
@@ -152,7 +152,13 @@ def test_rotary_one_kernel_per_tensor_each_way():
     k = torch.randn(2, 2, 8, 16, dtype=torch.bfloat16)
     cos, sin = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
     (f_aten, f_k), (b_aten, b_k) = _count(lambda: rotary(q, k, cos, sin)[0], [q])
-    assert (f_aten, f_k) == ([], ["rotary", "rotary"]) and (b_aten, b_k) == ([], ["rotary"])
+    assert (f_aten, f_k) == ([], ["rotary"]) and (b_aten, b_k) == ([], ["rotary"])
+    k.requires_grad_()  # both gradients: still one kernel
+    kernels = _Kernels()
+    with dispatch.use_kernels(kernels, strict=True, fake=False), _Aten() as aten:
+        outs = rotary(q, k, cos, sin)
+        torch.autograd.backward(outs, [torch.ones(t.shape, dtype=t.dtype) for t in outs])
+    assert kernels.calls == ["rotary", "rotary"] and "mul" not in aten.ops, (kernels.calls, aten.ops)
     cos, sin = cos.float(), sin.float()  # (fp32 tables, as under autocast: the products promote, then cast back)
     (f_aten, f_k), (b_aten, b_k) = _count(lambda: rotary_reference(q, cos, sin), [q])  # HF's arithmetic
     assert f_k == [] and sorted(f_aten) == ["add", "cat", "mul", "mul", "neg"]

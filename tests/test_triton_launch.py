@@ -96,6 +96,7 @@ def key(v):
 assert len({key(1), key(17), key(32), key(2 ** 31), key(2 ** 63)}) == 5
 assert key(2 ** 31 + 16) != key(2 ** 31 - 16) and key(0) == key(16) and key(-16) == key(16) != key(-17)
 assert key(1.0) == key(2.5) and key(True) != key(False) and key(None) == (None,)
+assert key(True) != key(1) and key(False) != key(0) and key(1) != key(2 ** 64 - 1) != key(2 ** 63 + 16)
 t = torch.zeros(16)
 assert key(t) == key(t[4:]) != key(t[1:]) != key(t.double())
 

@@ -68,8 +68,9 @@ def test_kernel_is_hf_bitwise(KM, x_dtype, t_dtype, tables):
 @interp
 def test_gradients_of_any_layout_and_checks_once_per_call(KM, monkeypatch):
     """The tensors are checked once per call (forward: all four together; backward: only the
-    gradient, whose shape and dtype autograd fixes): a gradient whose last dimension is not unit-stride
-    takes the PyTorch path, bitwise autograd's still; one with unit stride, the kernel."""
+    gradients, whose shapes and dtype autograd fixes, both in one launch): a gradient whose last
+    dimension is not unit-stride takes the PyTorch path (both gradients then), bitwise autograd's
+    still; with unit strides, the kernel."""
     from leanact.ops.triton import rotary as TR
 
     g = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ def test_gradients_of_any_layout_and_checks_once_per_call(KM, monkeypatch):
             out = R.rotary(q, k, cos, sin)
             assert calls["usable"] == 1  # forward: q, k, cos, sin together
             got = torch.autograd.grad(out, (q, k), (gq, torch.zeros_like(ke)))
-        assert calls == {"usable": 3, "backward_with": 2}  # backward: each gradient alone
+        assert calls == {"usable": 2, "backward_with": 1}  # backward: both gradients together
         assert all(_bitwise(a, b) for a, b in zip(got, want)), strided
 
 
@@ -163,8 +164,9 @@ def test_self_check_passes_and_catches_a_wrong_kernel(KM, monkeypatch):
             R._check(torch.device("cpu"), (x_dtype, torch.promote_types(x_dtype, t_dtype)))
     real = KM[1].rotary
 
-    def wrong(x, cos, sin, out, *args):
-        real(x, cos, sin, out, *args)
+    def wrong(pairs, *args):  # q's output one ulp off
+        real(pairs, *args)
+        out = pairs[0][1]
         out[0, 0, 1, 1] = torch.nextafter(out[0, 0, 1, 1], torch.tensor(float("inf"), dtype=out.dtype))
 
     monkeypatch.setattr(KM[1], "rotary", wrong)
@@ -184,9 +186,10 @@ from leanact.ops.triton import rotary_kernels as K
 for x, p in (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")):
     for backward in (False, True):
         src, out = (p, x) if backward else (x, p)
-        build(K._rotary_kernel, {"x_ptr": "*" + src, "c_ptr": "*" + p, "s_ptr": "*" + p, "o_ptr": "*" + out,
-              "H": "i32", "S": "i32", **{n: "i64" for n in ("sxb", "sxh", "sxs", "sob", "soh", "sos", "scb", "scs",
-                                                              "ssb", "sss")}},
+        build(K._rotary_kernel, {"x_ptr": "*" + src, "o_ptr": "*" + out, "y_ptr": "*" + src, "p_ptr": "*" + out,
+              "c_ptr": "*" + p, "s_ptr": "*" + p, "H": "i32", "HY": "i32", "BH": "i32", "S": "i32",
+              **{n: "i64" for n in ("sxb", "sxh", "sxs", "sob", "soh", "sos", "syb", "syh", "sys_", "spb", "sph",
+                                    "sps", "scb", "scs", "ssb", "sss")}},
               {"HALF": 64, "BACKWARD": backward, "P_KIND": {"fp32": 0, "bf16": 1}[p],
                "X_KIND": {"fp32": 0, "bf16": 1, "fp16": 2}[x], "BLOCK_S": 32, "BLOCK_D": 64},
               enable_fp_fusion=False)

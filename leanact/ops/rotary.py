@@ -1,11 +1,11 @@
-"""Rotary position embedding of q and k, one kernel per tensor and direction, bitwise Hugging Face's.
+"""Rotary position embedding of q and k, one kernel launch for both each way, bitwise Hugging Face's.
 
 Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)`` (Llama's form, copied into most decoder
 models) computes ``(x * cos) + (rotate_half(x) * sin)`` for x = q and k: a negation, a
 concatenation, two products and a sum per tensor, each a kernel that reads and writes the whole
 tensor, and about as many again in backward. Under autocast with fp32 tables the products promote
 the 16-bit q, k to fp32 (what attention then casts back). :func:`rotary` computes the same values
-in one pass per tensor: the products and the sum rounded in the promoted dtype, as torch rounds
+in one pass over each tensor, q and k in one launch (Liger-Kernel's RoPE takes one too): the products and the sum rounded in the promoted dtype, as torch rounds
 them, so the outputs are bitwise torch's, and the gradients bitwise autograd's (each product's
 gradient rounded in the promoted dtype and cast to x's dtype, the two contributions summed in x's
 dtype, as the engine does).
@@ -51,52 +51,48 @@ def rotary_backward_reference(g: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 class RotaryFunction(torch.autograd.Function):
-    """(q_embed, k_embed) of :func:`rotary`; keeps cos and sin. ``launchers``: the kernels'
-    launchers when the caller (:func:`rotary`) has checked the four tensors, or None (checked here,
-    per tensor). Runs the kernels, the PyTorch path where a kernel fails or does not apply."""
+    """(q_embed, k_embed) of :func:`rotary`; keeps cos and sin. ``launchers``: the kernels' launchers
+    when the caller (:func:`rotary`) has checked the four tensors, or None (checked here). q and k
+    take the kernel together, one launch each way (the gradients that exist), or the PyTorch path."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, launchers=None):
-        outs = []
-        for x in (q, k):
-            y = (_kernel.rotary_forward(x, cos, sin) if launchers is None
-                 else _kernel.forward_with(launchers, x, cos, sin))
-            outs.append(rotary_reference(x, cos, sin) if y is None else y)
+        if launchers is None and _kernel.pair_ok(q, k, cos, sin):
+            launchers = _kernel.usable(q, k, cos, sin)
+        outs = None if launchers is None else _kernel.forward_with(launchers, (q, k), cos, sin)
+        ctx.kernel = outs is not None
+        if outs is None:
+            outs = (rotary_reference(q, cos, sin), rotary_reference(k, cos, sin))
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = (q.dtype, k.dtype)
-        ctx.checked = launchers is not None
         ctx.set_materialize_grads(False)  # (an output nothing used: no zero gradient made and rotated)
-        return tuple(outs)
+        return outs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gq, gk):
         cos, sin = ctx.saved_tensors
-        grads = []
-        for g, dtype, need in zip((gq, gk), ctx.dtypes, ctx.needs_input_grad):
-            if g is None or not need:
-                grads.append(None)
-                continue
-            # the tables were checked in forward (when ctx.checked) and g has its output's shape:
-            # only g itself is looked at
-            launchers = _kernel.usable(g) if ctx.checked else None
-            dx = (_kernel.rotary_backward(g, cos, sin, dtype) if not ctx.checked
-                  else None if launchers is None else _kernel.backward_with(launchers, g, cos, sin, dtype))
-            grads.append(rotary_backward_reference(g, cos, sin, dtype) if dx is None else dx)
+        live = [i for i, (g, need) in enumerate(zip((gq, gk), ctx.needs_input_grad)) if g is not None and need]
+        grads = [None, None]
+        if live:
+            gs = tuple((gq, gk)[i] for i in live)
+            # the four tensors were checked in forward (the kernel ran there) and the gs have the
+            # outputs' shapes: only the gs themselves are looked at
+            launchers = _kernel.usable(*gs) if ctx.kernel else None
+            dxs = None if launchers is None else _kernel.backward_with(launchers, gs, cos, sin, ctx.dtypes[0])
+            for i, g, dx in zip(live, gs, dxs or (None,) * len(gs)):
+                grads[i] = rotary_backward_reference(g, cos, sin, ctx.dtypes[i]) if dx is None else dx
         return grads[0], grads[1], None, None, None
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``(q·cos + rotate_half(q)·sin, k·cos + rotate_half(k)·sin)`` through the kernels, or None
     where they do not apply (module doc). q, k: (B, H, S, D) (k may have fewer heads); cos, sin:
-    (B or 1, S, D), not needing a gradient. The checks run once here, not again per tensor."""
-    if cos.requires_grad or sin.requires_grad or q.dtype != k.dtype:
-        return None
-    if k.dim() != 4 or q.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+    (B or 1, S, D), not needing a gradient. The checks run once here, not again in forward."""
+    if cos.requires_grad or sin.requires_grad or not _kernel.pair_ok(q, k, cos, sin):
         return None
     launchers = _kernel.usable(q, k, cos, sin)
-    if launchers is None or not _kernel.tables_ok(cos, sin) or not _kernel.tensor_ok(q, cos) \
-            or not _kernel.tensor_ok(k, cos):
+    if launchers is None:
         return None
     return RotaryFunction.apply(q, k, cos, sin, launchers)
 

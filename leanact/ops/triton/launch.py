@@ -79,19 +79,25 @@ def _setup() -> bool:
 
 def _spec(args: tuple) -> tuple:
     """The specialization key of positional launch arguments (see the module doc); raises
-    :class:`_Unkeyed` for an argument of another type."""
+    :class:`_Unkeyed` for an argument of another type. Integers, the most frequent arguments (sizes,
+    strides), are tested first and keyed by one small int: 1 itself, else 2 / 4 / 8 for Triton's
+    32-bit / 64-bit / unsigned 64-bit parameter plus 1 where 16 divides it (a bool is keyed apart
+    from them)."""
     key = []
     add = key.append
     for a in args:
-        if isinstance(a, _TENSOR):
+        t = type(a)
+        if t is int:
+            add(a if a == 1 else ((a & 15) == 0) + (2 if -_I32 <= a < _I32 else 4 if a < _I64 else 8))
+        elif t is _TENSOR or (t is not float and t is not bool and a is not None and isinstance(a, _TENSOR)):
             add(a.dtype)
             add(not (a.data_ptr() & 15))
-        elif type(a) is int:
-            add(1 if a == 1 else (not (a & 15), -_I32 <= a < _I32, a < _I64))
-        elif type(a) is float:
+        elif t is float:
             add(float)
-        elif a is None or type(a) is bool:
-            add(a)
+        elif a is None:
+            add(None)
+        elif t is bool:
+            add("true" if a else "false")
         else:
             raise _Unkeyed
     return tuple(key)

@@ -1,8 +1,8 @@
 """Kernel or PyTorch path for the rotary position embedding (:mod:`leanact.ops.rotary`).
 
 Same contract as :mod:`.dispatch`: :func:`rotary_forward` / :func:`rotary_backward` return what
-the op's PyTorch path returns, from one kernel of :mod:`.rotary_kernels` per tensor (bitwise:
-the same roundings), or ``None`` (the caller then runs its PyTorch path): CUDA plain tensors,
+the op's PyTorch path returns, from one kernel of :mod:`.rotary_kernels` (q and k in one launch,
+bitwise: the same roundings), or ``None`` (the caller then runs its PyTorch path): CUDA plain tensors,
 ``LEANACT_TRITON`` on, float16/bfloat16/float32, (B, H, S, D) tensors and (B or 1, S, D) tables
 with unit stride along an even D. The kernels launch under the name ``"rotary"`` (checked per
 tensor dtype and promoted dtype), whose self-check :mod:`leanact.ops.rotary` registers.
@@ -13,7 +13,7 @@ import torch
 
 from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
 
-__all__ = ["rotary_forward", "rotary_backward"]
+__all__ = ["rotary_forward", "rotary_backward", "pair_ok"]
 
 
 def _module(k):
@@ -40,29 +40,41 @@ def tensor_ok(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return d % 2 == 0 and cs == s and cd == d and (cb == 1 or cb == b)
 
 
+def pair_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """q and k of one dtype, batch and positions (k may have fewer heads) that pass :func:`tensor_ok`,
+    tables that pass :func:`tables_ok`: what one launch for both takes."""
+    return (q.dtype == k.dtype and q.dim() == 4 and k.dim() == 4 and k.shape[0] == q.shape[0]
+            and k.shape[2:] == q.shape[2:] and tables_ok(cos, sin) and tensor_ok(q, cos) and tensor_ok(k, cos))
+
+
 def _shapes_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return tables_ok(cos, sin) and tensor_ok(x, cos)
 
 
-def forward_with(k, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """:func:`rotary_forward` with the launchers ``k`` and the shapes already checked, or None."""
+def forward_with(k, xs, cos: torch.Tensor, sin: torch.Tensor):
+    """The rotations of the tensors ``xs`` (q, k: one dtype) in one launch, with the launchers ``k``
+    and the shapes already checked (a tuple, each in its tensor's layout), or None."""
+    x = xs[0]
     p = torch.promote_types(x.dtype, cos.dtype)
-    out = torch.empty_like(x, dtype=p)
-    if _launch("rotary", x, k.rotary, x, cos, sin, out, False, p, x.dtype, check_key=(x.dtype, p)) is _FAILED:
+    outs = tuple(torch.empty_like(t, dtype=p) for t in xs)
+    if _launch("rotary", x, k.rotary, tuple(zip(xs, outs)), cos, sin, False, p, x.dtype,
+               check_key=(x.dtype, p)) is _FAILED:
         return None
-    return out
+    return outs
 
 
-def backward_with(k, g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
-    """:func:`rotary_backward` for a gradient ``g`` of the output :func:`forward_with` made (its
-    shape; autograd gives it the output's dtype, not its layout): only g's layout is checked."""
+def backward_with(k, gs, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
+    """The gradients of the inputs (``x_dtype``, each in its g's layout) from the gradients ``gs`` of
+    the outputs :func:`forward_with` made (their shapes; autograd gives them the outputs' dtype, not
+    their layout), in one launch: only the gs' layouts are checked. A tuple, or None."""
     p = torch.promote_types(x_dtype, cos.dtype)
-    if g.dtype != p or g.stride(-1) != 1:
+    if any(g.dtype != p or g.stride(-1) != 1 for g in gs):
         return None
-    dx = torch.empty_like(g, dtype=x_dtype)
-    if _launch("rotary", g, k.rotary, g, cos, sin, dx, True, p, x_dtype, check_key=(x_dtype, p)) is _FAILED:
+    dxs = tuple(torch.empty_like(g, dtype=x_dtype) for g in gs)
+    if _launch("rotary", gs[0], k.rotary, tuple(zip(gs, dxs)), cos, sin, True, p, x_dtype,
+               check_key=(x_dtype, p)) is _FAILED:
         return None
-    return dx
+    return dxs
 
 
 def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -70,7 +82,8 @@ def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     k = usable(x, cos, sin)
     if k is None or not _shapes_ok(x, cos, sin):
         return None
-    return forward_with(k, x, cos, sin)
+    out = forward_with(k, (x,), cos, sin)
+    return None if out is None else out[0]
 
 
 def rotary_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype):
@@ -78,4 +91,5 @@ def rotary_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dty
     k = usable(g, cos, sin)
     if k is None or not _shapes_ok(g, cos, sin) or x_dtype not in _DTYPES:
         return None
-    return backward_with(k, g, cos, sin, x_dtype)
+    dx = backward_with(k, (g,), cos, sin, x_dtype)
+    return None if dx is None else dx[0]

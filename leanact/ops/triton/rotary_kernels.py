@@ -1,5 +1,6 @@
-"""Triton kernel of the rotary position embedding (:mod:`leanact.ops.rotary`): one program per
-(batch, head) and block of positions, both halves of the head dimension in one pass.
+"""Triton kernel of the rotary position embedding (:mod:`leanact.ops.rotary`): q and k in one launch
+each way, one program per (tensor, batch, head) and block of positions, both halves of the head
+dimension in one pass.
 
 Forward, for x = q or k (any strides, unit stride along the head dimension) and the tables c, s
 (cos, sin: (batch or 1, positions, head dim)), with r = rotate_half(x) = (−x₂, x₁)::
@@ -36,14 +37,10 @@ __all__ = ["rotary"]
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, H, S, sxb, sxh, sxs, sob, soh, sos, scb, scs, ssb, sss,
-                   HALF: tl.constexpr, BACKWARD: tl.constexpr, P_KIND: tl.constexpr, X_KIND: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Positions pid(1)·BLOCK_S ... of head pid(0) % H of batch pid(0) // H (module doc)."""
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+def _rotate(x_ptr, c_ptr, s_ptr, o_ptr, b, h, rows, sxb, sxh, sxs, sob, soh, sos, scb, scs, ssb, sss, S,
+            HALF: tl.constexpr, BACKWARD: tl.constexpr, P_KIND: tl.constexpr, X_KIND: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """Positions ``rows`` of head h of batch b of one tensor (module doc)."""
     cols = tl.arange(0, BLOCK_D)
     m = (rows < S)[:, None] & (cols < HALF)[None, :]
     r64 = rows.to(tl.int64)[:, None]
@@ -71,25 +68,47 @@ def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, H, S, sxb, sxh, sxs, sob, soh, so
     _store(oo + HALF, o2, m)
 
 
+@triton.jit
+def _rotary_kernel(x_ptr, o_ptr, y_ptr, p_ptr, c_ptr, s_ptr, H, HY, BH, S, sxb, sxh, sxs, sob, soh, sos,
+                   syb, syh, sys_, spb, sph, sps, scb, scs, ssb, sss, HALF: tl.constexpr, BACKWARD: tl.constexpr,
+                   P_KIND: tl.constexpr, X_KIND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Positions pid(1)·BLOCK_S ... of one head: programs pid(0) < BH = B·H rotate x (head pid(0) % H
+    of batch pid(0) // H) into o, the others y (HY heads) into p: q and k in one launch."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    if bh < BH:
+        _rotate(x_ptr, c_ptr, s_ptr, o_ptr, (bh // H).to(tl.int64), (bh % H).to(tl.int64), rows, sxb, sxh, sxs,
+                sob, soh, sos, scb, scs, ssb, sss, S, HALF, BACKWARD, P_KIND, X_KIND, BLOCK_D)
+    else:
+        j = bh - BH
+        _rotate(y_ptr, c_ptr, s_ptr, p_ptr, (j // HY).to(tl.int64), (j % HY).to(tl.int64), rows, syb, syh, sys_,
+                spb, sph, sps, scb, scs, ssb, sss, S, HALF, BACKWARD, P_KIND, X_KIND, BLOCK_D)
+
+
 def _block_s(half: int) -> int:
     """Positions per program: about 4096 elements of each half."""
     return max(1, min(64, 4096 // next_power_of_2(half)))
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, backward: bool,
-           p_dtype: torch.dtype, x_dtype: torch.dtype) -> None:
-    """``out`` (x's shape (B, H, S, D)) from x and the tables (cos, sin: (B or 1, S, D)), forward or
-    backward (module doc). Every tensor has unit stride along D; ``p_dtype``: the promoted dtype,
-    ``x_dtype``: the rotated tensor's (in backward, x is the gradient and ``out`` the input's
-    gradient)."""
-    bsz, heads, seq, d = x.shape
-    half = d // 2
-    if x.numel() == 0:
+def rotary(pairs, cos: torch.Tensor, sin: torch.Tensor, backward: bool, p_dtype: torch.dtype,
+           x_dtype: torch.dtype) -> None:
+    """For each ``(x, out)`` of ``pairs`` (one or two: q's and k's, one launch), ``out`` (x's shape
+    (B, H, S, D), the pairs' B and S the same) from x and the tables (cos, sin: (B or 1, S, D)),
+    forward or backward (module doc). Every tensor has unit stride along D; ``p_dtype``: the promoted
+    dtype, ``x_dtype``: the rotated tensors' (in backward, the x are the gradients and the outs the
+    inputs' gradients)."""
+    pairs = [(x, out) for x, out in pairs if x.numel()]
+    if not pairs:
         return
+    (x, out), (y, y_out) = pairs[0], pairs[-1]  # (one pair: y is x, and no program reads it)
+    bsz, heads, seq, d = x.shape
+    y_heads = y.shape[1]
+    half = d // 2
     block_s = _block_s(half)
     bc = 0 if cos.shape[0] == 1 else cos.stride(0)
     bs = 0 if sin.shape[0] == 1 else sin.stride(0)
-    grid = (bsz * heads, cdiv(seq, block_s))
-    launch(_rotary_kernel, grid, x, cos, sin, out, heads, seq, *x.stride()[:3], *out.stride()[:3], bc,
-           cos.stride(1), bs, sin.stride(1), HALF=half, BACKWARD=backward, P_KIND=_KINDS[p_dtype],
-           X_KIND=_KINDS[x_dtype], BLOCK_S=block_s, BLOCK_D=next_power_of_2(half), num_warps=4, **UNFUSED)
+    grid = (bsz * (heads + (y_heads if len(pairs) == 2 else 0)), cdiv(seq, block_s))
+    launch(_rotary_kernel, grid, x, out, y, y_out, cos, sin, heads, y_heads, bsz * heads, seq, *x.stride()[:3],
+           *out.stride()[:3], *y.stride()[:3], *y_out.stride()[:3], bc, cos.stride(1), bs, sin.stride(1), HALF=half,
+           BACKWARD=backward, P_KIND=_KINDS[p_dtype], X_KIND=_KINDS[x_dtype], BLOCK_S=block_s,
+           BLOCK_D=next_power_of_2(half), num_warps=4, **UNFUSED)
