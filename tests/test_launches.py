@@ -143,9 +143,10 @@ def test_gated_mlp_one_kernel_each_way_beside_its_matmuls(kind):
 
 def test_rotary_one_kernel_for_q_and_k_each_way():
     """RoPE of q and k (leanact.ops.rotary): one kernel for both forward, one for their gradients
-    backward (both, or the one there is), no aten kernel around them; Hugging Face's apply_rotary_pos_emb starts 5 per tensor forward (a
-    negation, a concatenation, two products, a sum) and 9 per gradient backward (two products and
-    their casts to q's dtype, the negation, two zero-padded slices, two sums): docs/triton.md."""
+    backward (both, or the one there is), no aten kernel around them; Hugging Face's
+    apply_rotary_pos_emb starts 5 per tensor forward (a negation, a concatenation, two products, a
+    sum) and 9 per gradient backward (two products and their casts to q's dtype, the negation, two
+    zero-padded slices, two sums): docs/triton.md."""
     from leanact.ops.rotary import rotary, rotary_reference
 
     q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16, requires_grad=True)

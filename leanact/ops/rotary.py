@@ -5,10 +5,10 @@ models) computes ``(x * cos) + (rotate_half(x) * sin)`` for x = q and k: a negat
 concatenation, two products and a sum per tensor, each a kernel that reads and writes the whole
 tensor, and about as many again in backward. Under autocast with fp32 tables the products promote
 the 16-bit q, k to fp32 (what attention then casts back). :func:`rotary` computes the same values
-in one pass over each tensor, q and k in one launch (Liger-Kernel's RoPE takes one too): the products and the sum rounded in the promoted dtype, as torch rounds
-them, so the outputs are bitwise torch's, and the gradients bitwise autograd's (each product's
-gradient rounded in the promoted dtype and cast to x's dtype, the two contributions summed in x's
-dtype, as the engine does).
+in one pass over each tensor, q and k in one launch (as Liger-Kernel's RoPE): the products and the
+sum rounded in the promoted dtype, as torch rounds them, so the outputs are bitwise torch's, and the
+gradients bitwise autograd's (each product's gradient rounded in the promoted dtype and cast to x's
+dtype, the two contributions summed in x's dtype, as the engine does).
 
 Kept for backward: the tables cos and sin (what the unfused products keep: shared by every layer,
 (B or 1)·S·D each), nothing of q or k. On a CPU, under ``torch.compile`` or ``torch.func``, with
