@@ -1,6 +1,6 @@
 """benchmarks/gelu_directions.py without a GPU: the float32 GELU kernels under Triton's interpreter at
 tiny sizes, each row read, launch shape and the backward's fma quotient checked against the default,
-both tables printed."""
+the three tables printed."""
 import os
 import pathlib
 import subprocess
@@ -21,7 +21,7 @@ def test_gelu_directions_runs_on_a_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     all_rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| erf") or
                 line.startswith("| tanh")]
-    rows, shaped = all_rows[:6], all_rows[6:]
+    rows, shaped, totals = all_rows[:6], all_rows[6:12], all_rows[12:]
     order = [(f"| {form}", d) for form in ("erf", "tanh") for d in ("forward", "backward", "backward, fma quotient")]
     assert [(r[0], r[1]) for r in rows] == order and [(r[0], r[1]) for r in shaped] == order
     for row in shaped:  # the read (0 or 1 here), a time per launch shape, best / torch
@@ -30,6 +30,12 @@ def test_gelu_directions_runs_on_a_cpu(tmp_path):
     for row in rows:
         assert float(row[2]) > 0 and float(row[3]) > 0  # torch's, the two-load kernel's
     assert all(float(row[4]) > 0 for row in rows if row[:2] != ["| tanh", "forward"])  # the split read's
+    # forward + backward with each direction's fastest variant: torch's, leanact's, their ratio, the target
+    assert [r[0] for r in totals] == ["| erf", "| tanh"]
+    for form, ref, lean, ratio, ok, fwd, bwd in totals:
+        assert float(ratio[:-1]) == pytest.approx(float(lean) / float(ref), rel=0.01, abs=0.01)
+        assert ok == ("ok" if float(ratio[:-1]) <= 1.1 else "no")
+        assert fwd.startswith("read ") and " / " in fwd and bwd.startswith("read ") and " / " in bwd
 
 
 _BROKEN_FMA = r"""
