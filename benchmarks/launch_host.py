@@ -12,8 +12,13 @@ launcher itself is a no-op, so the numbers are the Python in front of it, on CUD
 driver's launch. A trivial kernel with 12 arguments is the floor of Triton's own path.
 
 A second table times whole lean ops (forward + backward on 64 x 256 tensors: GELU, LayerNorm,
-RMSNorm, the sub-layer end) with every launch through Triton and with the direct launches, in
-turns, the minimum of ``--samples`` x 10 calls (the host's time; the GPU's is small at this size).
+RMSNorm, the sub-layer end; RoPE of q and k as a patched Llama calls it, HF's transposed q of 4
+heads, k of 2, 64 positions of 64, fp32 tables as under autocast; with ``--cpu`` 4 x 64 and 8
+positions, since the norms' forward is torch's own op, which then computes on the CPU) with every launch through Triton
+and with the direct launches, in turns, the minimum of ``--samples`` x 10 calls (the host's time;
+the GPU's is small at this size). Where Liger-Kernel imports, its LayerNorm, RMSNorm and RoPE
+(``LigerLayerNormFunction``, ``LigerRMSNormFunction``, ``LigerRopeFunction``: Triton's own launches)
+are timed in the same turns: the host's share of the suite's per-op wall times against Liger's.
 """
 from __future__ import annotations
 
@@ -92,55 +97,87 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for name, dt, tt, lt in out:
         print(f"| {name} | {dt} | {tt:.1f} | {lt:.1f} | {lt / tt:.2f}x |")
-    print(f"\nhost µs per forward+backward of a lean op (64 x 256; min of {args.samples} x 10 calls)\n")
-    print("| op | dtype | launches through Triton | direct launches | direct / Triton |")
-    print("|---|---|---|---|---|")
-    for name, dt, tt, lt in ops:
-        print(f"| {name} | {dt} | {tt:.1f} | {lt:.1f} | {lt / tt:.2f}x |")
+    shape = "4 x 64, RoPE 8 positions" if args.cpu else "64 x 256, RoPE 64 positions"
+    print(f"\nhost µs per forward+backward of a lean op ({shape}; min of {args.samples} x 10 calls)\n")
+    print("| op | dtype | launches through Triton | direct launches | direct / Triton | Liger-Kernel "
+          "| direct / Liger |")
+    print("|---|---|---|---|---|---|---|")
+    for name, dt, tt, lt, gt in ops:
+        liger = f"{gt:.1f} | {lt / gt:.2f}x" if gt == gt else "n/a | n/a"
+        print(f"| {name} | {dt} | {tt:.1f} | {lt:.1f} | {lt / tt:.2f}x | {liger} |")
     return 0
 
 
-def _ops_host(device: str, samples: int, L) -> list[tuple[str, str, float, float]]:
-    """(op, dtype, host µs with Triton's launches, with the direct ones) per forward+backward."""
+def _liger() -> dict:
+    """Liger-Kernel's LayerNorm, RMSNorm and RoPE autograd Functions, those that import."""
+    fns = {}
+    for name, module, attr in (("LayerNorm", "layer_norm", "LigerLayerNormFunction"),
+                               ("RMSNorm", "rms_norm", "LigerRMSNormFunction"),
+                               ("RoPE (q and k)", "rope", "LigerRopeFunction")):
+        try:
+            fns[name] = getattr(__import__(f"liger_kernel.ops.{module}", fromlist=[attr]), attr)
+        except Exception:  # noqa: BLE001 - not installed, or another version: no Liger cell
+            pass
+    return fns
+
+
+def _ops_host(device: str, samples: int, L) -> list[tuple[str, str, float, float, float]]:
+    """(op, dtype, host µs with Triton's launches, with the direct ones, Liger's op's or nan) per
+    forward+backward."""
     import contextlib
 
     import torch
 
     import leanact
     from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+    from leanact.ops.rotary import rotary
     from leanact.ops.triton import dispatch, kernels
 
     out = []
     cpu = device == "cpu"
+    # (on the CPU tiny tensors: the norms' forward is torch's own op there, which computes on the CPU)
+    rows, width, seq = (4, 64, 8) if cpu else (64, 256, 64)
+    liger = _liger()
     for dt in (torch.bfloat16, torch.float32):
         with torch.device(device):
-            x = torch.randn(64, 256, dtype=dt, requires_grad=True)
+            x = torch.randn(rows, width, dtype=dt, requires_grad=True)
             r = torch.randn_like(x, requires_grad=True)
             dy = torch.randn_like(x)
-            ln, rms = leanact.nn.LayerNorm(256, dtype=dt), leanact.nn.RMSNorm(256, dtype=dt)
-        ops = {"GELU": lambda: leanact.functional.gelu(x).backward(dy),
-               "LayerNorm": lambda: ln(x).backward(dy),
-               "RMSNorm": lambda: rms(x).backward(dy),
+            ln, rms = leanact.nn.LayerNorm(width, dtype=dt), leanact.nn.RMSNorm(width, dtype=dt)
+            q = torch.randn(2, seq, 4, 64, dtype=dt).transpose(1, 2).requires_grad_()  # HF's (b, s, h, d) viewed
+            k = torch.randn(2, 2, seq, 64, dtype=dt, requires_grad=True)
+            cos, sin = torch.randn(1, seq, 64), torch.randn(1, seq, 64)  # fp32 tables, as under autocast
+            dq, dk = torch.randn(q.shape), torch.randn(k.shape)  # the rotations' gradients (fp32, as they are)
+            dq16, dk16 = dq.to(dt), dk.to(dt)  # Liger's (its rotation keeps q's dtype)
+        ops = {"GELU": (lambda: leanact.functional.gelu(x).backward(dy), None),
+               "LayerNorm": (lambda: ln(x).backward(dy),
+                             lambda f: f.apply(x, ln.weight, ln.bias, 1e-5).backward(dy)),
+               "RMSNorm": (lambda: rms(x).backward(dy), lambda f: f.apply(x, rms.weight, 1e-6).backward(dy)),
                "sub-layer end (dropout, add, LayerNorm)":
-                   lambda: dropout_add_layer_norm(x, r, (256,), ln.weight, ln.bias, 1e-5, 0.1).backward(dy)}
+                   (lambda: dropout_add_layer_norm(x, r, (width,), ln.weight, ln.bias, 1e-5, 0.1).backward(dy), None),
+               "RoPE (q and k)": (lambda: torch.autograd.backward(rotary(q, k, cos, sin), (dq, dk)),
+                                  lambda f: torch.autograd.backward(f.apply(q, k, cos, sin), (dq16, dk16)))}
         with (dispatch.use_kernels(kernels, strict=True) if cpu else contextlib.nullcontext()):
-            for name, fn in ops.items():
-                for direct in (False, True, False, True):  # warm-up both, then timed in turns
-                    L._STATE["on"] = None if direct else False  # (None: the direct path, set up again)
-                    fn()
-                times = {False: [], True: []}
+            for name, (fn, of_liger) in ops.items():
+                runs = {False: fn, True: fn}  # launches through Triton, direct
+                if name in liger and of_liger is not None:
+                    runs["Liger"] = lambda f=liger[name], run=of_liger: run(f)
+                for way in [*runs] * 2:  # warm-up every way, then timed in turns
+                    L._STATE["on"] = None if way is True else False  # (None: the direct path, set up again)
+                    runs[way]()
+                times = {way: [] for way in runs}
                 for _ in range(samples):
-                    for direct in (False, True):
-                        L._STATE["on"] = None if direct else False
+                    for way, run in runs.items():
+                        L._STATE["on"] = None if way is True else False
                         if not cpu:
                             torch.cuda.synchronize()
                         t0 = time.perf_counter()
                         for _ in range(10):
-                            fn()
-                        times[direct].append((time.perf_counter() - t0) / 10 * 1e6)
+                            run()
+                        times[way].append((time.perf_counter() - t0) / 10 * 1e6)
                 L._STATE["on"] = None
                 per = {k: min(v) for k, v in times.items()}
-                out.append((name, str(dt).replace("torch.", ""), per[False], per[True]))
+                out.append((name, str(dt).replace("torch.", ""), per[False], per[True], per.get("Liger", float("nan"))))
     return out
 
 

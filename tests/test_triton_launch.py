@@ -172,8 +172,12 @@ def test_launch_host_benchmark_runs_on_cpu():
     assert names >= {"_gelu16_fwd_kernel", "_ln_bwd_kernel", "_gelu32f_bwd_kernel"}, names
     assert len(rows) >= 28 and all(line.endswith("x |") for line in rows), r.stdout
     ops = r.stdout.split("host µs per forward+backward of a lean op")[1]
-    for name in ("GELU", "LayerNorm", "RMSNorm", "sub-layer end"):
+    for name in ("GELU", "LayerNorm", "RMSNorm", "sub-layer end", "RoPE (q and k)"):
         assert ops.count(f"| {name}") == 2, ops  # bf16 and fp32
+    for line in ops.splitlines():  # Liger-Kernel's LayerNorm, RMSNorm, RoPE timed where it imports, else n/a
+        if line.startswith(("| LayerNorm", "| RMSNorm", "| RoPE")):
+            liger = line.split(" | ")[5]
+            assert liger == "n/a" or float(liger) > 0, line
 
 
 def test_host_stub_with_launches_runs_on_cpu():
