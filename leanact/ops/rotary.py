@@ -57,8 +57,10 @@ class RotaryFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, launchers=None):
-        if launchers is None and _kernel.pair_ok(q, k, cos, sin):
+        if launchers is None:
             launchers = _kernel.usable(q, k, cos, sin)
+            if launchers is not None and not _kernel.pair_ok(q, k, cos, sin):
+                launchers = None
         outs = None if launchers is None else _kernel.forward_with(launchers, (q, k), cos, sin)
         ctx.kernel = outs is not None
         if outs is None:
@@ -89,10 +91,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     """``(q·cos + rotate_half(q)·sin, k·cos + rotate_half(k)·sin)`` through the kernels, or None
     where they do not apply (module doc). q, k: (B, H, S, D) (k may have fewer heads); cos, sin:
     (B or 1, S, D), not needing a gradient. The checks run once here, not again in forward."""
-    if cos.requires_grad or sin.requires_grad or not _kernel.pair_ok(q, k, cos, sin):
+    if cos.requires_grad or sin.requires_grad or q.dtype != k.dtype:
         return None
-    launchers = _kernel.usable(q, k, cos, sin)
-    if launchers is None:
+    if k.dim() != 4 or q.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        return None
+    launchers = _kernel.usable(q, k, cos, sin)  # (None while compiling: no layout looked at then)
+    if launchers is None or not _kernel.pair_ok(q, k, cos, sin):
         return None
     return RotaryFunction.apply(q, k, cos, sin, launchers)
 
