@@ -7,7 +7,8 @@ GPU the slower of its instructions and its bytes sets its time; the H200 measure
 kernels at 2.5-3.2x torch's time when they took 300-370 instructions per element fwd+bwd. This
 compiles each GELU kernel for sm_90 (Triton's bundled ``ptxas``; ``nvdisasm`` lists the SASS) as
 Triton specializes it at run time for aligned tensors (pointers and ``n`` divisible by 16),
-with ``BLOCK`` 1024 and 4 warps (8 elements per thread), and counts the static instructions per
+with ``BLOCK`` 1024 and 4 warps (8 elements per thread), over whole blocks (the float32 kernels'
+``EVEN``: no masks, as for the suite's sizes), and counts the static instructions per
 element in the kernel's own body: what one element executes, but for a branch's untaken side. A
 correctly rounded division's rare slow path is a subroutine the body calls: counted apart. The
 16-bit kernels (a table gather each way) are the memory-bound reference. The last table gives the
@@ -86,18 +87,18 @@ def warps_per_sm(regs: int, warps: int) -> int:
 _F32 = {"y_ptr": "*fp32", "bits_ptr": "*u8", "n": "i32"}
 
 
-def float32_kernels(block: int = _BLOCK, wide: int = 0, **options) -> list[tuple[str, bytes]]:
+def float32_kernels(block: int = _BLOCK, wide: int = 0, even: bool = True, **options) -> list[tuple[str, bytes]]:
     """The float32 GELU kernels compiled (both forward forms; the backward with its quotient by
-    ``div_rn``, then by ``fma``: its ``fma_div``)."""
+    ``div_rn``, then by ``fma``: its ``fma_div``), over whole blocks (``even``) or with masks."""
     out = []
     for form, tanh in (("erf", False), ("tanh", True)):
         out.append((f"GELU {form} forward", cubin(
             G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", **_F32, "tab_ptr": "*fp32" if tanh else "*i64", "thr": "fp32"},
-            {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "BLOCK": block}, **G32.UNFUSED, **options)))
+            {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "EVEN": even, "BLOCK": block}, **G32.UNFUSED, **options)))
     for name, fma_div in (("GELU backward (both forms)", False), ("GELU backward, fma quotient", True)):
         out.append((name, cubin(
             G32._gelu32f_bwd_kernel, {**_F32, "dy_ptr": "*fp32", "out_ptr": "*fp32", "tab_ptr": "*i64", "c32": "fp32"},
-            {"WIDE": wide, "FMA_DIV": fma_div, "BLOCK": block}, **G32.UNFUSED, **options)))
+            {"WIDE": wide, "FMA_DIV": fma_div, "EVEN": even, "BLOCK": block}, **G32.UNFUSED, **options)))
     return out
 
 

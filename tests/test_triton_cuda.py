@@ -117,7 +117,8 @@ def test_gelu32_compiled_within_the_bounds(monkeypatch, mode):
 @pytest.mark.parametrize("mode", ["none", "tanh"])
 def test_gelu32_variants_compute_the_same_on_this_gpu(mode):
     """Compiled, every table-row read (``wide`` 0, 1, 2: the 16-byte PTX load runs only here),
-    launch shape and the backward's fma quotient give the default's y and bits bitwise and its dx
+    launch shape, the backward's fma quotient and the unmasked kernels of whole blocks give the
+    default's y and bits bitwise and its dx
     (values; a zero's sign may differ with the fma quotient), on the hardest inputs as above."""
     from leanact.ops.triton import gelu as TG, gelu32_kernels as K32
 
@@ -138,6 +139,12 @@ def test_gelu32_variants_compute_the_same_on_this_gpu(mode):
         K32.gelu32_backward(y, bits, dy, dx, slope, c32, block=block, wide=wide, num_warps=warps, fma_div=fma_div)
         outs.append((y, bits, dx))
     y0, bits0, dx0 = outs[0]
+    even = 1 << 15  # the first 2^15 elements alone: whole blocks, no masks (the kernels' EVEN)
+    y, bits, dx = torch.empty(even, device="cuda"), torch.empty(even // 8, dtype=torch.uint8, device="cuda"), \
+        torch.empty(even, device="cuda")
+    K32.gelu32_forward(x[:even], y, bits, mills, thr)
+    K32.gelu32_backward(y, bits, dy[:even], dx, slope, c32)
+    outs.append((torch.cat([y, y0[even:]]), torch.cat([bits, bits0[even // 8:]]), torch.cat([dx, dx0[even:]])))
     for y, bits, dx in outs[1:]:
         assert torch.equal(y.view(torch.int32), y0.view(torch.int32)) and torch.equal(bits, bits0)
         assert torch.equal(dx.isnan(), dx0.isnan()) and torch.equal(dx[~dx.isnan()], dx0[~dx0.isnan()])

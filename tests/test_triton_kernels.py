@@ -256,6 +256,30 @@ def test_gelu32_row_reads_agree(mode):
 
 @interp
 @pytest.mark.parametrize("mode", ["none", "tanh"])
+def test_gelu32_unmasked_blocks_agree(mode):
+    """Where BLOCK divides n the float32 kernels run without masks (their ``EVEN``): the same y, bits
+    and dx bitwise as the masked kernels give on the same elements with one more after them."""
+    from leanact.ops.gelu import mills32, rebuild32, slope32
+    from leanact.ops.triton import gelu32_kernels as K32
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.linspace(-20, 20, 1024), torch.randn(1019, generator=g) * 3,
+                   torch.tensor([-30.0, -1e-30, 0.0, float("nan"), 30.0])])  # 2048: two whole blocks
+    dy = torch.randn(x.numel() + 1, generator=g)
+    thr = TG._args("forward", x, mode)[0]
+    mills = mills32.mills_table() if mode == "none" else None
+    slope, c32 = slope32.slope_table(mode), rebuild32._C32[mode]
+    outs = []
+    for xs in (x, torch.cat([x, torch.tensor([0.5])])):  # unmasked (EVEN), masked
+        y, bits, dx = torch.empty_like(xs), torch.empty((xs.numel() + 7) // 8, dtype=torch.uint8), torch.empty_like(xs)
+        K32.gelu32_forward(xs, y, bits, mills, thr)
+        K32.gelu32_backward(y, bits, dy[:xs.numel()], dx, slope, c32)
+        outs.append((y[:2048], bits[:256], dx[:2048]))
+    assert all(_same(a, b) for a, b in zip(*outs))
+
+
+@interp
+@pytest.mark.parametrize("mode", ["none", "tanh"])
 def test_gelu32_backward_fma_quotient_agrees(mode):
     """The float32 backward's left key by ``math32.quotient`` (its ``fma_div``) gives the dx of
     ``div_rn``'s bitwise: over the outputs of inputs from -20 to 20, tails to the last subnormal
@@ -641,9 +665,10 @@ build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "*
 build(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
 from leanact.ops.triton import gelu32_kernels as G32
-for fma_div in (False, True):
+for fma_div, even in ((False, False), (True, False), (False, True)):
     build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
-          "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": 0, "FMA_DIV": fma_div, "BLOCK": 1024}, **G32.UNFUSED)
+          "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": 0, "FMA_DIV": fma_div, "EVEN": even, "BLOCK": 1024},
+          **G32.UNFUSED)
 '''
 
 

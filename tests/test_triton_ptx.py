@@ -102,15 +102,16 @@ for dtype in ("*bf16", "*fp32"):
           "BLOCK_P": 32, "BLOCK_N": 64}, **K.FUSED)
 build(K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
       "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}, **K.FUSED)
-for wide in (0, 1, 2):  # the three ways to read a table row
+# the three ways to read a table row, with masks and over whole blocks (EVEN: no masks)
+for wide, even in ((0, False), (1, False), (2, False), (0, True), (2, True)):
     for tanh in (False, True):
         build(G32._gelu32f_fwd_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "bits_ptr": "*u8",
               "tab_ptr": "*fp32" if tanh else "*i64", "n": "i32", "thr": "fp32"},
-              {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "BLOCK": 1024}, **G32.UNFUSED)
+              {"TANH": tanh, "WITH_BITS": True, "WIDE": wide, "EVEN": even, "BLOCK": 1024}, **G32.UNFUSED)
     for fma_div in (False, True):  # the left key's quotient by div_rn, or by math32.quotient
         build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
-              "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": wide, "FMA_DIV": fma_div, "BLOCK": 1024},
-              **G32.UNFUSED)
+              "tab_ptr": "*i64", "n": "i32", "c32": "fp32"},
+              {"WIDE": wide, "FMA_DIV": fma_div, "EVEN": even, "BLOCK": 1024}, **G32.UNFUSED)
 '''
 
 _F64 = r'''

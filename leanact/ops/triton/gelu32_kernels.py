@@ -29,11 +29,13 @@ one (forward correctly rounded, backward within ``B(y)`` + 1/2 ulp); the self-ch
 difference.
 
 Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel body,
-Triton 3.9 / 3.6): forward 53 / 55 instructions, tanh form 59 / 62, backward 50 / 50 (and its
-division's slow path, rarely taken), against 8 and 12 bytes of memory traffic (forward: x in, y and
-1/8 byte out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2 (the tanh
-forward reads none). Triton 3.6 compiles a negation ``-t`` to an instruction (``0 - t``), so the
-forward's negations are folded into constants (:func:`~leanact.ops.triton.math32.exp_half_neg_parts`,
+Triton 3.9 / 3.6, where ``BLOCK`` divides n: the kernels' ``EVEN``, no masks): forward 50 / 52
+instructions, tanh form 56 / 59, backward 50 / 50 (and its division's slow path, rarely taken),
+against 8 and 12 bytes of memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8
+byte in, dx out) and a 16-byte table row from L1/L2 (the tanh forward reads none). With masks (a
+last partial block in the grid) the forward takes 3 more. Triton 3.6 compiles a negation ``-t`` to
+an instruction (``0 - t``), so the forward's negations are folded into constants
+(:func:`~leanact.ops.triton.math32.exp_half_neg_parts`,
 :func:`~leanact.ops.triton.math32.recip12_of_negated`). The tanh form's quotient ``1 / (1 +
 exp(-|v|))``, divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s two Newton steps
 (six ``fma``), where ``div_rn`` took 6 more instructions per element and 24 registers a thread for
@@ -41,8 +43,8 @@ its slow-path call. The launchers' ``wide`` picks how a row is read: 0 (the defa
 on a GPU) two 8-byte loads; 1 one ``[BLOCK, 2]`` load split in registers (through shared memory,
 with barriers); 2 one 16-byte load by inline PTX (no interpreter: checked on a GPU by
 ``benchmarks/gelu_directions.py``, which times the three). The backward's ``fma_div`` computes its
-one quotient by :func:`~leanact.ops.triton.math32.quotient` (no slow-path call: 35 registers a
-thread instead of 56, 10 more instructions per element), the same bits where the key is kept;
+one quotient by :func:`~leanact.ops.triton.math32.quotient` (no slow-path call: 34 registers a
+thread instead of 56, 7-10 more instructions per element), the same bits where the key is kept;
 ``gelu_directions.py`` times both.
 """
 from __future__ import annotations
@@ -164,35 +166,50 @@ def _gelu_tanh(x, xc):
 
 @triton.jit
 def _gelu32f_fwd_kernel(x_ptr, y_ptr, bits_ptr, tab_ptr, n, thr, TANH: tl.constexpr, WITH_BITS: tl.constexpr,
-                        WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """``y = x Phi(x)`` (tanh form ``x sigmoid(v)``) in float32; right = x > thr, packed."""
+                        WIDE: tl.constexpr, EVEN: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = x Phi(x)`` (tanh form ``x sigmoid(v)``) in float32; right = x > thr, packed. ``EVEN``:
+    ``BLOCK`` divides n (no masks)."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    if EVEN:
+        x = tl.load(x_ptr + offs)
+    else:
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     if TANH:
         y = _gelu_tanh(x, tl.clamp(x, -_X_CLAMP_TANH, _X_CLAMP_TANH, propagate_nan=tl.PropagateNan.ALL))
     else:
         y = _gelu_erf(x, tl.clamp(x, -_X_CLAMP, _X_CLAMP, propagate_nan=tl.PropagateNan.ALL), tab_ptr, WIDE)
-    tl.store(y_ptr + offs, tl.where(x == -float("inf"), float("nan"), y), mask=m)  # -inf Phi(-inf): nan, as torch's
+    y = tl.where(x == -float("inf"), float("nan"), y)  # -inf Phi(-inf): nan, as torch's
+    if EVEN:
+        tl.store(y_ptr + offs, y)
+    else:
+        tl.store(y_ptr + offs, y, mask=offs < n)
     if WITH_BITS:
-        right = ((x > thr) & m).to(tl.int32)
         boffs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        tl.store(bits_ptr + boffs, _pack8(right, BLOCK), mask=boffs < (n + 7) // 8)
+        if EVEN:
+            tl.store(bits_ptr + boffs, _pack8((x > thr).to(tl.int32), BLOCK))
+        else:
+            right = ((x > thr) & (offs < n)).to(tl.int32)
+            tl.store(bits_ptr + boffs, _pack8(right, BLOCK), mask=boffs < (n + 7) // 8)
 
 
 @triton.jit
 def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE: tl.constexpr, FMA_DIV: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        EVEN: tl.constexpr, BLOCK: tl.constexpr):
     """dx = dy f'(x) from (y, bit): the float32 path's key (``rebuild32._guess32``: the same float32
     operations), then the cubic of its cell (:mod:`leanact.ops.gelu.slope32`). ``FMA_DIV``: the left
     key's quotient by :func:`~leanact.ops.triton.math32.quotient` (``div_rn``'s bits wherever the
-    key is kept) instead of ``div_rn``."""
+    key is kept) instead of ``div_rn``. ``EVEN``: ``BLOCK`` divides n (no masks)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    y = tl.load(y_ptr + offs, mask=m, other=0.0)
-    dy = tl.load(dy_ptr + offs, mask=m, other=0.0)
-    right = _unpack1(bits_ptr, offs, m) != 0
+    if EVEN:
+        y = tl.load(y_ptr + offs)
+        dy = tl.load(dy_ptr + offs)
+        right = ((tl.load(bits_ptr + offs // 8).to(tl.int32) >> (offs % 8).to(tl.int32)) & 1) != 0
+    else:
+        m = offs < n
+        y = tl.load(y_ptr + offs, mask=m, other=0.0)
+        dy = tl.load(dy_ptr + offs, mask=m, other=0.0)
+        right = _unpack1(bits_ptr, offs, m) != 0
     kr = ((y - c32) - _KEY_TINY) * _KEY_SCALE  # right key
     key = tl.where(right, tl.minimum(kr, _KEY_RIGHT_MAX, propagate_nan=tl.PropagateNan.ALL),
                    -(quotient(y, kr) if FMA_DIV else tl.math.div_rn(y, kr)))  # left key
@@ -203,7 +220,10 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE:
     s = (kb & _SLOPE_LOW).to(tl.float32) * _SLOPE_UNIT  # exact: 19 bits
     g = tl.fma(s, tl.fma(s, tl.fma(s, c3, c2), c1), c0)
     g = tl.where(tl.abs(y) < float("inf"), g, float("nan"))  # y = +-inf, nan: nan, as the PyTorch path
-    tl.store(out_ptr + offs, g * mk, mask=m)
+    if EVEN:
+        tl.store(out_ptr + offs, g * mk)
+    else:
+        tl.store(out_ptr + offs, g * mk, mask=m)
 
 
 def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: int = 0,
@@ -215,7 +235,8 @@ def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, bl
     if n:
         launch(_gelu32f_fwd_kernel, _grid(n, block), x, y, bits if bits is not None else y,
                x if table is None else table.view(torch.int64), n, thr, TANH=table is None,
-               WITH_BITS=bits is not None, WIDE=wide, BLOCK=block, num_warps=num_warps, **UNFUSED)
+               WITH_BITS=bits is not None, WIDE=wide, EVEN=n % block == 0, BLOCK=block, num_warps=num_warps,
+               **UNFUSED)
 
 
 def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
@@ -225,4 +246,4 @@ def gelu32_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, out: 
     n = y.numel()
     if n:
         launch(_gelu32f_bwd_kernel, _grid(n, block), y, bits, dy, out, table.view(torch.int64), n, c32, WIDE=wide,
-               FMA_DIV=fma_div, BLOCK=block, num_warps=num_warps, **UNFUSED)
+               FMA_DIV=fma_div, EVEN=n % block == 0, BLOCK=block, num_warps=num_warps, **UNFUSED)
