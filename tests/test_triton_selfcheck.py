@@ -198,6 +198,40 @@ def test_a_wrong_kernel_fails_its_check_and_falls_back(K, op):
         call()
 
 
+class _WrongOverWholeBlocks:
+    """The kernels, with a float32 GELU forward whose unmasked kernel (``BLOCK`` divides n: its
+    ``EVEN``) is 1% off in one element (the check allows the float32 kernels a few ulps): what the
+    suite's sizes run, the check must run too."""
+
+    def __init__(self, module):
+        from leanact.ops.triton import gelu32_kernels
+
+        self.module, self.k32 = module, gelu32_kernels
+
+    def __getattr__(self, attr):
+        if attr != "gelu32_forward":
+            return getattr(self.k32 if hasattr(self.k32, attr) else self.module, attr)
+
+        def forward(x, y, *args, **kwargs):
+            self.k32.gelu32_forward(x, y, *args, **kwargs)
+            if x.numel() % self.k32.BLOCK == 0:
+                y.view(-1)[7] = y.view(-1)[7] * 1.01 + 0.01
+        return forward
+
+
+@interp
+def test_the_float32_gelu_check_runs_the_unmasked_kernel(K):
+    bad = _WrongOverWholeBlocks(K)
+    x = torch.randn(2048)
+    with dispatch.use_kernels(bad, strict=False, verify=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, _ = G._forward(x, "none", True)
+        assert "gelu" in dispatch._BROKEN
+    assert any("failed its self-check" in str(w.message) for w in caught)
+    with dispatch.forced("off"):
+        assert torch.equal(y, G._forward(x, "none", True)[0])  # the PyTorch path ran
+
+
 @interp
 def test_the_check_leaves_the_callers_state_alone(K):
     """Saved-tensor hooks, autocast and the random state around the first call see only the op."""
