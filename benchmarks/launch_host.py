@@ -16,9 +16,11 @@ RMSNorm, the sub-layer end; RoPE of q and k as a patched Llama calls it, HF's tr
 heads, k of 2, 64 positions of 64, fp32 tables as under autocast; with ``--cpu`` 4 x 64 and 8
 positions, since the norms' forward is torch's own op, which then computes on the CPU) with every launch through Triton
 and with the direct launches, in turns, the minimum of ``--samples`` x 10 calls (the host's time;
-the GPU's is small at this size). Where Liger-Kernel imports, its LayerNorm, RMSNorm and RoPE
-(``LigerLayerNormFunction``, ``LigerRMSNormFunction``, ``LigerRopeFunction``: Triton's own launches)
-are timed in the same turns: the host's share of the suite's per-op wall times against Liger's.
+the GPU's is small at this size). With ``--liger`` (where Liger-Kernel imports), its LayerNorm,
+RMSNorm and RoPE (``LigerLayerNormFunction``, ``LigerRMSNormFunction``, ``LigerRopeFunction``:
+Triton's own launches) are timed in the same turns: the host's share of the suite's per-op wall
+times against Liger's (off by default: on a GPU their kernels at these sizes compile first, tens of
+seconds that ``scripts/gpu_checks.sh``'s limit for this script does not hold).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="no GPU: compile for sm_90, record launches instead")
     ap.add_argument("--samples", type=int, default=30)
+    ap.add_argument("--liger", action="store_true", help="also time Liger-Kernel's LayerNorm, RMSNorm and RoPE")
     args = ap.parse_args(argv)
     if args.cpu:
         from _fake_triton_driver import install
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
             sync()
         out.append((name, dt, statistics.median(ts), statistics.median(ls)))
 
-    ops = _ops_host(device, args.samples, L)
+    ops = _ops_host(device, args.samples, L, args.liger)
     where = "no-op launcher (--cpu)" if args.cpu else torch.cuda.get_device_name(0)
     print(f"host µs per launch, {where}; torch {torch.__version__}, triton {triton.__version__}; "
           f"medians of {args.samples} x 20 launches\n")
@@ -121,7 +124,7 @@ def _liger() -> dict:
     return fns
 
 
-def _ops_host(device: str, samples: int, L) -> list[tuple[str, str, float, float, float]]:
+def _ops_host(device: str, samples: int, L, with_liger: bool = False) -> list[tuple[str, str, float, float, float]]:
     """(op, dtype, host µs with Triton's launches, with the direct ones, Liger's op's or nan) per
     forward+backward."""
     import contextlib
@@ -137,7 +140,7 @@ def _ops_host(device: str, samples: int, L) -> list[tuple[str, str, float, float
     cpu = device == "cpu"
     # (on the CPU tiny tensors: the norms' forward is torch's own op there, which computes on the CPU)
     rows, width, seq = (4, 64, 8) if cpu else (64, 256, 64)
-    liger = _liger()
+    liger = _liger() if with_liger else {}
     for dt in (torch.bfloat16, torch.float32):
         with torch.device(device):
             x = torch.randn(rows, width, dtype=dt, requires_grad=True)

@@ -162,7 +162,8 @@ def test_launch_host_benchmark_runs_on_cpu():
     pytest.importorskip("triton.backends.nvidia.driver")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "launch_host.py"), "--cpu", "--samples", "1"],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "launch_host.py"), "--cpu", "--samples", "1",
+                        "--liger"],
                        env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
         pytest.skip("no ptxas in this Triton install")
