@@ -42,9 +42,10 @@ def tensor_ok(x: torch.Tensor, cos: torch.Tensor) -> bool:
 
 def pair_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """q and k of one dtype, batch and positions (k may have fewer heads) that pass :func:`tensor_ok`,
-    tables that pass :func:`tables_ok`: what one launch for both takes."""
+    tables that pass :func:`tables_ok`, all four on one device: what one launch for both takes."""
     return (q.dtype == k.dtype and q.dim() == 4 and k.dim() == 4 and k.shape[0] == q.shape[0]
-            and k.shape[2:] == q.shape[2:] and tables_ok(cos, sin) and tensor_ok(q, cos) and tensor_ok(k, cos))
+            and k.shape[2:] == q.shape[2:] and tables_ok(cos, sin) and tensor_ok(q, cos) and tensor_ok(k, cos)
+            and q.get_device() == k.get_device() == cos.get_device() == sin.get_device())
 
 
 def _shapes_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
