@@ -1,4 +1,4 @@
-"""The rotation of q and k by Hugging Face's RoPE in one kernel per tensor and direction.
+"""The rotation of q and k by Hugging Face's RoPE in one kernel launch each way.
 
 Most decoder models in transformers (Llama, Mistral, Qwen2/3, Gemma 1-3, Granite, ...) call a
 module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` of Llama's form from their
@@ -8,8 +8,8 @@ attention's forward. For a patched model, :func:`install`
   (cos, sin) tables it returns carry a mark (an attribute of the two tensors), and
 * replaces that modeling module's ``apply_rotary_pos_emb`` (once per module, and only where its code
   and its ``rotate_half``'s are Llama's form, compared by bytecode) by a function that sends marked
-  tables to :func:`leanact.ops.rotary.rotary` (one Triton kernel per tensor: bitwise the same
-  outputs and gradients, a sixth of the memory traffic and 4 launches a layer where HF's take 28) and
+  tables to :func:`leanact.ops.rotary.rotary` (one Triton kernel for q and k each way: bitwise the
+  same outputs and gradients, a sixth of the memory traffic and 2 launches a layer where HF's take 28) and
   every other call, or one the kernels do not take (a CPU, ``torch.compile``, ``torch.func``,
   other shapes), to the original function.
 
@@ -35,7 +35,7 @@ __all__ = ["install", "uninstall", "installed", "MARK", "NOTE"]
 
 _ATTR = "_leanact_rotary"
 MARK = "_leanact_rotary_tables"  # attribute set on the (cos, sin) tensors of a patched model
-NOTE = ("rotary: q and k rotated in one kernel per tensor and direction on CUDA ({n} RoPE module(s); "
+NOTE = ("rotary: q and k rotated in one kernel launch each way on CUDA ({n} RoPE module(s); "
         "bitwise Hugging Face's apply_rotary_pos_emb)")
 _WRAPPED = "_leanact_original"  # attribute of the replacement: the modeling module's own function
 
