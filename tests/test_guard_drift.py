@@ -240,6 +240,7 @@ def test_a_larger_beta2_seen_earlier_keeps_its_bound():
     drift per step still uses A = 100, not 10."""
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.Adam([p], lr=0.01, betas=(0.9, 0.9999))
+    guard_drift.track(p, 1.0)  # (tracked from the start: its state is the one leanact saw produced)
     p.grad = torch.ones(2)
     opt.step()  # (the group's history: β2 = 0.9999)
     base = guard_drift.track(p, 1.0)[0]

@@ -11,6 +11,9 @@ counted per norm by a cumulative sum, one ``tolist()``. The verdicts are the one
 element for element. With ``slack=True`` the same sync also returns, per norm, how far every
 element of γ and β may move before the rule can fail, and the largest |w|, |β|
 (:mod:`leanact.ops.guard_drift`: what lets a verdict outlive Adam's steps without a check).
+:func:`check_many_later` evaluates the same rule without a sync: the verdicts reach the host when the
+device has computed them (a copy into pinned memory and an event), read when needed (:class:`Later`):
+what confirms, off the host's critical path, the verdicts that stood on the bound alone.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["check_many"]
+__all__ = ["check_many", "check_many_later", "Later"]
 
 
 _PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
@@ -67,7 +70,7 @@ def _gamma(w: torch.Tensor | None, offset: bool, count: int, ct: torch.dtype, de
     return _flat(1.0 + w.to(torch.float32)) if offset else _flat(w)  # (leanact.ops.layer_norm.offset_gamma)
 
 
-def _check_group(items: list[tuple], ct: torch.dtype, slack: bool = False) -> list:
+def _check_group(items: list[tuple], ct: torch.dtype, slack: bool = False, later: bool = False):
     ref = next(t for w, b, *_ in items for t in (w, b) if t is not None)
     dev = ref.device
     counts = [(w if w is not None else b).numel() for w, b, *_ in items]
@@ -92,6 +95,8 @@ def _check_group(items: list[tuple], ct: torch.dtype, slack: bool = False) -> li
         ok &= bound <= big
         bad = (~ok).to(torch.int64).cumsum(0)
         ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).sub_(1).to(dev)
+        if later:  # per item, its failing channels' count (on the device: no sync)
+            return torch.diff(bad[ends], prepend=bad.new_zeros(1))
         if slack and dev.type in _FLOAT64_DEVICES:
             extra = _slack_rows(items, counts, g, bb if any(b is not None for _, b, *_ in items) else None,
                                 tiny, big, root, ratio, dev)
@@ -137,3 +142,43 @@ def _slack_rows(items, counts, g, bb, tiny, big, root, ratio, dev) -> torch.Tens
     out[1].fill_(0.0).scatter_reduce_(0, seg, raw_w, "amax")
     out[2].fill_(0.0).scatter_reduce_(0, seg, b64, "amax")
     return out
+
+
+class Later:
+    """Verdicts on their way to the host (:func:`check_many_later`): :meth:`result` waits for the copy
+    only (on CUDA an event recorded after it; the device has long computed them when they are read)."""
+
+    __slots__ = ("_counts", "_event", "_order")
+
+    def __init__(self, counts: torch.Tensor, event, order: list[int]):
+        self._counts, self._event, self._order = counts, event, order
+
+    def result(self) -> list[bool]:
+        """Whether each item passed, in the order given to :func:`check_many_later`."""
+        if self._event is not None:
+            self._event.synchronize()
+        out = [True] * len(self._order)
+        for i, bad in zip(self._order, self._counts.tolist()):
+            out[i] = bad == 0
+        return out
+
+
+def check_many_later(items: list[tuple]) -> Later:
+    """:func:`check_many`'s verdicts (items as there, all on one device) without waiting for them."""
+    items = [it if len(it) == 6 else (*it, False) for it in items]
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, (w, b, n, dtype, ratio, offset) in enumerate(items):
+        if (w if w is not None else b).numel():
+            gamma_dtype = torch.float32 if offset else (w if w is not None else b).dtype
+            groups.setdefault(_compute_dtype(gamma_dtype, dtype), []).append(i)
+    if not groups:
+        return Later(torch.zeros(0, dtype=torch.int64), None, [])
+    order = [i for idx in groups.values() for i in idx]
+    counts = torch.cat([_check_group([items[i] for i in idx], ct, later=True) for ct, idx in groups.items()])
+    if counts.device.type != "cuda":
+        return Later(counts.cpu(), None, order)
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return Later(host, event, order)

@@ -52,10 +52,10 @@ class Drift:
     verdict of an earlier epoch no longer stands), ``version`` (the ``_version`` the last step, or
     the check, left), ``mbound`` (a bound on max |θ| now), ``eps`` (the dtype's unit of rounding)."""
 
-    __slots__ = ("total", "epoch", "version", "mbound", "eps")
+    __slots__ = ("total", "epoch", "version", "ptr", "mbound", "eps")
 
     def __init__(self, p: torch.Tensor):
-        self.total, self.epoch, self.version = 0.0, 0, p._version
+        self.total, self.epoch, self.version, self.ptr = 0.0, 0, p._version, p.data_ptr()
         self.mbound = math.inf
         self.eps = torch.finfo(p.dtype).eps if p.is_floating_point() else math.inf
 
@@ -72,9 +72,9 @@ def track(p: torch.Tensor, max_abs: float) -> tuple[float, int]:
     if d is None:
         d = _DRIFT[p] = Drift(p)
         _GENERATION[0] += 1
-    elif d.version != p._version:  # written since last seen: no earlier verdict that read p stands
+    elif d.version != p._version or d.ptr != p.data_ptr():  # written or re-pointed since last seen
         d.epoch += 1
-    d.version, d.mbound = p._version, max_abs
+    d.version, d.ptr, d.mbound = p._version, p.data_ptr(), max_abs
     return d.total, d.epoch
 
 
@@ -107,7 +107,7 @@ class Stand:
         for ref, d, total, epoch, nbytes in self.parts:
             t = ref()
             if (t is None or d.epoch != epoch or d.version != t._version or d.total - total > half
-                    or t.untyped_storage().nbytes() < nbytes):
+                    or d.ptr != t.data_ptr() or t.untyped_storage().nbytes() < nbytes):
                 return False
         return True
 
@@ -200,9 +200,10 @@ def _moments(optimizer) -> dict[int, float] | None:
 
 def _tracked(optimizer) -> list[tuple[dict, list[tuple[torch.Tensor, Drift]]]]:
     """(group, [(parameter, drift)]) for the tracked parameters of ``optimizer``, cached until a
-    parameter is tracked anew or the groups change."""
+    parameter is tracked anew or the groups change (the group dicts themselves: ``load_state_dict``
+    replaces them)."""
     groups = optimizer.param_groups
-    key = (_GENERATION[0], len(groups), sum(len(g["params"]) for g in groups))
+    key = (_GENERATION[0], tuple(map(id, groups)), sum(len(g["params"]) for g in groups))
     hit = _BY_OPTIMIZER.get(optimizer)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -215,22 +216,125 @@ def _tracked(optimizer) -> list[tuple[dict, list[tuple[torch.Tensor, Drift]]]]:
     return out
 
 
+#: the global optimizer step hooks of leanact's own (:func:`own_hook`): any other step hook, global
+#: or the optimizer's, may write parameters, moments or hyper-parameters inside the step
+_OWN_HOOKS: set = set()
+
+
+def own_hook(hook):
+    """Register ``hook`` as a global step hook of leanact's (it writes nothing the bound depends on)."""
+    _OWN_HOOKS.add(hook)
+    return hook
+
+
+def _watched(optimizer, args, kwargs) -> bool:
+    """Whether this step runs nothing but the optimizer's own update between leanact's pre- and
+    post-hook: no step hook but leanact's (global or the optimizer's), no closure (user code run
+    inside the step), no ``step`` replaced on the instance."""
+    from torch.optim import optimizer as _opt
+
+    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    post = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    if pre is None or post is None or pre or post or "step" in vars(optimizer):
+        return False
+    if kwargs.get("closure") is not None or any(a is not None for a in args[1:]):
+        return False
+    return all(h in _OWN_HOOKS for hooks in (getattr(_opt, "_global_optimizer_pre_hooks", None),
+                                             getattr(_opt, "_global_optimizer_post_hooks", None))
+               for h in (hooks.values() if hooks is not None else (None,)))
+
+
+#: optimizer -> {parameter id: the identity and _version of its Adam state as the last watched step
+#: left it}: a state replaced (``load_state_dict``) or edited in place since is verified before the
+#: bound trusts it again
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _state_signature(optimizer, pairs) -> tuple:
+    out = []
+    for p, _d in pairs:
+        st = optimizer.state.get(p)
+        if not st:
+            out.append(None)
+            continue
+        out.append(tuple((id(t), t._version, t.data_ptr()) if isinstance(t, torch.Tensor) else None
+                         for t in (st.get(k) for k in _MOMENT_KEYS)))
+    return tuple(out)
+
+
+def _verify_moments(optimizer, groups) -> dict[int, float]:
+    """The largest ``|m|/sqrt(v)`` of each group's tracked Adam states as they are now (one sync for
+    all): the invariant the bound's induction starts from (module doc), for a state leanact did not
+    see its optimizer produce. inf where it fails (``v = 0`` under ``m ≠ 0``, non-finite values)."""
+    maxima, index = [], []
+    with torch.no_grad():
+        for i, (g, pairs) in enumerate(groups):
+            for p, _d in pairs:
+                st = optimizer.state.get(p) or {}
+                m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)):
+                    continue
+                m64, v64 = m.detach().to(torch.float64).abs(), v.detach().to(torch.float64)
+                ratio = torch.where(m64 == 0, torch.zeros_like(m64), m64 / v64.sqrt())
+                maxima.append(torch.nan_to_num(ratio, nan=math.inf).amax().reshape(1).cpu())
+                index.append(i)
+    out: dict[int, float] = {}
+    if maxima:
+        for i, a in zip(index, torch.cat(maxima).tolist()):
+            out[i] = max(out.get(i, 0.0), a)
+    return out
+
+
+def _end(pairs) -> None:
+    for _p, d in pairs:
+        d.epoch += 1
+
+
 def _before_step(optimizer, args, kwargs) -> None:
     if not _DRIFT:
         return
-    for _g, pairs in _tracked(optimizer):
+    groups = _tracked(optimizer)
+    if not groups:
+        return
+    watched = _watched(optimizer, args, kwargs)
+    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    states = _STATES.get(optimizer)
+    verified = None
+    for i, (g, pairs) in enumerate(groups):
+        if not watched:
+            _end(pairs)
+            continue
         for p, d in pairs:
-            if p._version != d.version:  # written since the check or the last step: not a bounded change
+            if p._version != d.version or p.data_ptr() != d.ptr:  # written or re-pointed since: not a bounded change
                 d.epoch += 1
+        if adam and (states is None or states.get(id(g)) != _state_signature(optimizer, pairs)):
+            if verified is None:  # a state this process did not see the optimizer produce: verified once
+                verified = _verify_moments(optimizer, groups)
+            index = next((j for j, h in enumerate(optimizer.param_groups) if h is g), None)
+            if index is not None:
+                _MOMENTS.setdefault(optimizer, {})[index] = verified.get(i, 0.0)  # (0: no state yet)
+    _WATCHED[optimizer] = watched
+
+
+#: optimizer -> whether its step in progress is watched end to end (:func:`_watched`, at its pre-hook)
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _after_step(optimizer, args, kwargs) -> None:
     moments = _moments(optimizer)
     if not _DRIFT:
         return
+    groups = _tracked(optimizer)
+    if not groups:
+        return
+    watched = _WATCHED.pop(optimizer, False) and _watched(optimizer, args, kwargs)
     index = {id(g): i for i, g in enumerate(optimizer.param_groups)} if moments else {}
-    for g, pairs in _tracked(optimizer):
-        bound = step_bound(optimizer, g, moments.get(index.get(id(g)), math.inf) if moments else None)
+    signatures = {}
+    for g, pairs in groups:
+        bound = None
+        if watched:
+            bound = step_bound(optimizer, g, moments.get(index.get(id(g)), math.inf) if moments else None)
         for p, d in pairs:
             if bound is None:
                 d.epoch += 1
@@ -239,8 +343,13 @@ def _after_step(optimizer, args, kwargs) -> None:
                 delta = c + (k + d.eps) * d.mbound
                 d.total += delta
                 d.mbound += delta
-            d.version = p._version
+            d.version, d.ptr = p._version, p.data_ptr()
+        if watched and moments:
+            signatures[id(g)] = _state_signature(optimizer, pairs)
+    _STATES[optimizer] = signatures  # (after a step not watched: none, the next step verifies)
 
 
+own_hook(_before_step)
+own_hook(_after_step)
 register_optimizer_step_pre_hook(_before_step)
 register_optimizer_step_post_hook(_after_step)

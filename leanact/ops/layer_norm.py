@@ -64,14 +64,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .amp import no_autocast_backward, norm_inputs
 from .backward import once_differentiable
 from . import guard_drift
-from .guard_batch import check_many
+from .guard_batch import check_many, check_many_later
 from ..saved import keeping_output
 from .transforms import functorch_active, is_wrapped, unwrap
 from .triton import norm as _triton
 from .triton.dispatch import register_check
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO",
-           "backward_from_output", "offset_gamma"]
+           "backward_from_output", "offset_gamma", "confirm_stood"]
 
 DEFAULT_MAX_RATIO = 8.0
 
@@ -111,7 +111,7 @@ def _optimized(t: torch.Tensor) -> bool:
 
 # Every torch.optim.Optimizer's step() runs the global post-hooks, fused kernels included: the
 # cached decisions are keyed on this count, so a step that skips _version still invalidates them.
-register_optimizer_step_post_hook(_count_step)
+register_optimizer_step_post_hook(guard_drift.own_hook(_count_step))
 
 
 def clear_decision_cache() -> None:
@@ -119,6 +119,7 @@ def clear_decision_cache() -> None:
     skip ``_version``, e.g. ``p.data.copy_(...)``)."""
     _DECISIONS.clear()
     _BY_ID.clear()
+    _PENDING.clear()
 
 
 def _remember(ref: torch.Tensor, entry: list) -> None:
@@ -271,17 +272,18 @@ def _refresh_stale(device: torch.device) -> bool:
     if _get_current_dispatch_mode() is not None:
         return False
     step = _STEPS[0]
-    refs, items, stood = [], [], 0
+    _settle(raising=False)  # (verdicts of a forward whose backward never ran: no gradient was inexact)
+    refs, items, stood = [], [], {}
     for ref, entry in list(_DECISIONS.items()):
         key = entry[0]
         if key[2] == step or key[2] == _FROZEN:
             continue
         stand = entry[3]
-        if stand is not None and stand.holds():  # (any device: the verdict needs no check)
-            wr, br = entry[2][:2]
+        if stand is not None and stand.holds():  # (any device: the verdict needs no check now)
+            wr, br, *rest = entry[2]
             w, b = (None if r is None else r() for r in (wr, br))
             entry[0] = (None if w is None else _identity(w), None if b is None else _identity(b), step, *key[3:])
-            stood += 1
+            stood.setdefault(ref.device, []).append((entry, (w, b, *rest)))
             continue
         wr, br, n, dtype, max_ratio, offset = entry[2]
         w, b = (None if r is None else r() for r in (wr, br))
@@ -291,8 +293,10 @@ def _refresh_stale(device: torch.device) -> bool:
             continue
         refs.append(ref)
         items.append((w, b, n, dtype, max_ratio, offset))
+    for dev, pairs in stood.items():  # confirmed when the device has checked them (:func:`confirm_stood`)
+        _PENDING.append(([e for e, _ in pairs], check_many_later([it for _, it in pairs])))
     if not items:
-        return stood > 0
+        return bool(stood)
     for ref, (w, b, n, dtype, max_ratio, offset), (ok, slack, w_max, b_max) in zip(
             refs, items, check_many(items, slack=True)):
         stand = None
@@ -301,6 +305,40 @@ def _refresh_stale(device: torch.device) -> bool:
         _remember(ref, [_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset),
                         stand])
     return True
+
+
+_STALE = -2  # the step part of the key of a verdict its confirmation contradicted
+
+#: [(entries, Later)]: verdicts that stood on the bound alone, with the check that confirms them
+_PENDING: list = []
+
+
+def confirm_stood() -> None:
+    """Called by every from-output backward: the verdicts that stood on Adam's bound alone this step are
+    confirmed by their check, read now (the device computed it at the forward's first norm: no wait).
+    The bound cannot see writes that skip ``_version`` (``p.data.mul_(0)``, a kernel of one's own); if
+    one moved γ, β out of the rule, this step's gradients would be inexact: the norm decides again at
+    its next call, and this raises."""
+    if _PENDING:
+        _settle(raising=True)
+
+
+def _settle(raising: bool) -> None:
+    failed = []
+    while _PENDING:
+        entries, later = _PENDING.pop()
+        for entry, ok in zip(entries, later.result()):
+            if not ok:
+                entry[0], entry[1], entry[3] = (None, None, _STALE, *entry[0][3:]), False, None  # decided again
+                failed.append(entry[2][2])
+    if failed and raising:
+        raise RuntimeError(
+            f"leanact: the γ/β of {len(failed)} norm(s) (normalized sizes {sorted(set(failed))}) changed since "
+            "the last optimizer step in a way leanact cannot see (a write through `.data`, or by a kernel "
+            "that skips `_version`) and left the range where the backward from the norm's output is exact, "
+            "so this backward would give inexact gradients. Write parameters under `torch.no_grad()` without "
+            "`.data` (leanact sees those writes), or call `leanact.ops.layer_norm.clear_decision_cache()` "
+            "after such writes; these norms decide again at their next call.")
 
 
 def _key_of(w, b, n, dtype, max_ratio, offset) -> tuple:
@@ -332,6 +370,7 @@ class LayerNormFromOutput(torch.autograd.Function):
         # Rebuild x − μ = (y − β)/(γ·rstd) in the compute dtype and hand it, with mean 0 and the
         # saved rstd, to torch's fused LayerNorm backward: it then sees x̂ = (y − β)/γ and computes
         # exactly dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dγ = Σ dy·x̂, dβ = Σ dy, in one kernel.
+        confirm_stood()
         y, rstd, w, b = ctx.saved_tensors
         fused = _triton.layer_norm_backward(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad)
         if fused is not None:  # CUDA: one kernel (plus the sum of dγ, dβ partials)
