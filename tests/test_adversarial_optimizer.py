@@ -398,3 +398,21 @@ def test_unwatched_steps_check_and_watched_steps_do_not(monkeypatch):
         handle.remove()
     assert checks == [2, 2, 2]  # (the first forward after the hook came still stood: the step before was watched)
     assert guard_batch.check_many_later([(torch.zeros(3), None, 3, torch.float32, 8.0)]).result() == [False]
+
+
+def test_the_step_bound_can_be_turned_off(monkeypatch):
+    checks = []
+    real = LN.check_many
+    monkeypatch.setattr(LN, "check_many", lambda items, **kw: checks.append(len(items)) or real(items, **kw))
+    LN.clear_decision_cache()
+    m = leanact.nn.LayerNorm(16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    x = torch.randn(4, 16)
+    LN.use_step_bound(False)
+    try:
+        for _ in range(4):
+            m(x).sum().backward()
+            opt.step()
+    finally:
+        LN.use_step_bound(True)
+    assert checks == [1, 1, 1]

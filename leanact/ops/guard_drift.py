@@ -27,12 +27,22 @@ A per-parameter accumulator (:class:`Drift`) adds each Adam/AdamW step's bound (
 post-hook; the learning rate and betas read from the parameter's group at that step). A passing
 verdict then stands while the drift since its check is at most half its slack (the other half
 covers the rule's own rounding in the compute dtype) and the parameter was written by nothing else:
-its ``_version`` is the one the last step left, and was the check's when that step began (a step
-pre-hook). Any other optimizer (SGD's step has no such bound), a learning rate or betas held as
-CUDA tensors, ``eps = 0``, β1 above ``2β2/(1+β2)`` or a write outside a step ends the bound: the
-next step checks again, as before. Assumed: a state that started at zero (as torch's Adam starts
-it) under no larger β2 than this process has seen the group step with (a state loaded from a run
-with a larger β2 is not one).
+its ``_version`` and ``data_ptr`` are the ones the last step left, and were the check's when that
+step began (a step pre-hook). The rule: a step counts only where leanact watched it end to end, i.e.
+nothing but the optimizer's own update ran between leanact's global pre- and post-hook: any step hook
+leanact did not install (the optimizer's or global: it may write parameters, moments or the learning
+rate), a closure, or a ``step`` replaced on the instance ends the bound for that step. So does any
+other optimizer (SGD's step has no such bound), a learning rate or betas held as CUDA tensors,
+``eps = 0``, β1 above ``2β2/(1+β2)`` or a write outside a step: the next step checks again.
+The moments' invariant ``|m| ≤ A·sqrt(v)`` holds for a state leanact saw the optimizer produce
+from zero; a state it did not see (loaded by ``load_state_dict``, edited in place, or stepped while
+the parameter was not tracked: its tensors' identity and ``_version`` differ from what the last
+watched step left) is verified once, at the next step (the largest ``|m|/sqrt(v)`` of the group,
+one sync), and the bound then uses that ratio as A where it is larger: the induction above holds
+from any state with a finite ratio. Writes no ``_version`` records (through ``.data``, by a kernel of
+one's own) are what this module cannot see: :func:`leanact.ops.layer_norm.confirm_stood` confirms
+every verdict that stood on the bound with a deferred check, so such a write raises there instead
+of giving an inexact gradient.
 """
 from __future__ import annotations
 

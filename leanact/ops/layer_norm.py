@@ -35,23 +35,28 @@ first norm to run after a step decides again, at once, for every norm of the pre
 and β are parameters an optimizer updated in place (``leanact.ops.guard_batch``: one sync per step,
 not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Under
 Adam / AdamW a passing verdict stands without that check while the steps since it cannot have
-moved γ, β out of the rule (``leanact.ops.guard_drift``: no sync on most steps). Frozen
+moved γ, β out of the rule (``leanact.ops.guard_drift``: no sync on most steps; only steps leanact
+watched end to end count, every other write ends the bound) and a deferred check launched at the
+forward's first norm confirms it, read by the norms' backward when the device has computed it
+(:func:`confirm_stood`: it raises where a write that skips ``_version`` broke the rule, never a
+silent inexact gradient; :func:`use_step_bound` turns the bound off). Frozen
 γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while their storage and
-``_version`` stay the same. Writes
-outside an optimizer step that skip ``_version`` (``p.data.copy_(...)``, a hand-written update
-kernel) are not seen: pass ``from_output`` explicitly or call :func:`clear_decision_cache` after
-them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
+``_version`` stay the same. Writes that skip ``_version`` (``p.data.copy_(...)``, a hand-written
+update kernel) with no optimizer step before the next forward are not seen: pass ``from_output``
+explicitly or call :func:`clear_decision_cache` after them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
 the op is torch's own layer_norm, and the check, when called there, reads the values of the
 wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
 check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
 ``fullgraph=True`` when ``from_output`` is given.
 
 Caveats: the output is saved for backward, so modifying it in place before backward raises (torch's
-LayerNorm allows it); double backward raises (``once_differentiable``) on the from-output path.
+LayerNorm allows it); double backward raises, naming leanact (``once_differentiable``), on the
+from-output path.
 """
 from __future__ import annotations
 
 import math
+import os
 import weakref
 
 import torch
@@ -71,7 +76,7 @@ from .triton import norm as _triton
 from .triton.dispatch import register_check
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO",
-           "backward_from_output", "offset_gamma", "confirm_stood"]
+           "backward_from_output", "offset_gamma", "confirm_stood", "use_step_bound"]
 
 DEFAULT_MAX_RATIO = 8.0
 
@@ -83,6 +88,15 @@ _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: WeakIdKeyDictionary lookup builds a weak reference each time: 3 µs, per norm call)
 _BY_ID: dict[int, tuple] = {}
 _STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
+#: whether a passing verdict may stand on Adam's step bound (:func:`use_step_bound`)
+_BOUND = [os.environ.get("LEANACT_NORM_BOUND", "1") != "0"]
+
+
+def use_step_bound(enabled: bool) -> None:
+    """Let passing verdicts stand on Adam/AdamW's step bound between checks (the default; confirmed by a
+    deferred device check), or check every norm at every optimizer step (one sync a step). The
+    environment variable ``LEANACT_NORM_BOUND=0`` sets False at import."""
+    _BOUND[0] = bool(enabled)
 
 
 #: id -> weak reference of the parameters of every optimizer that has stepped (their values are
@@ -279,7 +293,7 @@ def _refresh_stale(device: torch.device) -> bool:
         if key[2] == step or key[2] == _FROZEN:
             continue
         stand = entry[3]
-        if stand is not None and stand.holds():  # (any device: the verdict needs no check now)
+        if stand is not None and _BOUND[0] and stand.holds():  # (any device: the verdict needs no check now)
             wr, br, *rest = entry[2]
             w, b = (None if r is None else r() for r in (wr, br))
             entry[0] = (None if w is None else _identity(w), None if b is None else _identity(b), step, *key[3:])
