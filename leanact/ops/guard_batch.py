@@ -180,5 +180,5 @@ def check_many_later(items: list[tuple]) -> Later:
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
     host.copy_(counts, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(counts.device))
     return Later(host, event, order)

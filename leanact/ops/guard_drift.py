@@ -287,12 +287,15 @@ def _verify_moments(optimizer, groups) -> dict[int, float]:
                     continue
                 m64, v64 = m.detach().to(torch.float64).abs(), v.detach().to(torch.float64)
                 ratio = torch.where(m64 == 0, torch.zeros_like(m64), m64 / v64.sqrt())
-                maxima.append(torch.nan_to_num(ratio, nan=math.inf).amax().reshape(1).cpu())
+                maxima.append(torch.nan_to_num(ratio, nan=math.inf).amax())
                 index.append(i)
     out: dict[int, float] = {}
-    if maxima:
-        for i, a in zip(index, torch.cat(maxima).tolist()):
-            out[i] = max(out.get(i, 0.0), a)
+    by_device: dict = {}
+    for i, a in zip(index, maxima):
+        by_device.setdefault(a.device, []).append((i, a))
+    for pairs in by_device.values():  # (one sync per device)
+        for (i, _a), v in zip(pairs, torch.stack([a for _, a in pairs]).tolist()):
+            out[i] = max(out.get(i, 0.0), v)
     return out
 
 
