@@ -416,3 +416,19 @@ def test_the_step_bound_can_be_turned_off(monkeypatch):
     finally:
         LN.use_step_bound(True)
     assert checks == [1, 1, 1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_the_deferred_check_agrees_with_the_synchronous_one(device):
+    gen = torch.Generator().manual_seed(0)
+    items = []
+    for n in (8, 1024):
+        w = (torch.rand(n, generator=gen) + 0.2).to(device)
+        b = torch.randn(n, generator=gen).to(device)
+        items += [(w, b, n, torch.float32, 8.0, False), (w * 0, None, n, torch.bfloat16, 8.0, False),
+                  (w, b * 100, n, torch.float16, 8.0, False), (w - 1.0, None, n, torch.float32, math.inf, True),
+                  (None, b, n, torch.float32, 8.0, False)]
+    want = guard_batch.check_many(items)
+    assert guard_batch.check_many_later(items).result() == want
+    assert True in want and False in want
