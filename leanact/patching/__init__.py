@@ -32,19 +32,24 @@
 
 ``leanact.unpatch(model)`` puts the original module objects and attention implementation back.
 The summary of what was replaced and what was left (and why) is returned by :func:`summary` and
-printed as a table with ``verbose=True``.
+printed as a table with ``verbose=True``. An attention implementation set after patching
+(``model.set_attn_implementation("sdpa")``) is respected: the summary then reports leanact's attention
+off for that model, and its next forward warns once.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from .. import nn as lnn
 
-from . import amp, functional_dropout, hf_alibi, hf_head, hf_rotary, peft_lora, training_cache, weight_recast
+from . import amp, attention_hf, functional_dropout, hf_alibi, hf_head, hf_rotary, peft_lora, training_cache
+from . import weight_recast
 from .generic import replacement_for
 from .hf_residual_norm import PATCHED_CHILDREN
 from .hf_head import keep_logits
@@ -97,6 +102,8 @@ class PatchSummary:
     #: model path -> :class:`leanact.patching.hf_head.HeadState`: fused calls so far and the operations
     #: for which the logits had to be materialised (the model's own loss then).
     loss_states: dict = field(default_factory=dict, repr=False, compare=False)
+    #: model path -> (config set to leanact's attention, its row as patched; None: no row, a composite's top)
+    attention_configs: dict = field(default_factory=dict, repr=False, compare=False)
     #: ``torch.nn.functional.dropout`` calls in modeling code (:mod:`leanact.patching.functional_dropout`):
     #: the classes whose forward calls it and how many calls kept a seed so far; None: no such class.
     functional_dropout: "functional_dropout.DropoutState | None" = field(default=None, compare=False)
@@ -112,6 +119,20 @@ class PatchSummary:
         where = ", ".join(st.classes) or "modules added after patching (PEFT)"
         return f"functional dropout in {where}", "F.dropout (mask)", now
 
+    def attention_off(self) -> dict[str, str]:
+        """model path -> the implementation set since patching where it is no longer leanact's (module doc)."""
+        return {p: str(c._attn_implementation) for p, (c, _) in self.attention_configs.items()
+                if c._attn_implementation != attention_hf.NAME}
+
+    def refresh(self) -> "PatchSummary":
+        """Bring the attention rows up to date with the configs (:meth:`attention_off`); returns self."""
+        off = self.attention_off()
+        for i, (path, before, _) in enumerate(self.attention):
+            if path in self.attention_configs:
+                now = f"left: {_off(off[path])}" if path in off else self.attention_configs[path][1]
+                self.attention[i] = (path, before, now)
+        return self
+
     def attention_fallbacks(self) -> dict[str, set]:
         """model path -> features seen so far that sent attention calls back to the original implementation."""
         return {p: set(st.fallbacks) for p, st in self.attention_states.items() if st.fallbacks}
@@ -122,6 +143,7 @@ class PatchSummary:
         (RoPE tables excepted: built without autograd, they keep nothing); [] when nothing was."""
         import re
 
+        self.refresh()
         out = []
         if any(after.startswith("left") for _, _, after in self.attention) or self.attention_fallbacks():
             out.append("attention")
@@ -135,9 +157,10 @@ class PatchSummary:
         from rich.text import Text
 
         plain = lambda rows: [[Text.from_markup(x).plain for x in r] for r in rows]  # noqa: E731
-        row = self.functional_dropout_row()
+        row = self.refresh().functional_dropout_row()
         return {"replaced": plain(self.replaced), "left": plain(self.left), "attention": plain(self.attention),
                 "attention_fallbacks": {p: sorted(f) for p, f in self.attention_fallbacks().items()},
+                "attention_off": self.attention_off(),
                 "loss": plain(self.loss), "notes": list(self.notes),
                 "functional_dropout": None if row is None else plain([row])[0],
                 "left_in_layers": self.left_in_layers()}
@@ -146,6 +169,7 @@ class PatchSummary:
         """A rich Table of the replacements, what was left and why, and attention (``print()`` shows it)."""
         from leanact._format import text_table
 
+        self.refresh()
         t = text_table(title="leanact.patch")
         for col in ("module", "was", "now / why left"):
             t.add_column(col)
@@ -180,6 +204,36 @@ class _PatchState:
     originals: list[tuple[nn.Module, str, nn.Module]]  # (parent, attribute name, original child)
     attention: list[tuple[object, str]]  # (config, original implementation)
     amp_forward: object = None  # the forward wrapper of leanact.patching.amp (recipes under autocast)
+    warned_off: dict = field(default_factory=dict)  # model path -> implementation warned about (_warn_off)
+
+
+def _off(implementation: str) -> str:
+    """Why a patched config's attention is not leanact's (summary row and warning)."""
+    return (f"set to {implementation} after patching: leanact's attention is off (leanact.patch(model) or "
+            f"model.set_attn_implementation(\"{attention_hf.NAME}\") brings it back)")
+
+
+def _warn_off(model: nn.Module, args) -> None:
+    """Forward pre-hook: warn once for each config set to another implementation after patching."""
+    state = model.__dict__.get(_ATTR)
+    if state is None or torch.compiler.is_compiling():
+        return
+    off = state.summary.attention_off()
+    new = {p: i for p, i in off.items() if state.warned_off.get(p) != i}
+    if new:  # one warning for the parts of a composite model
+        state.warned_off.update(new)
+        parts = ", ".join(p for p in new if p)
+        where = type(model).__name__ + (f" ({parts})" if parts else "")
+        warnings.warn(f"leanact: the attention of {where} was {_off(' / '.join(sorted(set(new.values()))))}",
+                      stacklevel=5)
+    for path in [p for p in state.warned_off if p not in off]:  # back on: warn again at the next change
+        del state.warned_off[path]
+
+
+def _remove_warn_off(model: nn.Module) -> None:
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if hook is _warn_off:
+            del model._forward_pre_hooks[key]
 
 
 def _qualname(prefix: str, name: str) -> str:
@@ -283,8 +337,6 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
         from transformers import PreTrainedModel
     except ImportError:
         return
-    from . import attention_hf
-
     configs = _configs(model)
     before = {id(c): c._attn_implementation for c in configs}
     eligible = [c for c in configs if before[id(c)] in ("eager", "sdpa", None)]
@@ -318,9 +370,13 @@ def _patch_attention(model: nn.Module, mode: str, summary: PatchSummary, records
             states[id(c)] = state
             attention_hf.set_config_state(c, state)
             records.append((c, was))
+            attention_hf.accept_output_attentions(c, was)
             summary.attention_states[path] = state
+            row = None
             if any(not isinstance(m, PreTrainedModel) for m in users):  # (a composite's top config has no layers)
-                summary.attention.append((path, was, f"leanact ({mode}{_variants(c, users)})"))
+                row = f"leanact ({mode}{_variants(c, users)})"
+                summary.attention.append((path, was, row))
+            summary.attention_configs[path] = (c, row)
     for m in model.modules():  # the state travels with the modules (deepcopy, pickle)
         state = states.get(id(getattr(m, "config", None)))
         if state is not None:
@@ -426,6 +482,8 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
         summary.notes.append(hf_rotary.NOTE.format(n=ropes))
     object.__setattr__(model, _ATTR, _PatchState(summary, originals, records,
                                                  amp.install(model) if cast_recipes else None))
+    if summary.attention_configs:
+        model.register_forward_pre_hook(_warn_off)
     try:
         if lossy:
             _option("lossy").apply(model, lossy)
@@ -448,8 +506,6 @@ def unpatch(model: nn.Module) -> nn.Module:
     if state is None:
         _check_not_inside_patched(model)
         return model
-    from . import attention_hf
-
     for option in _OPTIONS.values():  # lossy swaps sit on top of the patch's
         option.remove(model)
     amp.remove(model, getattr(state, "amp_forward", None))
@@ -462,7 +518,9 @@ def unpatch(model: nn.Module) -> nn.Module:
         parent._modules[name] = original
     for config, before in state.attention:
         attention_hf.set_config_state(config, None)
+        attention_hf.release_config(config)
         _set_implementation(config, before)
+    _remove_warn_off(model)
     for m in model.modules():
         m.__dict__.pop(attention_hf.ATTR, None)
     training_cache.remove(model)
@@ -491,4 +549,4 @@ def _keep_children(original: nn.Module, current: nn.Module) -> None:
 def summary(model: nn.Module) -> PatchSummary | None:
     """The :class:`PatchSummary` of a patched model (None if it is not patched)."""
     state = getattr(model, _ATTR, None)
-    return None if state is None else state.summary
+    return None if state is None else state.summary.refresh()

@@ -37,9 +37,18 @@ The per-model state (original implementation, mode) is kept on each module that 
 config as ``module.config`` (attribute ``_leanact_attention``), so ``copy.deepcopy`` and pickling
 carry it, and unpickling it registers ``"leanact"`` with transformers (``torch.load`` in a fresh
 process works).
+
+``config.output_attentions = True`` (and the config's ``validate()``, run by ``save_pretrained``):
+transformers accepts it for ``"eager"`` only, by name (its setter and ``validate_output_attentions``;
+there is no registry flag for other implementations). :func:`accept_output_attentions` gives a patched
+config a subclass of its class (same name) whose setter and ``validate`` put that question to the
+original implementation instead: accepted where the unpatched model accepts it (eager), the same error
+where it raises (sdpa). Equality, pickling and copies behave as for the original class;
+:func:`release_config` (``unpatch``) gives the config its class back.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 import weakref
@@ -52,7 +61,7 @@ from ..ops.amp import no_autocast_backward
 from ..ops.attention import attention as _lean_attention
 
 __all__ = ["NAME", "ATTR", "register", "leanact_attention_forward", "set_config_state", "config_state",
-           "module_state"]
+           "module_state", "accept_output_attentions", "release_config"]
 
 NAME = "leanact"
 _UNSUPPORTED_KWARGS = ("sliding_window_pattern",)
@@ -109,6 +118,76 @@ def register() -> None:
 
     AttentionInterface.register(NAME, leanact_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+# ---- configs that accept output_attentions where the original implementation does (module doc) ----
+_ACCEPTING: dict[tuple[type, str], type] = {}  # (config class, original implementation) -> subclass
+
+
+def _plain(config, original: str | None = None):
+    """A shallow twin of ``config`` of its original class (same attribute values); with ``original``,
+    showing that implementation where ``config`` has ``"leanact"``. ``config`` itself is not changed."""
+    twin = object.__new__(type(config).__dict__["_leanact_base"])
+    twin.__dict__.update(config.__dict__)
+    key = next((k for k in ("_attn_implementation_internal", "_attn_implementation") if k in twin.__dict__), None)
+    if original is not None and twin.__dict__.get(key) == NAME:
+        twin.__dict__[key] = original
+    return twin, key
+
+
+def _set_output_attentions(self, value) -> None:
+    twin, key = _plain(self, type(self)._leanact_original)
+    inspect.getattr_static(type(twin), "output_attentions").fset(twin, value)  # transformers' own rule
+    self.__dict__.update({k: v for k, v in twin.__dict__.items() if k != key})
+
+
+def _validate(self) -> None:
+    type(self)._leanact_base.validate(_plain(self, type(self)._leanact_original)[0])
+
+
+def _eq(self, other):
+    return _plain(self)[0] == (_plain(other)[0] if "_leanact_base" in type(other).__dict__ else other)
+
+
+def _reduce_ex(self, protocol):
+    cls = type(self)
+    return _accepting_instance, (cls._leanact_base, cls._leanact_original), self.__dict__
+
+
+def _accepting_instance(base: type, original: str):
+    """An empty instance of the accepting subclass (unpickling, copies); the state is set after."""
+    return object.__new__(_accepting_class(base, original))
+
+
+def _accepting_class(base: type, original: str) -> type:
+    cls = _ACCEPTING.get((base, original))
+    if cls is None:
+        # __init__/__eq__ given here: transformers turns every config subclass into a dataclass, which
+        # would otherwise generate them (its __eq__ compares same-class instances only)
+        ns = {"__module__": __name__, "__qualname__": base.__name__, "__init__": base.__init__, "__eq__": _eq,
+              "__hash__": base.__hash__, "__reduce_ex__": _reduce_ex, "_leanact_base": base,
+              "_leanact_original": original, "output_attentions": property(
+                  inspect.getattr_static(base, "output_attentions").fget, _set_output_attentions)}
+        if hasattr(base, "validate"):
+            ns["validate"] = _validate
+        cls = _ACCEPTING[(base, original)] = type(base.__name__, (base,), ns)
+    return cls
+
+
+def accept_output_attentions(config, original: str) -> None:
+    """Let ``config`` (set to ``"leanact"``) accept ``output_attentions`` as ``original`` would (module doc).
+    Nothing to do where ``output_attentions`` is no property with a setter (other config layouts)."""
+    base = type(config).__dict__.get("_leanact_base", type(config))
+    prop = inspect.getattr_static(base, "output_attentions", None)
+    if isinstance(prop, property) and prop.fset is not None:
+        config.__class__ = _accepting_class(base, original)
+
+
+def release_config(config) -> None:
+    """Undo :func:`accept_output_attentions`: the config's own class again."""
+    base = type(config).__dict__.get("_leanact_base")
+    if base is not None:
+        config.__class__ = base
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
