@@ -46,7 +46,7 @@ def main() -> None:
         step_t.append(t1 - t0)
         first_t.append(t2 - t1)
         rest_t.append((t3 - t2) / max(1, args.norms - 1))
-    getattr(LN, "confirm_stood", lambda: None)()
+    getattr(LN, "confirm_verdicts", lambda: None)()
     med = statistics.median
     print(f"{args.norms} norms x {args.width}, AdamW, step bound {'on' if args.bound else 'off'}: "
           f"optimizer.step {med(step_t) * 1e6:.0f} us, first norm (refresh) {med(first_t) * 1e6:.0f} us, "

@@ -388,7 +388,7 @@ def test_unwatched_steps_check_and_watched_steps_do_not(monkeypatch):
     for _ in range(5):
         sum(m(x).sum() for m in norms).backward()
         opt.step()
-    assert checks == [2] and later == [2, 2, 2]
+    assert checks == [2] and later == [2, 2, 2, 2]  # (one deferred check a forward from the second on)
     handle = opt.register_step_post_hook(lambda *a: None)
     try:
         for _ in range(3):
@@ -432,3 +432,47 @@ def test_the_deferred_check_agrees_with_the_synchronous_one(device):
     want = guard_batch.check_many(items)
     assert guard_batch.check_many_later(items).result() == want
     assert True in want and False in want
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_a_data_write_with_no_step_between_forwards_raises(frozen):
+    """The cached verdict between two forwards with no optimizer step (gradient accumulation, frozen
+    γ of a LoRA model): a ``.data`` write is confirmed against at the next backward, which raises."""
+    LN.clear_decision_cache()
+    m = leanact.nn.LayerNorm(16)
+    m.weight.requires_grad_(not frozen)
+    m.bias.requires_grad_(not frozen)
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):
+        m(x).pow(2).sum().backward()
+    _break(m.weight, "data")
+    with pytest.raises(RuntimeError, match="leanact.*cannot see"):
+        m(x).pow(2).sum().backward()
+    x.grad = None
+    m(x).pow(2).sum().backward()  # decided again: the fallback, exact
+    ref = torch.nn.LayerNorm(16)
+    ref.load_state_dict(m.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).pow(2).sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_one_deferred_check_per_forward_none_in_a_recompute(monkeypatch):
+    """Gradient accumulation: one deferred check per forward; the forwards that checkpointing re-runs
+    inside the backward launch none (they read what the forward's check confirmed)."""
+    later = []
+    real_later = LN.check_many_later
+    monkeypatch.setattr(LN, "check_many_later", lambda items: later.append(len(items)) or real_later(items))
+    LN.clear_decision_cache()
+    norms = torch.nn.ModuleList([leanact.nn.LayerNorm(16) for _ in range(3)])
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def run(h):
+        for m in norms:
+            h = m(h)
+        return h
+
+    run(x).sum().backward()  # (decided: read now)
+    for _ in range(3):
+        torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False).sum().backward()
+    assert later == [3, 3, 3]

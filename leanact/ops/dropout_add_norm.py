@@ -34,7 +34,7 @@ import torch
 from .amp import autocast_dtype, no_autocast_backward
 from .backward import once_differentiable
 from .dropout import _apply as _dropout_apply, dropout
-from .layer_norm import DEFAULT_MAX_RATIO, backward_from_output, confirm_stood, from_output_ok, layer_norm
+from .layer_norm import DEFAULT_MAX_RATIO, backward_from_output, confirm_verdicts, from_output_ok, layer_norm
 from .random import draw_seed, keep_threshold
 from .transforms import functorch_active
 from ..saved import keeping_output
@@ -71,7 +71,7 @@ class DropoutAddLayerNorm(torch.autograd.Function):
     @once_differentiable
     @no_autocast_backward
     def backward(ctx, dy):
-        confirm_stood()
+        confirm_verdicts()
         y, rstd, w, b, seed = ctx.saved_tensors
         p, thr, scale, shape, z_dtype, h_dtype, r_dtype = ctx.dims
         needs = ctx.needs_input_grad[:4]

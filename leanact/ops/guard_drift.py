@@ -40,9 +40,9 @@ the parameter was not tracked: its tensors' identity and ``_version`` differ fro
 watched step left) is verified once, at the next step (the largest ``|m|/sqrt(v)`` of the group,
 one sync), and the bound then uses that ratio as A where it is larger: the induction above holds
 from any state with a finite ratio. Writes no ``_version`` records (through ``.data``, by a kernel of
-one's own) are what this module cannot see: :func:`leanact.ops.layer_norm.confirm_stood` confirms
-every verdict that stood on the bound with a deferred check, so such a write raises there instead
-of giving an inexact gradient.
+one's own) are what this module cannot see: :func:`leanact.ops.layer_norm.confirm_verdicts` confirms
+every cached verdict a forward used with a deferred check, so such a write raises there instead of
+giving an inexact gradient.
 """
 from __future__ import annotations
 

@@ -36,15 +36,16 @@ and β are parameters an optimizer updated in place (``leanact.ops.guard_batch``
 not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Under
 Adam / AdamW a passing verdict stands without that check while the steps since it cannot have
 moved γ, β out of the rule (``leanact.ops.guard_drift``: no sync on most steps; only steps leanact
-watched end to end count, every other write ends the bound) and a deferred check launched at the
-forward's first norm confirms it, read by the norms' backward when the device has computed it
-(:func:`confirm_stood`: it raises where a write that skips ``_version`` broke the rule, never a
-silent inexact gradient; :func:`use_step_bound` turns the bound off). Frozen
-γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while their storage and
-``_version`` stay the same. Writes that skip ``_version`` (``p.data.copy_(...)``, a hand-written
-update kernel) with no optimizer step before the next forward are not seen: pass ``from_output``
-explicitly or call :func:`clear_decision_cache` after them. Callers can skip the check with ``from_output=True/False``. Under ``torch.func`` transforms
-the op is torch's own layer_norm, and the check, when called there, reads the values of the
+watched end to end count, every other write ends the bound; :func:`use_step_bound` turns it off).
+Frozen γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while their storage and
+``_version`` stay the same. A cached verdict trusts that nothing it cannot see (a write through
+``.data``, a kernel that skips ``_version``) changed γ, β: so every forward that uses one launches,
+at its first norm and without a sync, the same batched check of every cached passing verdict
+(:func:`_arm`), and the norms' backward reads it when the device has long computed it
+(:func:`confirm_verdicts`): a contradicted verdict raises an error naming leanact before any inexact
+gradient is returned, and the norm decides again at its next call (or call
+:func:`clear_decision_cache` after such writes). Callers can skip the check with
+``from_output=True/False``. Under ``torch.func`` transforms the op is torch's own layer_norm, and the check, when called there, reads the values of the
 wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
 check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
 ``fullgraph=True`` when ``from_output`` is given.
@@ -76,7 +77,7 @@ from .triton import norm as _triton
 from .triton.dispatch import register_check
 
 __all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO",
-           "backward_from_output", "offset_gamma", "confirm_stood", "use_step_bound"]
+           "backward_from_output", "offset_gamma", "confirm_verdicts", "use_step_bound"]
 
 DEFAULT_MAX_RATIO = 8.0
 
@@ -236,15 +237,19 @@ def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio:
         return _check(weight, bias, n, dtype, max_ratio, offset)  # no storage identity to cache on
     key = (w_id, b_id, _step_of(weight, bias), n, dtype, max_ratio, offset)
     hit = _cached(ref)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    if hit is not None and hit[0][2] not in (_STEPS[0], _FROZEN) and _refresh_stale(ref.device):
-        hit = _cached(ref)  # every norm of the last step decided again, in one pass
-        if hit is not None and hit[0] == key:
-            return hit[1]
-    ok = _check(weight, bias, n, dtype, max_ratio, offset)
-    _remember(ref, [key, ok, _args(weight, bias, n, dtype, max_ratio, offset), None])  # (no slack: checked alone)
-    return ok
+    if hit is None or hit[0] != key:
+        if hit is not None and hit[0][2] not in (_STEPS[0], _FROZEN) and _refresh_stale(ref.device):
+            hit = _cached(ref)  # every norm of the last step decided again, in one pass
+        if hit is None or hit[0] != key:
+            ok = _check(weight, bias, n, dtype, max_ratio, offset)
+            hit = [key, ok, _args(weight, bias, n, dtype, max_ratio, offset), None, _EPOCH[0]]  # (no slack: alone)
+            _remember(ref, hit)
+            return ok  # (read now: nothing to confirm)
+    if hit[1] and _graph_task_id() == -1:  # a passing verdict read earlier, used by a forward (not a recompute)
+        if not _PENDING or hit[4] == _EPOCH[0]:  # none in flight, or this norm already ran under it: a new forward
+            _arm()
+        hit[4] = _EPOCH[0]
+    return hit[1]
 
 
 #: the step part of the key of a norm whose γ and β do not require grad (a PEFT / LoRA model's): no
@@ -287,17 +292,17 @@ def _refresh_stale(device: torch.device) -> bool:
         return False
     step = _STEPS[0]
     _settle(raising=False)  # (verdicts of a forward whose backward never ran: no gradient was inexact)
-    refs, items, stood = [], [], {}
+    refs, items, stood = [], [], False
     for ref, entry in list(_DECISIONS.items()):
         key = entry[0]
         if key[2] == step or key[2] == _FROZEN:
             continue
         stand = entry[3]
         if stand is not None and _BOUND[0] and stand.holds():  # (any device: the verdict needs no check now)
-            wr, br, *rest = entry[2]
+            wr, br = entry[2][:2]
             w, b = (None if r is None else r() for r in (wr, br))
             entry[0] = (None if w is None else _identity(w), None if b is None else _identity(b), step, *key[3:])
-            stood.setdefault(ref.device, []).append((entry, (w, b, *rest)))
+            stood = True  # (confirmed with the forward's others: _arm)
             continue
         wr, br, n, dtype, max_ratio, offset = entry[2]
         w, b = (None if r is None else r() for r in (wr, br))
@@ -307,32 +312,65 @@ def _refresh_stale(device: torch.device) -> bool:
             continue
         refs.append(ref)
         items.append((w, b, n, dtype, max_ratio, offset))
-    for dev, pairs in stood.items():  # confirmed when the device has checked them (:func:`confirm_stood`)
-        _PENDING.append(([e for e, _ in pairs], check_many_later([it for _, it in pairs])))
     if not items:
-        return bool(stood)
+        return stood
     for ref, (w, b, n, dtype, max_ratio, offset), (ok, slack, w_max, b_max) in zip(
             refs, items, check_many(items, slack=True)):
         stand = None
         if ok and slack > 0.0:
             stand = guard_drift.Stand(slack, [(t, m) for t, m in ((w, w_max), (b, b_max)) if t is not None])
         _remember(ref, [_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset),
-                        stand])
+                        stand, 0])
     return True
 
 
 _STALE = -2  # the step part of the key of a verdict its confirmation contradicted
 
-#: [(entries, Later)]: verdicts that stood on the bound alone, with the check that confirms them
+#: [(epoch, [(ref weakly, entry)], Later)]: the passing verdicts in the cache when a forward first used
+#: one, with the deferred check that confirms them (:func:`_arm`)
 _PENDING: list = []
+_EPOCH = [1]  # advanced at each _arm; a cache entry's [4] is the epoch in which its norm last ran
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: not inside a backward
 
 
-def confirm_stood() -> None:
-    """Called by every from-output backward: the verdicts that stood on Adam's bound alone this step are
-    confirmed by their check, read now (the device computed it at the forward's first norm: no wait).
-    The bound cannot see writes that skip ``_version`` (``p.data.mul_(0)``, a kernel of one's own); if
-    one moved γ, β out of the rule, this step's gradients would be inexact: the norm decides again at
-    its next call, and this raises."""
+def _arm() -> None:
+    """At the first norm of a forward that uses a cached passing verdict: launch, without a sync, the
+    check of every cached passing verdict whose γ, β are readable now (per device, one batch:
+    :func:`leanact.ops.guard_batch.check_many_later`); the norms' backward reads it
+    (:func:`confirm_verdicts`). A cached verdict trusts that nothing changed γ, β unseen since it was
+    read; this confirms it for every forward, at the cost of one batch of small launches."""
+    _settle(raising=False)
+    _EPOCH[0] += 1
+    if _get_current_dispatch_mode() is not None:
+        return
+    by_device: dict = {}
+    for ref, entry in list(_DECISIONS.items()):
+        if not entry[1] or is_fake(ref):
+            continue
+        wr, br, *rest = entry[2]
+        w, b = (None if r is None else r() for r in (wr, br))
+        if (wr is not None and w is None) or (br is not None and b is None):
+            continue
+        if all(t is None or _readable(t) for t in (w, b)):
+            by_device.setdefault(ref.device, []).append((weakref.ref(ref), entry, (w, b, *rest)))
+    for triples in by_device.values():
+        _PENDING.append((_EPOCH[0], [(r, e) for r, e, _ in triples], check_many_later([it for *_, it in triples])))
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read now: a plain tensor whose storage holds them (not an FSDP
+    copy freed after its layer ran, not a functorch wrapper or a tensor without storage)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_wrapped(t) or _identity(t) is None:
+        return False
+    return t.untyped_storage().nbytes() >= guard_drift.storage_bytes(t)
+
+
+def confirm_verdicts() -> None:
+    """Called by every from-output backward: the cached verdicts this forward used are confirmed by the
+    check :func:`_arm` launched at its first norm, read now (the device has long computed it: no
+    wait). A write that skips ``_version`` (``p.data.mul_(0)``, a kernel of one's own), which neither
+    the cache nor Adam's bound can see, and that moved γ, β out of the rule would make this backward
+    inexact: the norm decides again at its next call, and this raises."""
     if _PENDING:
         _settle(raising=True)
 
@@ -340,19 +378,23 @@ def confirm_stood() -> None:
 def _settle(raising: bool) -> None:
     failed = []
     while _PENDING:
-        entries, later = _PENDING.pop()
-        for entry, ok in zip(entries, later.result()):
-            if not ok:
-                entry[0], entry[1], entry[3] = (None, None, _STALE, *entry[0][3:]), False, None  # decided again
+        epoch, pairs, later = _PENDING.pop()
+        for (ref, entry), ok in zip(pairs, later.result()):
+            if ok:
+                continue
+            r = ref()
+            used = entry[4] == epoch and r is not None and _cached(r) is entry and entry[1]
+            entry[0], entry[1], entry[3] = (None, None, _STALE, *entry[0][3:]), False, None  # decided again
+            if used:
                 failed.append(entry[2][2])
     if failed and raising:
         raise RuntimeError(
-            f"leanact: the γ/β of {len(failed)} norm(s) (normalized sizes {sorted(set(failed))}) changed since "
-            "the last optimizer step in a way leanact cannot see (a write through `.data`, or by a kernel "
-            "that skips `_version`) and left the range where the backward from the norm's output is exact, "
-            "so this backward would give inexact gradients. Write parameters under `torch.no_grad()` without "
-            "`.data` (leanact sees those writes), or call `leanact.ops.layer_norm.clear_decision_cache()` "
-            "after such writes; these norms decide again at their next call.")
+            f"leanact: the γ/β of {len(failed)} norm(s) (normalized sizes {sorted(set(failed))}) changed "
+            "in a way leanact cannot see (a write through `.data`, or by a kernel that skips `_version`) and "
+            "left the range where the backward from the norm's output is exact, so this backward would give "
+            "inexact gradients. Write parameters under `torch.no_grad()` without `.data` (leanact sees those "
+            "writes), or call `leanact.ops.layer_norm.clear_decision_cache()` after such writes; these norms "
+            "decide again at their next call.")
 
 
 def _key_of(w, b, n, dtype, max_ratio, offset) -> tuple:
@@ -384,7 +426,7 @@ class LayerNormFromOutput(torch.autograd.Function):
         # Rebuild x − μ = (y − β)/(γ·rstd) in the compute dtype and hand it, with mean 0 and the
         # saved rstd, to torch's fused LayerNorm backward: it then sees x̂ = (y − β)/γ and computes
         # exactly dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dγ = Σ dy·x̂, dβ = Σ dy, in one kernel.
-        confirm_stood()
+        confirm_verdicts()
         y, rstd, w, b = ctx.saved_tensors
         fused = _triton.layer_norm_backward(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad)
         if fused is not None:  # CUDA: one kernel (plus the sum of dγ, dβ partials)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .amp import no_autocast_backward, norm_inputs
 from .backward import once_differentiable
-from .layer_norm import _norm_self_check, compute_dtype, confirm_stood, from_output_ok
+from .layer_norm import _norm_self_check, compute_dtype, confirm_verdicts, from_output_ok
 from ..saved import keeping_output
 from .transforms import functorch_active
 from .triton import norm as _triton
@@ -69,7 +69,7 @@ class RMSNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx, dy):
         if ctx.from_output:
-            confirm_stood()
+            confirm_verdicts()
         t, rstd, w = ctx.saved_tensors
         n = ctx.n
         fused = _triton.rms_norm_backward(dy, t, rstd, w, n, ctx.from_output, ctx.needs_input_grad[0],

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..ops.backward import once_differentiable
 from ..saved import keeping_output
-from ..ops.layer_norm import compute_dtype, confirm_stood, from_output_ok
+from ..ops.layer_norm import compute_dtype, confirm_verdicts, from_output_ok
 from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
@@ -283,7 +283,7 @@ class _HFRMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         if ctx.from_output:
-            confirm_stood()
+            confirm_verdicts()
         plain = ctx.w_dim == 1 and dy.dtype == ctx.x_dtype
         if plain and ctx.variant in ("llama", "fp32_mul", "t5"):  # γ = w: leanact's RMSNorm backward
             dx, dw, *_ = _rms_norm_backward(ctx, dy)
