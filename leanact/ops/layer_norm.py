@@ -135,10 +135,12 @@ def clear_decision_cache() -> None:
     _DECISIONS.clear()
     _BY_ID.clear()
     _PENDING.clear()
+    _GENERATION[0] += 1
 
 
 def _remember(ref: torch.Tensor, entry: list) -> None:
     """Cache ``entry`` as ``ref``'s decision (in :data:`_DECISIONS` and its by-id mirror)."""
+    _GENERATION[0] += 1
     _DECISIONS[ref] = entry
     key = id(ref)
     _BY_ID[key] = (weakref.ref(ref, lambda r, key=key: _BY_ID.pop(key, None) if _BY_ID.get(key, (None,))[0] is r
@@ -329,6 +331,7 @@ _STALE = -2  # the step part of the key of a verdict its confirmation contradict
 #: [(epoch, [(ref weakly, entry)], Later)]: the passing verdicts in the cache when a forward first used
 #: one, with the deferred check that confirms them (:func:`_arm`)
 _PENDING: list = []
+_GENERATION = [0]  # advanced when a cached decision is added, replaced or contradicted
 _EPOCH = [1]  # advanced at each _arm; a cache entry's [4] is the epoch in which its norm last ran
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: not inside a backward
 
@@ -344,25 +347,39 @@ def _arm() -> None:
     if _get_current_dispatch_mode() is not None:
         return
     by_device: dict = {}
-    for ref, entry in list(_DECISIONS.items()):
-        if not entry[1] or is_fake(ref):
-            continue
-        wr, br, *rest = entry[2]
+    for ref_wr, entry, (wr, br, *rest), sizes in _armable():
         w, b = (None if r is None else r() for r in (wr, br))
         if (wr is not None and w is None) or (br is not None and b is None):
             continue
-        if all(t is None or _readable(t) for t in (w, b)):
-            by_device.setdefault(ref.device, []).append((weakref.ref(ref), entry, (w, b, *rest)))
+        # (storage still holding the values: not an FSDP copy freed after its layer ran)
+        if all(t is None or t.untyped_storage().nbytes() >= n for t, n in zip((w, b), sizes)):
+            by_device.setdefault(w.device if w is not None else b.device, []).append((ref_wr, entry, (w, b, *rest)))
     for triples in by_device.values():
         _PENDING.append((_EPOCH[0], [(r, e) for r, e, _ in triples], check_many_later([it for *_, it in triples])))
 
 
-def _readable(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values can be read now: a plain tensor whose storage holds them (not an FSDP
-    copy freed after its layer ran, not a functorch wrapper or a tensor without storage)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_wrapped(t) or _identity(t) is None:
-        return False
-    return t.untyped_storage().nbytes() >= guard_drift.storage_bytes(t)
+_ARMABLE: list = [-1, []]  # [_GENERATION when built, [(ref weakly, entry, args, storage bytes of γ, β)]]
+
+
+def _armable() -> list:
+    """The cached passing verdicts whose γ, β are plain tensors with storage (no fake tensor, functorch
+    wrapper or tensor subclass), rebuilt only when a decision changed."""
+    if _ARMABLE[0] != _GENERATION[0]:
+        out = []
+        for ref, entry in list(_DECISIONS.items()):
+            if not entry[1] or is_fake(ref):
+                continue
+            wr, br = entry[2][:2]
+            w, b = (None if r is None else r() for r in (wr, br))
+            if all(t is not None and _plain(t) for t in (w, b) if t is not None) and (w is not None or b is not None):
+                out.append((weakref.ref(ref), entry, entry[2], tuple(0 if t is None else guard_drift.storage_bytes(t)
+                                                                    for t in (w, b))))
+        _ARMABLE[:] = [_GENERATION[0], out]
+    return _ARMABLE[1]
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and not is_wrapped(t) and _identity(t) is not None
 
 
 def confirm_verdicts() -> None:
@@ -385,6 +402,7 @@ def _settle(raising: bool) -> None:
             r = ref()
             used = entry[4] == epoch and r is not None and _cached(r) is entry and entry[1]
             entry[0], entry[1], entry[3] = (None, None, _STALE, *entry[0][3:]), False, None  # decided again
+            _GENERATION[0] += 1
             if used:
                 failed.append(entry[2][2])
     if failed and raising:
