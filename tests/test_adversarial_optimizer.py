@@ -476,3 +476,27 @@ def test_one_deferred_check_per_forward_none_in_a_recompute(monkeypatch):
     for _ in range(3):
         torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False).sum().backward()
     assert later == [3, 3, 3]
+
+
+@pytest.mark.parametrize("how", ["no_grad", "data"])
+def test_a_step_replaced_on_the_instance(how):
+    """A wrapper set as ``optimizer.step`` (as accelerate's with a GradScaler) that writes after the
+    update: outside leanact's hooks, so seen as a write between steps (or raised by the confirmation)."""
+    def make(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        original, gamma, calls = opt.step, _gamma(model), []
+
+        def step(*args, **kwargs):
+            out = original(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 2:
+                _break(gamma, how)
+            return out
+
+        opt.step = step
+        return [opt]
+
+    if how == "no_grad":
+        _train("llama", make, _nothing)
+    else:
+        _exact_or_leanact_error(lambda: _train("llama", make, _nothing))

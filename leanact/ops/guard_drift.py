@@ -31,7 +31,7 @@ its ``_version`` and ``data_ptr`` are the ones the last step left, and were the 
 step began (a step pre-hook). The rule: a step counts only where leanact watched it end to end, i.e.
 nothing but the optimizer's own update ran between leanact's global pre- and post-hook: any step hook
 leanact did not install (the optimizer's or global: it may write parameters, moments or the learning
-rate), a closure, or a ``step`` replaced on the instance ends the bound for that step. So does any
+rate) or a closure ends the bound for that step. So does any
 other optimizer (SGD's step has no such bound), a learning rate or betas held as CUDA tensors,
 ``eps = 0``, β1 above ``2β2/(1+β2)`` or a write outside a step: the next step checks again.
 The moments' invariant ``|m| ≤ A·sqrt(v)`` holds for a state leanact saw the optimizer produce
@@ -240,12 +240,13 @@ def own_hook(hook):
 def _watched(optimizer, args, kwargs) -> bool:
     """Whether this step runs nothing but the optimizer's own update between leanact's pre- and
     post-hook: no step hook but leanact's (global or the optimizer's), no closure (user code run
-    inside the step), no ``step`` replaced on the instance."""
+    inside the step). (A ``step`` replaced on the instance, as accelerate's with a GradScaler, runs its
+    code outside that window: what it writes is seen as any write between steps.)"""
     from torch.optim import optimizer as _opt
 
     pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
     post = getattr(optimizer, "_optimizer_step_post_hooks", None)
-    if pre is None or post is None or pre or post or "step" in vars(optimizer):
+    if pre is None or post is None or pre or post:
         return False
     if kwargs.get("closure") is not None or any(a is not None for a in args[1:]):
         return False
