@@ -201,3 +201,23 @@ def test_set_back_to_leanact(family, core_calls):
     core_calls.clear()
     _step(lean, batch)
     assert core_calls
+
+
+def test_the_generic_eager_attention_is_transformers_eager():
+    """The eager fallback for model files without ``eager_attention_forward`` (output_attentions there):
+    Llama's eager function's outputs and probabilities, bitwise (grouped queries, a padding mask)."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from leanact.patching.attention_hf import _generic_eager
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=1, intermediate_size=64, vocab_size=50)
+    attn = ml.LlamaAttention(cfg, 0).eval()
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[1, ..., 3:] = torch.finfo(torch.float32).min
+    want = ml.eager_attention_forward(attn, q, k, v, mask, scaling=0.3, dropout=0.0)
+    got = _generic_eager(attn, q, k, v, mask, dropout=0.0, scaling=0.3)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)

@@ -219,6 +219,22 @@ def _eager(module, query, key, value, attention_mask, dropout, scaling, is_causa
     return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _generic_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Eager attention for a model file without ``eager_attention_forward``: softmax(q·kᵀ·scaling + mask)·v
+    in the query's dtype (softmax in float32), key/value heads repeated for grouped queries; returns
+    the output as (batch, seq, heads, dim) and the probabilities, as transformers' eager functions."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
 def _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     """The call as the unpatched model would have made it."""
     if original == "eager":
