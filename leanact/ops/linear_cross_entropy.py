@@ -55,8 +55,11 @@ Ignored tokens: when fewer than half the tokens are valid (masked LM), the valid
 first (real tensors; one host sync to count them) and ignored tokens cost nothing; otherwise (causal
 LM: only the last positions) every row is computed and masked, without copying x. On fake tensors
 (``leanact.estimate``) rows are always masked; the tensors kept for backward are the same.
-Invalid targets raise IndexError as torch does (real tensors only). Double backward raises
-(``once_differentiable``). Under ``torch.func`` transforms the composite
+Invalid targets raise IndexError as torch does (real tensors only). Double backward
+(``create_graph=True``): by default the backward then computes the unfused computation's gradients
+from the saved x, W and b as torch ops with their graph (exact, the logits built whole);
+``grad_in_forward`` kept no inputs, so its gradients come back with their values and raise, naming
+the ways out, when differentiated. Under ``torch.func`` transforms the composite
 (``F.linear`` + ``F.cross_entropy``) runs instead.
 """
 from __future__ import annotations
@@ -66,7 +69,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
-from .backward import once_differentiable
+from .backward import _raising
 from .cpu_gemm import native_16bit_gemm as _native_16bit_gemm
 from .transforms import functorch_active
 from .triton import cross_entropy as _triton_ce
@@ -392,7 +395,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, reduction, eps, scale, softcap, cdtype,
-                chunk_tokens, tile_elements, grad_in_forward):
+                chunk_tokens, tile_elements, grad_in_forward, anchors):
         ch = _Chunks(x, weight, bias, target, ignore_index, cdtype, chunk_tokens, tile_elements)
         acc, v = ch.acc, ch.v
         needs = ctx.needs_input_grad
@@ -417,6 +420,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 out = out / ch.n_valid.to(acc)
         ctx.reduction, ctx.eps, ctx.scale, ctx.softcap, ctx.cdtype = reduction, eps, scale, softcap, cdtype
         ctx.chunk_tokens, ctx.tile_elements, ctx.eager = chunk_tokens, tile_elements, eager
+        ctx.anchors = anchors if eager else ()
         if eager:
             for t in (dx, dw, db):  # gradients, not activations: the meter files them apart, and
                 if t is not None:  # lossy compression leaves them exact
@@ -428,24 +432,69 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     @no_autocast_backward
     def backward(ctx, g):
-        if ctx.eager:
-            return (*(None if t is None else (t * g).to(t.dtype) for t in ctx.saved_tensors),
-                    None, None, None, None, None, None, None, None, None, None)
-        x, weight, bias, lse_full, t32 = ctx.saved_tensors
-        ch = _Chunks(x, weight, bias, t32.long(), -1, ctx.cdtype, ctx.chunk_tokens, ctx.tile_elements)
-        acc = ch.acc
-        lse = lse_full if ch.rows is None else lse_full.index_select(0, ch.rows)
-        g = g.to(acc)
-        if ctx.reduction == "none":
-            coef = ch.coef(g.reshape(-1) if ch.rows is None else g.reshape(-1).index_select(0, ch.rows))
-        else:
-            coef = ch.coef(g if ctx.reduction == "sum" else g / ch.n_valid.clamp(min=1).to(acc))
-        dx, dw, db = ch.grads(coef, ctx.eps, ctx.scale, ctx.softcap, ctx.needs_input_grad[:3], x.dtype,
-                              weight.dtype, None if bias is None else bias.dtype, lse=lse)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True
+            return _backward_with_graph(ctx, g)
+        return _backward(ctx, g)
+
+
+_NONES = (None,) * 11  # the gradients of target, the options and the anchors
+
+
+def _backward(ctx, g):
+    """dx, dW, db: grad_in_forward's kept gradients scaled by ``g``, or recomputed chunk by chunk."""
+    if ctx.eager:
+        return (*(None if t is None else (t * g).to(t.dtype) for t in ctx.saved_tensors), *_NONES)
+    x, weight, bias, lse_full, t32 = ctx.saved_tensors
+    ch = _Chunks(x, weight, bias, t32.long(), -1, ctx.cdtype, ctx.chunk_tokens, ctx.tile_elements)
+    acc = ch.acc
+    lse = lse_full if ch.rows is None else lse_full.index_select(0, ch.rows)
+    g = g.to(acc)
+    if ctx.reduction == "none":
+        coef = ch.coef(g.reshape(-1) if ch.rows is None else g.reshape(-1).index_select(0, ch.rows))
+    else:
+        coef = ch.coef(g if ctx.reduction == "sum" else g / ch.n_valid.clamp(min=1).to(acc))
+    dx, dw, db = ch.grads(coef, ctx.eps, ctx.scale, ctx.softcap, ctx.needs_input_grad[:3], x.dtype,
+                          weight.dtype, None if bias is None else bias.dtype, lse=lse)
+    return dx, dw, db, *_NONES
+
+
+_TWICE = ("trying to differentiate twice {name} with grad_in_forward=True (what leanact.patch's language-model "
+          "head runs): its gradients were computed in the forward, without a graph (create_graph=True: a "
+          "gradient penalty, a Hessian-vector product). Pass grad_in_forward=False (differentiable twice), or "
+          "compute the patched model's loss unfused: leanact.patch(model, fused_loss=False), "
+          "`with leanact.keep_logits():` around the forward, or leanact.unpatch(model)")
+
+
+def _backward_with_graph(ctx, g):
+    """backward under ``create_graph=True``. Default mode: the unfused computation's gradients of the
+    saved x, W, b, as torch ops with their graph (a double backward through them is exact; the logits
+    are built whole, as unfused). grad_in_forward kept no inputs: its gradients come back with their
+    values, raising when differentiated, from a node on the paths to x, W and b (:func:`_anchors`)."""
+    if ctx.eager:
+        with torch.no_grad():
+            grads = _backward(ctx, g)
+        return _raising(grads, "leanact's fused linear + cross-entropy", _TWICE, ctx.anchors)
+    x, weight, bias, _, t32 = ctx.saved_tensors
+    c = ctx.cdtype
+    loss = linear_cross_entropy_reference(x.to(c), weight.to(c), t32.long(), None if bias is None else bias.to(c),
+                                          ignore_index=-1, reduction=ctx.reduction, label_smoothing=ctx.eps,
+                                          scale=ctx.scale, softcap=ctx.softcap)
+    needs = ctx.needs_input_grad[:3]
+    grads = iter(torch.autograd.grad(loss, [t for t, n in zip((x, weight, bias), needs) if n], g, create_graph=True))
+    return (*(next(grads) if n else None for n in needs), *_NONES)
+
+
+def _anchors(*ts) -> tuple:
+    """Per tensor requiring grad, a tiny one on its graph: a leaf itself (a parameter, alive anyway), else
+    a one-element copy (not its storage). grad_in_forward keeps none of its inputs, yet differentiating
+    its create_graph gradients must reach a node that raises on every path to them
+    (:func:`leanact.ops.backward._raising`). Two selects and a copy of x's first element per call."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(t if t.is_leaf else t[(0,) * t.dim()].clone() for t in ts
+                 if t is not None and t.requires_grad and t.numel())
 
 
 def linear_cross_entropy_reference(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
@@ -530,10 +579,11 @@ def linear_cross_entropy(
         cdtype = x.dtype
     red = "sum" if num_items_in_batch is not None else reduction
     cdtype = _matmul_dtype(cdtype, x.device) if matmul_dtype is None else matmul_dtype
+    anchors = _anchors(x, weight, bias) if grad_in_forward and red != "none" else ()
     with autocast_off(x.device.type):
         loss = LinearCrossEntropyFunction.apply(x, weight, bias, tgt, int(ignore_index), red, float(label_smoothing),
                                                 float(scale), None if softcap is None else float(softcap), cdtype,
-                                                chunk_tokens, tile_elements, bool(grad_in_forward))
+                                                chunk_tokens, tile_elements, bool(grad_in_forward), anchors)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

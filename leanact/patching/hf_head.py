@@ -8,11 +8,11 @@ logits: ``self.loss_function`` (``ForCausalLMLoss``: shift, ``num_items_in_batch
 functions, so that whatever the model does between its head and ``F.cross_entropy`` is the model's
 own code:
 
-1. the model's forward (wrapped on the instance, :class:`_HeadForward`) arms the call when the model is in training mode and gets
-   ``labels`` with autograd on (as Liger-Kernel's ``skip_logits = self.training and labels is not
-   None``; not under ``torch.no_grad``, ``generate``, ``model.eval()``, ``torch.compile`` tracing,
-   ``torch.func`` or :func:`keep_logits`), and the output embedding (``get_output_embeddings()``)
-   is a plain ``nn.Linear`` without hooks;
+1. the model's forward (wrapped on the instance, :class:`_HeadForward`) arms the call when the model
+   is in training mode and gets ``labels`` with autograd on (as Liger-Kernel's ``skip_logits =
+   self.training and labels is not None``; not under ``torch.no_grad``, ``generate``,
+   ``model.eval()``, ``torch.compile`` tracing, ``torch.func`` or :func:`keep_logits`), and the
+   output embedding (``get_output_embeddings()``) is a plain ``nn.Linear`` without hooks;
 2. the head's next call then returns a *placeholder* of the logits' shape and dtype (a zero-stride
    view of one element, no memory) and remembers its input; a ``TorchFunctionMode`` watches every
    torch function that touches the placeholder until the model returns:
@@ -22,9 +22,21 @@ own code:
      :func:`leanact.ops.linear_cross_entropy.linear_cross_entropy` on the head's input, weight and
      bias with the recorded scale and cap: the same loss, keeping 8 bytes per token;
    - reading shape, dtype, device is answered by the placeholder;
-   - anything else materialises the real logits first (the head's own forward, then the recorded
-     operations replayed), so the model's code always gets correct values; ``leanact.summary``
-     then lists the operation under the head's fallbacks;
+   - an operation that only reads (an aten operator none of whose overloads writes an argument, no
+     ``out=``, no ``inplace=True``: ``logsumexp`` for a z-loss, ``argmax`` for a metric) runs on the
+     real logits, computed once (the head's own forward, then the recorded operations replayed, each
+     in its call's grad mode); the placeholders stay, so the loss can still be fused, and
+     ``leanact.summary`` lists the operation under the head's fallbacks;
+   - anything that writes, or is not known not to (``div_``, ``masked_fill_``, ``z[...] = v``,
+     ``.data = v``, ``+=``, ``copy_``, ``out=``, ``F.relu(z, inplace=True)``, a name aten lacks), or a
+     read whose result aliases the logits (a view, ``detach``) *realises* them first: every live
+     placeholder becomes in place (``torch.utils.swap_tensors``) the real tensor it stands for,
+     parents first, so views are views of the real logits and upcasts copies, as in the unfused
+     model; the write then reaches every tensor derived from the logits, and the model's own code
+     runs on, unfused (exact). Where a placeholder cannot be swapped (a weak reference to it, a saved
+     tensor) this raises, naming the ways out below; a write the mode could not see (versions
+     changed) raises too, never a fused loss of stale logits. Fake tensors (``leanact.estimate``) are
+     not swapped: the rest of the call runs on computed values, unfused, as the real step;
 3. the wrapper closes the window in ``finally`` (nothing leaks when the forward raises, a
    ``KeyboardInterrupt`` included) and cleans the output: ``logits`` is None
    when the fused loss consumed them (as Liger-Kernel's fused loss returns them), the real logits
@@ -34,6 +46,10 @@ Logits the user wants: pass no labels (compute the loss yourself), call the mode
 inside ``with leanact.keep_logits():``, or ``leanact.patch(model, fused_loss=False)``. Generation
 and evaluation are untouched, so their logits are bit-identical.
 Tied embeddings: the head's weight Parameter is used as is (gradients reach the tied embedding).
+Higher-order gradients: the fused loss computes its gradients in the forward (``grad_in_forward``),
+so under ``create_graph=True`` they come back with their values but raise, naming these ways out,
+when differentiated (a gradient penalty, a Hessian-vector product; leanact cannot know in advance
+that one will come): :mod:`leanact.ops.linear_cross_entropy`.
 """
 from __future__ import annotations
 
@@ -42,6 +58,7 @@ import functools
 import inspect
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -50,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from ..ops.amp import autocast_dtype, autocast_off
 from ..ops.linear_cross_entropy import linear_cross_entropy
@@ -82,8 +100,9 @@ class HeadState:
     path: str
     enabled: bool = True
     fused_calls: int = 0
-    #: operation name -> count: calls whose logits were materialised (the model did something the
-    #: placeholder cannot stand for); the loss is then the model's own.
+    #: operation name -> count: operations the placeholder could not stand for, run on the real logits
+    #: (computed once; the loss stays fused), or, after a write into them or an alias of them taken,
+    #: on the placeholders made the real tensors (the loss is then the model's own, unfused).
     fallbacks: dict = field(default_factory=dict)
     windows: list = field(default_factory=list, repr=False, compare=False)
 
@@ -125,12 +144,17 @@ def eligible_class(model: nn.Module) -> bool:
 # ---- the placeholder and the mode ------------------------------------------------------------
 
 class _Entry:
-    """One placeholder: the tensor itself and the operations applied since the head's output."""
+    """One placeholder: a weak reference to it (only live ones are ever made real), the entry it was
+    derived from by ``op`` and the grad mode then, every operation since the head's output (``ops``:
+    what the fused loss reads), its version, and once computed its values (``real``) and their
+    version then."""
 
-    __slots__ = ("t", "ops", "real")
+    __slots__ = ("ref", "parent", "op", "grad", "ops", "version", "real", "real_version")
 
-    def __init__(self, t, ops):
-        self.t, self.ops, self.real = t, ops, None
+    def __init__(self, t, parent=None, op=None):
+        self.ref, self.parent, self.op, self.grad = weakref.ref(t), parent, op, torch.is_grad_enabled()
+        self.ops = () if parent is None else parent.ops + (op,)
+        self.version, self.real, self.real_version = t._version, None, None
 
 
 _SELF = object()
@@ -147,6 +171,9 @@ _DIV_FUNCS = {torch.Tensor.div, torch.Tensor.__truediv__, torch.div, torch.true_
               torch.Tensor.divide, torch.divide}
 _TANH_FUNCS = {torch.tanh, torch.Tensor.tanh}
 _CAST_FUNCS = {torch.Tensor.float, torch.Tensor.double, torch.Tensor.to}
+_ASSIGN = frozenset({"__set__", "__setitem__", "__delitem__"})  # ``t.data = v``, ``t[i] = v``, ``del t[i]``
+_WAYS_OUT = ("compute this loss unfused: leanact.patch(model, fused_loss=False), `with leanact.keep_logits():` "
+             "around the forward, or leanact.unpatch(model)")
 
 
 def _plain(t) -> bool:
@@ -175,7 +202,7 @@ class _Window(TorchFunctionMode):
         self.ac = None
         self.entered = False
         self.consumed = False
-        self.real = None
+        self.unfused = False  # fake tensors after a write: the placeholders stay, nothing more is fused
 
     # -- the head's capture
     def capture(self, input):
@@ -195,32 +222,59 @@ class _Window(TorchFunctionMode):
         else:
             return nn.Linear.forward(head, input)  # its own forward (raises as it would on bad input)
         self.x, self.ac = x, ac
-        p = torch.empty((), dtype=dtype, device=x.device).expand(*x.shape[:-1], head.out_features)
-        self.entries[id(p)] = _Entry(p, ())
+        p = self._placeholder(x.shape[:-1] + (head.out_features,), dtype, x.device)
         self.__enter__()
         self.entered = True
         return p
 
-    # -- materialising
-    def logits(self):
-        if self.real is None:
-            with _mode_off(self):
-                self.real = nn.Linear.forward(self.head, self.x) if self.ac is None else _with_autocast(
-                    self.x.device.type, self.ac, nn.Linear.forward, self.head, self.x)
-        return self.real
+    def _placeholder(self, shape, dtype, device, parent=None, op=None):
+        """A zero-stride view of one element (no memory) standing for the logits or ``op`` of ``parent``'s."""
+        p = torch.empty((), dtype=dtype, device=device).expand(*shape)
+        self.entries[id(p)] = _Entry(p, parent, op)
+        return p
 
+    # -- materialising
     def materialise(self, e: _Entry):
+        """The values ``e`` stands for, computed once: the head's own forward, then e's operations, each
+        in the grad mode of its call."""
         if e.real is None:
-            v = self.logits()
-            with _mode_off(self):
-                for func, args, kwargs in e.ops:
-                    v = func(*[v if a is _SELF else a for a in args], **kwargs)
-            e.real = v
+            with _mode_off(self), torch.set_grad_enabled(e.grad):
+                if e.parent is None:
+                    v = nn.Linear.forward(self.head, self.x) if self.ac is None else _with_autocast(
+                        self.x.device.type, self.ac, nn.Linear.forward, self.head, self.x)
+                else:
+                    base = self.materialise(e.parent)
+                    func, args, kwargs = e.op
+                    v = func(*[base if a is _SELF else a for a in args], **kwargs)
+            e.real, e.real_version = v, v._version
         return e.real
+
+    def realise(self):
+        """Every live placeholder becomes in place (``torch.utils.swap_tensors``: the objects the model's
+        code holds stay the same) the tensor it stands for, parents first: a view of the logits is then
+        a view of the real logits and an upcast a copy, as in the unfused model, so a write into any of
+        them reaches the others and the loss. None is left: the model's own code runs on, unfused.
+        A value computed before (and maybe held by autograd) or a no-op (``.float()`` of fp32) is
+        swapped in as an alias (a view of it). Fake tensors (``leanact.estimate``; torch holds weak
+        references to their views) are not swapped: their values do not matter, and every later
+        operation runs on computed values, unfused, as the real step would."""
+        if is_fake(self.x):
+            self.unfused = True
+            return
+        entries, self.entries = list(self.entries.values()), {}
+        with _mode_off(self):
+            for e in entries:
+                t, e.ref = e.ref(), None  # (swap_tensors refuses a tensor with weak references)
+                if t is None:
+                    continue
+                fresh = e.real is None
+                r = self.materialise(e)
+                _swap(t, r if fresh and (e.parent is None or r is not e.parent.real) else r.view_as(r))
+                e.real = t
 
     def _entry(self, a):
         e = self.entries.get(id(a)) if isinstance(a, torch.Tensor) else None
-        return e if e is not None and e.t is a else None
+        return e if e is not None and e.ref() is a else None
 
     def _find(self, obj, out):
         e = self._entry(obj)
@@ -246,14 +300,21 @@ class _Window(TorchFunctionMode):
             return {k: self._replace(v) for k, v in obj.items()}
         return obj
 
+    def _check(self):
+        """Every placeholder and every value computed for one is as it was: a write the mode did not see
+        (an operator called with the mode switched off) raises rather than fuse stale logits."""
+        for e in self.entries.values():
+            t = e.ref()
+            if (t is not None and t._version != e.version) or (e.real is not None
+                                                                  and e.real._version != e.real_version):
+                raise RuntimeError("leanact's fused LM head: the logits (or a tensor derived from them) were "
+                                   "written in place where leanact could not see it; " + _WAYS_OUT)
+
     def _derive(self, e: _Entry, func, args, kwargs, shape=None, dtype=None):
-        t = e.t
-        shape = tuple(t.shape) if shape is None else tuple(shape)
-        dtype = t.dtype if dtype is None else dtype
-        p = torch.empty((), dtype=dtype, device=t.device).expand(*shape)
-        ops = e.ops + ((func, tuple(_SELF if a is t else a for a in args), dict(kwargs)),)
-        self.entries[id(p)] = _Entry(p, ops)
-        return p
+        t = e.ref()
+        op = (func, tuple(_SELF if a is t else a for a in args), dict(kwargs))
+        return self._placeholder(t.shape if shape is None else tuple(shape), t.dtype if dtype is None else dtype,
+                                 t.device, e, op)
 
     # -- the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -269,29 +330,55 @@ class _Window(TorchFunctionMode):
             return func(*args, **kwargs)
         elif func is torch.Tensor.untyped_storage and len(args) == 1:
             return func(*args)  # the placeholder's one element: what exists (memory trackers ask this)
-        elif len(found) == 1 and args and (args[0] is found[0].t or (func in _MUL_FUNCS and len(args) == 2
-                                                                      and args[1] is found[0].t)):
+        elif len(found) == 1 and args and (args[0] is found[0].ref() or (func in _MUL_FUNCS and len(args) == 2
+                                                                          and args[1] is found[0].ref())):
             out = self._deferred(found[0], func, args, kwargs)
             if out is not None:
                 return out
         name = _name(func)
         self.state.fallbacks[name] = self.state.fallbacks.get(name, 0) + 1
+        if not self.unfused and not _writes(func, args, kwargs):
+            return self._compute(func, args, kwargs)
+        self.realise()
+        return self._run(func, args, kwargs)
+
+    def _run(self, func, args, kwargs):
+        """``func`` on real tensors: the placeholders' computed values where some are left (none after
+        :meth:`realise`, but for fake tensors)."""
         return func(*self._replace(args), **self._replace(kwargs))
 
+    def _compute(self, func, args, kwargs):
+        """``func``, which writes into no argument, on the placeholders' values (they stay placeholders).
+        When its result shares their memory (a view, ``detach``, ``.data``), a write through it must
+        reach the logits: the placeholders are made real and ``func`` runs again on them."""
+        out = self._run(func, args, kwargs)
+        reals = [e.real for e in self.entries.values() if e.real is not None]
+        if any(isinstance(o, torch.Tensor) and any(torch._C._is_alias_of(o, r) for r in reals)
+               for o in tree_leaves(out)):
+            out = reals = None
+            self.realise()
+            return self._run(func, args, kwargs)
+        self._check()
+        return out
+
     def _deferred(self, e: _Entry, func, args, kwargs):
-        t = e.t
+        t = e.ref()
         v = self.head.out_features
         if func in _SHAPE_FUNCS:
+            if _name(func) == "contiguous" and len(args) == 1 and not kwargs:
+                return t  # (what it stands for is contiguous: torch returns the tensor itself)
             with _mode_off(self):
                 # a zero-stride meta view: no allocation (under FakeTensorMode a full-size meta tensor
-                # would be counted by a memory tracker); contiguous keeps the shape
+                # would be counted by a memory tracker)
                 meta = torch.empty((), device="meta").expand(t.shape)
-                shape = t.shape if _name(func) == "contiguous" else func(meta, *args[1:], **kwargs).shape
+                shape = func(meta, *args[1:], **kwargs).shape
             if len(shape) >= 1 and shape[-1] == v:
                 return self._derive(e, func, args, kwargs, shape=shape)
             return None
         if func in _CAST_FUNCS:
             dtype = _cast_dtype(func, t, args[1:], kwargs)
+            if dtype == t.dtype:
+                return t  # (the tensor itself, as torch returns it)
             if dtype is not None:
                 return self._derive(e, func, args, kwargs, dtype=dtype)
             return None
@@ -305,22 +392,25 @@ class _Window(TorchFunctionMode):
         return None
 
     def _cross_entropy(self, args, kwargs):
+        if self.unfused:
+            return None
         try:
             b = _CE_SIG.bind(*args, **kwargs)
         except TypeError:
             return None
         a = b.arguments
-        e = self._entry(a.get("input"))
-        target = a.get("target")
+        z, target = a.get("input"), a.get("target")
+        e = self._entry(z)
         if (e is None or not isinstance(target, torch.Tensor) or self._entry(target) is not None
                 or target.dtype.is_floating_point or target.dtype == torch.bool
                 or a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None
-                or e.t.dim() != 2 or target.dim() != 1 or target.shape[0] != e.t.shape[0]
-                or e.t.shape[0] != math.prod(self.x.shape[:-1])):
+                or z.dim() != 2 or target.dim() != 1 or target.shape[0] != z.shape[0]
+                or z.shape[0] != math.prod(self.x.shape[:-1])):
             return None
         form = _logit_form(e.ops)
         if form is None:
             return None
+        self._check()
         scale, softcap = form
         x = self.x.reshape(-1, self.x.shape[-1])
         with _mode_off(self):
@@ -331,14 +421,69 @@ class _Window(TorchFunctionMode):
                                             reduction=a.get("reduction", "mean"),
                                             label_smoothing=a.get("label_smoothing", 0.0), scale=scale, softcap=softcap,
                                             grad_in_forward=True)
-            if loss.dtype != e.t.dtype and self.ac is None:  # (autocast runs cross_entropy in fp32: fp32 loss)
-                loss = loss.to(e.t.dtype)
+            if loss.dtype != z.dtype and self.ac is None:  # (autocast runs cross_entropy in fp32: fp32 loss)
+                loss = loss.to(z.dtype)
         self.consumed = True
         self.state.fused_calls += 1
         return loss
 
 
 _CE_SIG = inspect.signature(F.cross_entropy)
+
+
+def _writes(func, args, kwargs) -> bool:
+    """Whether ``func`` may write into a tensor argument; whatever is not known to write nothing counts
+    as writing. Known: an aten operator of its name (``mul`` for ``__mul__``) none of whose overloads
+    writes a positional argument, called without ``out=`` (and ``inplace=False`` where it has one). So
+    ``div_``, ``index_put_``, ``copy_``, ``+=``, ``z[...] = v``, ``z.data = v``, ``out=``,
+    ``F.relu(z, inplace=True)`` and any name aten lacks (``register_hook``, ``numpy``) write."""
+    if kwargs.get("out") is not None or getattr(func, "__name__", "") in _ASSIGN:
+        return True
+    i = _inplace_position(func)
+    flag = kwargs.get("inplace", args[i] if i is not None and i < len(args) else False)
+    return (isinstance(flag, (bool, int)) and bool(flag)) or not _pure(_name(func))
+
+
+@functools.lru_cache(maxsize=1024)
+def _inplace_position(func) -> int | None:
+    """The position of a Python function's ``inplace`` parameter (``F.relu``, ``F.dropout``), if any."""
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+@functools.lru_cache(maxsize=None)
+def _pure(name: str) -> bool:
+    """Whether aten has an operator ``name`` (``rsub`` for ``__rsub__``) none of whose overloads writes a
+    positional argument (the ``out=`` overloads' outputs are keyword-only: seen in the call)."""
+    for n in (name, name.strip("_")) if name.startswith("__") else (name,):
+        try:
+            packet = getattr(torch.ops.aten, n)
+        except (AttributeError, RuntimeError):
+            continue
+        if not isinstance(packet, torch._ops.OpOverloadPacket):  # (the namespace's own attributes: ``name``)
+            continue
+        return not any(a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
+                       for o in packet.overloads() for a in getattr(packet, o)._schema.arguments)
+    return False
+
+
+def _swap(t, r) -> None:
+    """``t`` (a placeholder) becomes ``r`` in place; ``r`` when held elsewhere (a saved tensor) as a view
+    of it. Raises leanact's error when ``t`` itself is held where it cannot be swapped."""
+    try:
+        torch.utils.swap_tensors(t, r)
+        return
+    except RuntimeError:
+        pass
+    try:
+        torch.utils.swap_tensors(t, r.view_as(r))
+    except RuntimeError as err:
+        raise RuntimeError(f"leanact's fused LM head: the loss code writes into the logits (or a tensor derived "
+                           f"from them) or takes an alias of them, so the placeholder leanact returned for them "
+                           f"must become the real tensor, which it cannot here ({err}); {_WAYS_OUT}") from err
 
 
 def _cast_dtype(func, t, args, kwargs):
