@@ -500,3 +500,31 @@ def test_a_step_replaced_on_the_instance(how):
         _train("llama", make, _nothing)
     else:
         _exact_or_leanact_error(lambda: _train("llama", make, _nothing))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_checks_run_inside_autocast_with_mixed_dtypes(dtype):
+    """Norms of bf16 and fp32 γ in one batch, decided and confirmed inside a CPU autocast block (fp16's
+    rejects a bf16 tensor in its casts)."""
+    LN.clear_decision_cache()
+    norms = torch.nn.ModuleList([leanact.nn.LayerNorm(16), leanact.nn.LayerNorm(16).to(torch.bfloat16)])
+    opt = torch.optim.AdamW(norms.parameters(), lr=1e-3)
+    x = torch.randn(4, 16)
+    for _ in range(4):
+        with torch.autocast("cpu", dtype=dtype):
+            loss = norms[0](x).float().sum() + norms[1](x.to(torch.bfloat16)).float().sum()
+        loss.backward()
+        opt.step()
+    assert all(LN._DECISIONS[m.weight][1] for m in norms)
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_the_batched_checks_ignore_an_enclosing_autocast(later):
+    """The batch gathers every cached norm (other models' too): γ, β of several dtypes, concatenated
+    inside the caller's autocast block, whose casts reject some (fp16's takes no bf16 next to float64)."""
+    w1, b1 = torch.ones(16), torch.zeros(16)
+    w2, b2 = torch.ones(16, dtype=torch.float64), torch.zeros(16, dtype=torch.bfloat16)
+    items = [(w1, b1, 16, torch.float32, 8.0), (w2, b2, 16, torch.bfloat16, 8.0), (w2 * 0, None, 16, torch.float32, 8.0)]
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = guard_batch.check_many_later(items).result() if later else guard_batch.check_many(items)
+    assert got == [True, True, False]

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .amp import autocast_off
+
 __all__ = ["check_many", "check_many_later", "Later"]
 
 
@@ -59,8 +61,9 @@ def check_many(items: list[tuple], slack: bool = False) -> list:
         gamma_dtype = torch.float32 if offset else (w if w is not None else b).dtype
         groups.setdefault(_compute_dtype(gamma_dtype, dtype), []).append(i)
     for ct, idx in groups.items():
-        for i, res in zip(idx, _check_group([items[i] for i in idx], ct, slack)):
-            out[i] = res
+        with autocast_off(items[idx[0]][0 if items[idx[0]][0] is not None else 1].device.type):
+            for i, res in zip(idx, _check_group([items[i] for i in idx], ct, slack)):
+                out[i] = res
     return out
 
 
@@ -174,7 +177,9 @@ def check_many_later(items: list[tuple]) -> Later:
     if not groups:
         return Later(torch.zeros(0, dtype=torch.int64), None, [])
     order = [i for idx in groups.values() for i in idx]
-    counts = torch.cat([_check_group([items[i] for i in idx], ct, later=True) for ct, idx in groups.items()])
+    ref = next(t for w, b, *_ in items for t in (w, b) if t is not None)
+    with autocast_off(ref.device.type):  # (called from a forward, often inside an autocast block)
+        counts = torch.cat([_check_group([items[i] for i in idx], ct, later=True) for ct, idx in groups.items()])
     if counts.device.type != "cuda":
         return Later(counts.cpu(), None, order)
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
