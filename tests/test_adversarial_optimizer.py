@@ -244,8 +244,8 @@ def test_a_data_write_that_skips_the_version_is_confirmed_or_raises(family):
 
 
 def test_a_contradicted_verdict_without_a_backward_is_settled_quietly():
-    """A forward under grad whose backward never runs: the next step's first norm reads the
-    confirmation, decides again and raises nothing (no gradient was computed)."""
+    """A forward under grad whose backward never runs, then another forward: it reads the confirmation,
+    decides again and raises nothing (no gradient was computed from the broken verdict)."""
     LN.clear_decision_cache()
     m = leanact.nn.LayerNorm(16)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -256,12 +256,28 @@ def test_a_contradicted_verdict_without_a_backward_is_settled_quietly():
     _break(m.weight, "data")
     m(x)  # (no backward)
     assert LN._PENDING
-    m.weight.grad = torch.zeros_like(m.weight)
-    opt.step()
     ref = torch.nn.LayerNorm(16)
     ref.load_state_dict(m.state_dict())
     _close_grads(m, ref, x)
     assert not LN._PENDING
+
+
+def test_an_optimizer_step_after_a_contradicted_verdict_raises():
+    """Where the norms' backward did not confirm (it ran compiled: its Python is not run again), the
+    next optimizer step does, before it applies the gradients."""
+    LN.clear_decision_cache()
+    m = leanact.nn.LayerNorm(16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        m(x).sum().backward()
+        opt.step()
+    _break(m.weight, "data")
+    m(x)  # (its backward, compiled, would not confirm)
+    before = m.bias.detach().clone()
+    with pytest.raises(RuntimeError, match="leanact.*cannot see"):
+        opt.step()
+    assert torch.equal(m.bias.detach(), before)  # (no step taken)
 
 
 # -- optimizer state, groups, schedulers, several optimizers --------------------------------------

@@ -63,7 +63,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -388,8 +388,17 @@ def confirm_verdicts() -> None:
     wait). A write that skips ``_version`` (``p.data.mul_(0)``, a kernel of one's own), which neither
     the cache nor Adam's bound can see, and that moved γ, β out of the rule would make this backward
     inexact: the norm decides again at its next call, and this raises."""
-    if _PENDING:
-        _settle(raising=True)
+    if _PENDING and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
+        _settle(raising=True)  # (not while a compiler traces the backward: see _confirm_before_step)
+
+
+def _confirm_before_step(optimizer, args, kwargs) -> None:
+    """The same confirmation before an optimizer applies gradients: where the norms' backward ran
+    compiled (its Python is not run again), an inexact step raises here before it is taken."""
+    confirm_verdicts()
+
+
+register_optimizer_step_pre_hook(guard_drift.own_hook(_confirm_before_step))
 
 
 def _settle(raising: bool) -> None:
