@@ -42,8 +42,8 @@ Frozen γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while 
 ``.data``, a kernel that skips ``_version``) changed γ, β: so every forward that uses one launches,
 at its first norm and without a sync, the same batched check of every cached passing verdict
 (:func:`_arm`), and the norms' backward reads it when the device has long computed it
-(:func:`confirm_verdicts`): a contradicted verdict raises an error naming leanact before any inexact
-gradient is returned, and the norm decides again at its next call (or call
+(:func:`confirm_verdicts`; where the backward ran compiled, the next optimizer step's pre-hook): a
+contradicted verdict raises an error naming leanact before any inexact gradient is returned (or applied), and the norm decides again at its next call (or call
 :func:`clear_decision_cache` after such writes). Callers can skip the check with
 ``from_output=True/False``. Under ``torch.func`` transforms the op is torch's own layer_norm, and the check, when called there, reads the values of the
 wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
