@@ -4,5 +4,5 @@ from .estimate import Estimate, estimate, estimate_config
 from ._version import __version__
 from .patching import keep_logits, patch, summary, unpatch
 
-__all__ = ["Estimate", "estimate", "estimate_config", "functional", "keep_logits", "lossy", "memory", "nn", "ops", "patch", "plan", "recompute", "strategies", "summary", "unpatch",
-           "__version__"]
+__all__ = ["Estimate", "estimate", "estimate_config", "functional", "keep_logits", "lossy", "memory", "nn", "ops",
+           "patch", "plan", "recompute", "strategies", "summary", "unpatch", "__version__"]

@@ -10,6 +10,7 @@ from .ops.random import draw_seed, keep_mask, keep_mask_like
 from .ops.rms_norm import rms_norm
 
 __all__ = [
-    "attention", "draw_seed", "dropout", "dropout_add_layer_norm", "dropout_seeded", "gelu", "gelu_minimum", "keep_mask", "keep_mask_like",
-    "layer_norm", "linear_cross_entropy", "pack_bits", "packed_nbytes", "rms_norm", "unpack_bits",
+    "attention", "draw_seed", "dropout", "dropout_add_layer_norm", "dropout_seeded", "gelu", "gelu_minimum",
+    "keep_mask", "keep_mask_like", "layer_norm", "linear_cross_entropy", "pack_bits", "packed_nbytes", "rms_norm",
+    "unpack_bits",
 ]

@@ -31,8 +31,8 @@ import torch
 
 from leanact._local import setting
 
-__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient", "keeping_output",
-           "unobserved_ambient"]
+__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient",
+           "keeping_output", "unobserved_ambient"]
 
 _state = threading.local()
 #: the number the next autograd node made on this thread gets (a private torch API: where it is

@@ -64,8 +64,8 @@ def _add_profile(sub) -> None:
         description="Builds a Hugging Face model from its config (random weights, CPU) in four modes -- HF eager, "
                     "HF sdpa, leanact.patch(attention='recompute') and leanact.patch(attention='tempo') -- and "
                     "prints what one layer keeps for backward (2-layer minus 1-layer model), B/sbh, the whole "
-                    "model's activation memory at the chosen batch (measured at batch 1 and 2, affine in the batch) and "
-                    "the forward+backward time of the 1-layer model, modes interleaved in one run (medians).")
+                    "model's activation memory at the chosen batch (measured at batch 1 and 2, affine in the batch) "
+                    "and the forward+backward time of the 1-layer model, modes interleaved in one run (medians).")
     p.add_argument("--model", default=profile_cmd.DEFAULT_MODEL,
                    help=f"{', '.join(GEOMETRIES)}, or a path to a Hugging Face config.json "
                         f"(default {profile_cmd.DEFAULT_MODEL})")

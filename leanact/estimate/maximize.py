@@ -138,7 +138,8 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     import torch
 
     on_cuda = torch.device(device).type == "cuda"
-    names = list([s for s in CANDIDATES if on_cuda or not s.startswith("offload")] if strategies is None else strategies)
+    names = list([s for s in CANDIDATES if on_cuda or not s.startswith("offload")] if strategies is None
+                 else strategies)
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
         raise ValueError(f"maximize: strategies {unknown or names} unknown; choose among {list(STRATEGIES)}")
@@ -147,7 +148,8 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve <= budget:
         raise ValueError(f"maximize: reserve must be a number of bytes between 0 and the budget ({budget}), "
                          f"got {reserve!r}")
-    if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+    if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int)
+                                    or host_budget < 0):
         raise ValueError(f"maximize: host_budget must be a number of bytes >= 0 or None, got {host_budget!r}")
     b0, s0 = _sizes(sample_inputs)
     multiple = multiple or (SEQ_MULTIPLE if what == "seq" else 1)

@@ -72,7 +72,8 @@ class Estimate:
         for label, n in (("parameters + buffers", self.params + self.buffers), ("gradients", self.grads),
                          ("optimizer state", self.optimizer_state), ("activations (end of forward)", self.activations),
                          ("  of which kept for backward", self.saved),
-                         *((("    of which autocast weight copies", self.weight_copies),) if self.weight_copies else ()),
+                         *((("    of which autocast weight copies", self.weight_copies),)
+                           if self.weight_copies else ()),
                          *((("CUDA workspaces (held across steps)", self.workspaces),) if self.workspaces else ()),
                          ("temporaries at peak", self.temporaries)):
             tab.add_row(label, f"{n:,}", fmt_bytes(n))

@@ -115,7 +115,8 @@ def default_loss(out: Any, inputs: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         loss = out
-    if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].dim() == 0:
+    if (loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)
+            and out[0].dim() == 0):
         loss = out[0]
     if loss is None:
         raise ValueError(

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from .compress import CompressTransform, keep_exact
@@ -41,8 +40,8 @@ from ..patching import register_option
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from .modules import FewBitActivation, RandomizedLinear
 
-__all__ = ["apply", "remove", "parse", "state", "LossyState", "CompressTransform", "CompressedForward", "FewBitActivation",
-           "RandomizedLinear", "keep_exact", "OPTIONS"]
+__all__ = ["apply", "remove", "parse", "state", "LossyState", "CompressTransform", "CompressedForward",
+           "FewBitActivation", "RandomizedLinear", "keep_exact", "OPTIONS"]
 
 OPTIONS = ("fewbit", "randomized_linear", "compress")
 _ATTR = "_leanact_lossy"
@@ -60,7 +59,8 @@ def parse(lossy: Any) -> dict[str, dict]:
             if key in ("fp8", "int8") and not value:
                 key, value = "compress", key
             elif key not in OPTIONS:
-                raise ValueError(f"unknown lossy option {key!r}; use {OPTIONS} (e.g. 'fewbit=2,compress=fp8') or 'fp8'/'int8'")
+                raise ValueError(f"unknown lossy option {key!r}; use {OPTIONS} (e.g. 'fewbit=2,compress=fp8') "
+                                 "or 'fp8'/'int8'")
             if key in spec:
                 raise ValueError(f"lossy={lossy!r} sets {key} twice ({spec[key]!r} and {value.strip() or True!r}): "
                                  f"keep one, e.g. lossy={part!r}")

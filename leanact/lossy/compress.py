@@ -137,7 +137,8 @@ def decompress(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, b
     full = n // block
     out = torch.empty(n, dtype=dtype, device=values.device)
     if full:
-        out[: full * block].view(full, block).copy_(values[: full * block].view(full, block).float() * scales[:full, None])
+        out[: full * block].view(full, block).copy_(
+            values[: full * block].view(full, block).float() * scales[:full, None])
     if full * block != n:
         out[full * block:].copy_(values[full * block:].float() * scales[full])
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -318,7 +318,8 @@ class SavedTensorMeter(SavedTensorObserver):
             tab.add_column(col, justify="right" if col == "bytes" else "left")
         for r in self.counted():
             op = r.op if r.weight_copy is None else f"{r.op} (copy of {r.weight_copy})"
-            tab.add_row(r.module, op, "x".join(map(str, r.shape)), str(r.dtype).replace("torch.", ""), f"{r.counted_bytes:,}")
+            tab.add_row(r.module, op, "x".join(map(str, r.shape)), str(r.dtype).replace("torch.", ""),
+                        f"{r.counted_bytes:,}")
         tab.add_row("total", "", "", "", f"{self.total_bytes:,}", style="bold")
         if self.weight_copy_bytes:
             tab.add_row("  of which autocast weight copies", "", "", "", f"{self.weight_copy_bytes:,}")

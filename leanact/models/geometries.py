@@ -44,7 +44,8 @@ class Geometry:
         image size that gives ``seq`` tokens."""
         import transformers
 
-        cfg = copy.deepcopy(self.config) if self.config is not None else getattr(transformers, self.config_cls)(**self.kwargs)
+        cfg = (copy.deepcopy(self.config) if self.config is not None
+               else getattr(transformers, self.config_cls)(**self.kwargs))
         if layers is not None:
             cfg.num_hidden_layers = layers
             if isinstance(getattr(cfg, "layer_types", None), list):

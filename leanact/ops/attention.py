@@ -283,8 +283,8 @@ def compose(q, k, v, mask4=None, is_causal=False, scale=None, softcap=None, sink
         s = torch.cat([s, sinks.to(c).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
     m = s.amax(-1, keepdim=True).detach()
     e = (s - m.masked_fill(m == -math.inf, 0.0)).exp()
-    l = e.sum(-1, keepdim=True)
-    prob = e / l.masked_fill(l == 0, 1.0)
+    rowsum = e.sum(-1, keepdim=True)
+    prob = e / rowsum.masked_fill(rowsum == 0, 1.0)
     if sinks is not None:
         prob = prob[..., :-1]
     return (prob @ v.to(c)).to(q.dtype)

@@ -152,19 +152,19 @@ def _block_starts(s_q: int, block: int) -> range:
 
 
 def _safe_softmax_(s4, sink=None):
-    """In place: s4 <- exp(s4 - m) per row; returns (rowmax m, rowsum l, empty rows). Masked rows give 0.
+    """In place: s4 <- exp(s4 - m) per row; returns (rowmax m, rowsum, empty rows). Masked rows give 0.
 
     ``sink`` (1, H, 1, 1): one more logit per head in each row's denominator (attention sinks,
-    GPT-OSS), with no value: l includes exp(sink - m), and a row whose keys are all masked gives 0."""
+    GPT-OSS), with no value: rowsum includes exp(sink - m), and a row whose keys are all masked gives 0."""
     m = s4.amax(-1, keepdim=True)
     if sink is not None:
         m = torch.maximum(m, sink)
     m = m.masked_fill(m == -_INF, 0.0)
     s4.sub_(m).exp_()
-    l = s4.sum(-1, keepdim=True)
+    rowsum = s4.sum(-1, keepdim=True)
     if sink is not None:
-        l = l + (sink - m).exp()
-    return m, l, l == 0
+        rowsum = rowsum + (sink - m).exp()
+    return m, rowsum, rowsum == 0
 
 
 def _sink4(sinks, h, c):
@@ -192,9 +192,9 @@ def recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap=None
         i1 = min(i0 + block, s_q)
         kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
         s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h, softcap)
-        m, l, empty = _safe_softmax_(s4, sink)
-        lse[:, :, i0:i1] = (m + l.log()).masked_fill_(empty, _INF).squeeze(-1)
-        r = l.reciprocal().masked_fill_(empty, 0.0)
+        m, rowsum, empty = _safe_softmax_(s4, sink)
+        lse[:, :, i0:i1] = (m + rowsum.log()).masked_fill_(empty, _INF).squeeze(-1)
+        r = rowsum.reciprocal().masked_fill_(empty, 0.0)
         if dropper is not None:
             s.mul_(dropper(i0, i1, kend).view(s.shape))
             r.mul_(inv)
@@ -292,8 +292,8 @@ class TempoAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, seed, p, causal, scale):
         b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
         s, s4 = _logits(_rows(q, 0, s_q, c, bk).mul(scale), _kv(k, c), _additive(mask, c), causal, 0, s_q, s_k, b, h)
-        _, l, empty = _safe_softmax_(s4)
-        s4.mul_(l.reciprocal().masked_fill_(empty, 0.0))
+        _, rowsum, empty = _safe_softmax_(s4)
+        s4.mul_(rowsum.reciprocal().masked_fill_(empty, 0.0))
         pk = s.to(q.dtype)  # kept: P rounded to the input dtype; the forward uses the rounded values too
         keep = _Dropper(seed, p, b, h, s_q, s_k, q.device)(0, s_q, s_k).view(s.shape)
         o = torch.bmm((pk * keep).to(c), _kv(v, c)).mul_(inv)

@@ -134,7 +134,8 @@ def dropout_add_layer_norm(
     if not from_output_ok(weight, bias, math.prod(shape), norm_dtype, max_ratio):
         return layer_norm(dropout(h, p, training) + residual, shape, weight, bias, eps, from_output=False)
     if autocast:
-        weight, bias = (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (weight, bias))
+        weight, bias = (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                        for t in (weight, bias))
     seed = draw_seed(h.device, generator) if p > 0.0 else None
     return keeping_output(lambda: DropoutAddLayerNorm.apply(h, residual, weight, bias, seed, p, shape, eps, z_dtype,
                                                             norm_dtype))

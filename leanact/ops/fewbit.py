@@ -15,8 +15,9 @@ its level with a small lookup.
 What it approximates: the activation's derivative (the gradient w.r.t. the activation input is
 off by ``grad * (level - f'(x))``; RMS error of the derivative under the standard normal weight
 (``sqrt(TABLES[...]["error"])``) 0.196 / 0.089 / 0.044 / 0.022 for 1 / 2 / 3 / 4 bits (GELU; SiLU
-0.179 / 0.089 / 0.044 / 0.022), i.e. 29% / 13% / 6.5% / 3.2% of the RMS of GELU'. The output is exact. NaN inputs get the gradient of the
-last interval (finite) instead of NaN. Double backward is not supported (``once_differentiable``).
+0.179 / 0.089 / 0.044 / 0.022), i.e. 29% / 13% / 6.5% / 3.2% of the RMS of GELU'. The output is exact.
+NaN inputs get the gradient of the last interval (finite) instead of NaN. Double backward is not
+supported (``once_differentiable``).
 
 Rounding of borders: the x dtype's values are compared with the borders rounded *down* to that
 dtype, which puts every representable x on the same side as the float64 border would.

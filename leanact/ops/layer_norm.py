@@ -43,9 +43,10 @@ Frozen γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while 
 at its first norm and without a sync, the same batched check of every cached passing verdict
 (:func:`_arm`), and the norms' backward reads it when the device has long computed it
 (:func:`confirm_verdicts`; where the backward ran compiled, the next optimizer step's pre-hook): a
-contradicted verdict raises an error naming leanact before any inexact gradient is returned (or applied), and the norm decides again at its next call (or call
-:func:`clear_decision_cache` after such writes). Callers can skip the check with
-``from_output=True/False``. Under ``torch.func`` transforms the op is torch's own layer_norm, and the check, when called there, reads the values of the
+contradicted verdict raises an error naming leanact before any inexact gradient is returned (or
+applied), and the norm decides again at its next call (or call :func:`clear_decision_cache` after
+such writes). Callers can skip the check with ``from_output=True/False``. Under ``torch.func``
+transforms the op is torch's own layer_norm, and the check, when called there, reads the values of the
 wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
 check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
 ``fullgraph=True`` when ``from_output`` is given.
@@ -170,7 +171,8 @@ def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: b
     ref = weight if weight is not None else bias
     ct = torch.promote_types(torch.promote_types(ref.dtype, dtype), torch.float32)
     with torch.no_grad():
-        g = weight.detach().to(ct).abs().reshape(-1) if weight is not None else torch.ones_like(bias, dtype=ct).reshape(-1)
+        g = (weight.detach().to(ct).abs().reshape(-1) if weight is not None
+             else torch.ones_like(bias, dtype=ct).reshape(-1))
         ok = torch.isfinite(g) & (g >= fi.tiny)
         bound = g * math.sqrt(n)
         if bias is not None:

@@ -74,8 +74,9 @@ from .cpu_gemm import native_16bit_gemm as _native_16bit_gemm
 from .transforms import functorch_active
 from .triton import cross_entropy as _triton_ce
 
-__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows", "product_rows",
-           "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "PRODUCT_FRACTION", "KEPT_BYTES_PER_TOKEN"]
+__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows",
+           "product_rows", "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "PRODUCT_FRACTION",
+           "KEPT_BYTES_PER_TOKEN"]
 
 DEFAULT_TILE_ELEMENTS = 1 << 25  # logits per chunk at most (rows x whole vocabulary: 261 rows at V = 128256)
 MIN_CHUNK_ROWS = 128  # rows per chunk at least (matmuls large enough to run at full speed)
@@ -338,7 +339,8 @@ class _Chunks:
                         zcs[j].mul_(rs[j])
                     r = None
             self._matmuls(zg, xg, None if dx is None else dxgs[gi], dw, db, acc, r)
-        buf = xg = xc = zc = zg = xcs = zcs = dxgs = None  # the gradients go before the results are cast (views of buf too)
+        # the gradients go before the results are cast (views of buf too)
+        buf = xg = xc = zc = zg = xcs = zcs = dxgs = None
         if na == 0 and dw is not None:
             dw.zero_()
         dx = None if dx is None else self.scatter(dx).to(dx_dtype)

@@ -108,8 +108,9 @@ def rms_norm(
 ) -> torch.Tensor:
     """``F.rms_norm`` (identical output) that keeps only y and rstd for backward.
 
-    eps None = as torch: ``finfo(compute dtype).eps`` in torch 2.13 (fp32's for 16-bit inputs). from_output: True = recover x̂ = y/γ; False = keep
-    the input; None (default) = decide from γ (cached; graph-breaks under torch.compile).
+    eps None = as torch: ``finfo(compute dtype).eps`` in torch 2.13 (fp32's for 16-bit inputs).
+    from_output: True = recover x̂ = y/γ; False = keep the input; None (default) = decide from γ
+    (cached; graph-breaks under torch.compile).
     Without grad this is plain ``F.rms_norm``, saving nothing; under ``torch.func`` transforms too.
     """
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)

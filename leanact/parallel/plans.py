@@ -6,7 +6,8 @@ With ``sequence_parallel=True`` (Megatron's layout) the residual stream between 
 
     norm / dropout / residual add   : on s/t rows           (LocalSequenceParallel, ShardedDropoutStyle)
     attention / MLP input           : all-gather to s rows  (GatherSequence: PrepareModuleInput Shard(1) -> Replicate;
-                                      the linears keep the shard and re-gather it in backward, leanact.parallel.regather)
+                                      the linears keep the shard and re-gather it in backward,
+                                      leanact.parallel.regather)
     q, k, v / fc1 (gate, up)        : column-parallel, heads / h_ff split t ways (ColwiseParallel)
     attention out / fc2 (down)      : row-parallel, reduce-scatter to s/t rows (RowwiseParallel)
 

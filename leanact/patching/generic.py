@@ -9,7 +9,6 @@ fire. Hooks registered on a replacement after patching fire as on any module.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .. import nn as lnn
@@ -103,7 +102,8 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
             return None, reason
         new = PatchedGELU(new.approximate, reference=m)
     elif isinstance(m, (nn.GELU, nn.LayerNorm, nn.Dropout)):
-        return None, f"subclass of torch.nn.{[c for c in (nn.GELU, nn.LayerNorm, nn.Dropout) if isinstance(m, c)][0].__name__} (may override forward)"
+        base = [c for c in (nn.GELU, nn.LayerNorm, nn.Dropout) if isinstance(m, c)][0]
+        return None, f"subclass of torch.nn.{base.__name__} (may override forward)"
     elif isinstance(m, nn.RMSNorm) and t is nn.RMSNorm:
         new = lnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
         new.weight = m.weight

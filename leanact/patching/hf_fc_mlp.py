@@ -12,12 +12,13 @@ fc1 and fc2 are called as modules (their hooks fire; leanact's weight recast app
 someone else's innermost saved-tensor hooks (a checkpointed region, ``save_on_cpu``) no transform
 is entered, so as not to shadow them: fc2 then keeps its input, as HF's does (the sigmoid is still
 not kept). Without autograd, while compiling, under ``torch.func`` transforms, and whenever the
-activation changed or got hooks since patching, the module runs HF's own forward. Recognised from structure and forward, whatever the class name: a module
-defined in ``transformers.models.*`` whose children are ``fc1`` and ``fc2`` (``nn.Linear``) and
-one activation (``activation_fn``, ``act_fn`` or ``act``) that is HF's ``QuickGELUActivation``,
-with no parameters of its own and no hooks, and whose ``forward`` is the expression above. A module
-that has these children but is not recognised is left with a reason; its QuickGELU is still
-replaced on its own (:class:`~leanact.patching.modules.PatchedQuickGELU`: fc2 then keeps its input).
+activation changed or got hooks since patching, the module runs HF's own forward. Recognised from
+structure and forward, whatever the class name: a module defined in ``transformers.models.*``
+whose children are ``fc1`` and ``fc2`` (``nn.Linear``) and one activation (``activation_fn``,
+``act_fn`` or ``act``) that is HF's ``QuickGELUActivation``, with no parameters of its own and no
+hooks, and whose ``forward`` is the expression above. A module that has these children but is not
+recognised is left with a reason; its QuickGELU is still replaced on its own
+(:class:`~leanact.patching.modules.PatchedQuickGELU`: fc2 then keeps its input).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def _forward_reason(t: type, act: str) -> str | None:
             _checked[key] = "forward source unavailable or not one argument: cannot check it is fc2(act(fc1(x)))"
         else:
             x, a, code = re.escape(body[0][0]), re.escape(act), body[1]
-            steps = rf"(\w+)=self\.fc1\({x}\);(\w+)=self\.{a}\(\1\);(?:(\w+)=self\.fc2\(\2\);return\3|returnself\.fc2\(\2\))"
+            steps = (rf"(\w+)=self\.fc1\({x}\);(\w+)=self\.{a}\(\1\);"
+                     rf"(?:(\w+)=self\.fc2\(\2\);return\3|returnself\.fc2\(\2\))")
             nested = rf"returnself\.fc2\(self\.{a}\(self\.fc1\({x}\)\)\)"
             ok = re.fullmatch(steps, code) or re.fullmatch(nested, code)
             _checked[key] = None if ok else f"forward is not fc2({act}(fc1(x)))"
@@ -108,7 +110,8 @@ def hf_fc_mlp_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         return None, reason
     act = _act_name(m)
     if any(type(m._modules[k]) is not nn.Linear for k in ("fc1", "fc2")):
-        return None, f"fc1/fc2 are not plain nn.Linear ({type(m._modules['fc1']).__name__}, {type(m._modules['fc2']).__name__})"
+        return None, (f"fc1/fc2 are not plain nn.Linear ({type(m._modules['fc1']).__name__}, "
+                      f"{type(m._modules['fc2']).__name__})")
     if m._parameters or set(m._modules) != {"fc1", "fc2", act}:
         return None, f"{t.__name__}: unexpected parameters/submodules (not fc1, activation, fc2)"
     reason = quick_gelu_reason(m._modules[act])

@@ -109,8 +109,10 @@ def hf_experts_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         return None, (f"{t.__name__}: parameters {sorted(m._parameters)}, children {sorted(m._modules)}; covered are "
                       "experts with exactly gate_up_proj, down_proj and an act_fn (no biases, HF's default gating)")
     gu, down = m.gate_up_proj, m.down_proj
-    if down.dim() != 3 or gu.shape[0] != down.shape[0] or gu.shape[1] != 2 * down.shape[2] or gu.shape[2] != down.shape[1]:
-        return None, f"{t.__name__}: gate_up_proj {tuple(gu.shape)} / down_proj {tuple(down.shape)} not (E, 2I, h) / (E, h, I)"
+    if (down.dim() != 3 or gu.shape[0] != down.shape[0] or gu.shape[1] != 2 * down.shape[2]
+            or gu.shape[2] != down.shape[1]):
+        return None, (f"{t.__name__}: gate_up_proj {tuple(gu.shape)} / down_proj {tuple(down.shape)} "
+                      "not (E, 2I, h) / (E, h, I)")
     kind, reason = activation_kind(m._modules["act_fn"])
     reason = reason or _flags_reason(m) or _forward_reason(t)
     if reason is not None:

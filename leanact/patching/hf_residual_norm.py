@@ -51,7 +51,8 @@ def _forward_reason(t: type) -> str | None:
     if t not in _checked:
         body = forward_body(t.forward)
         if body is None or len(body[0]) != 2:
-            _checked[t] = "forward source unavailable or not two arguments: cannot check it is LayerNorm(dropout(dense(x)) + r)"
+            _checked[t] = ("forward source unavailable or not two arguments: cannot check it is "
+                           "LayerNorm(dropout(dense(x)) + r)")
         else:
             x, r = (re.escape(a) for a in body[0])
             steps = (rf"(\w+)=self\.dense\({x}\);(\w+)=self\.dropout\(\1\);(\w+)=self\.LayerNorm\(\2\+{r}\);"

@@ -34,9 +34,10 @@ bitwise HF's). When γ cannot be divided by safely (zero or subnormal entries) t
 instead (x̂ = x·rstd).
 
 Recognised: a module defined in ``transformers.models.*`` with no children, exactly one
-Parameter ``weight`` (shape (h,); (heads, d) for Cohere's q/k norms), a float ``variance_epsilon`` or ``eps``, and a ``forward``
-whose source is one of the variants above (checked once per class). A module named ``*RMSNorm``
-(or with that state) computing something else is left, with the reason in the summary.
+Parameter ``weight`` (shape (h,); (heads, d) for Cohere's q/k norms), a float ``variance_epsilon``
+or ``eps``, and a ``forward`` whose source is one of the variants above (checked once per class).
+A module named ``*RMSNorm`` (or with that state) computing something else is left, with the reason
+in the summary.
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ attention's forward. For a patched model, :func:`install`
 
 Unpatched models (their tables carry no mark) run the original function as before, through one
 more Python call: the replacement stays in the modeling module for the process (a patched model's
-RoPE module puts it back if something restored the original since). The mark travels with the tables, so a non-reentrant gradient checkpoint
-recomputes what the first forward ran, and a reentrant one (which detaches its inputs) recomputes
-the original's bitwise-equal outputs.
+RoPE module puts it back if something restored the original since). The mark travels with the
+tables, so a non-reentrant gradient checkpoint recomputes what the first forward ran, and a
+reentrant one (which detaches its inputs) recomputes the original's bitwise-equal outputs.
 """
 from __future__ import annotations
 
@@ -128,7 +128,8 @@ class MarkTables:
         if (not torch.compiler.is_compiling() and isinstance(out, tuple) and len(out) == 2
                 and all(isinstance(t, torch.Tensor) for t in out)):
             modeling = sys.modules.get(self.modeling)
-            if modeling is not None and getattr(getattr(modeling, "apply_rotary_pos_emb", None), _WRAPPED, None) is None:
+            if (modeling is not None
+                    and getattr(getattr(modeling, "apply_rotary_pos_emb", None), _WRAPPED, None) is None):
                 _route(modeling)  # (a function of another form, e.g. a library's own, is left in place)
             for t in out:  # (fake tensors too: leanact.estimate models the kernels' allocations)
                 setattr(t, MARK, True)

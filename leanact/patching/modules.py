@@ -10,7 +10,8 @@ from ..ops.transforms import functorch_active
 from ..recompute.producers import quick_gelu
 from .source import forward_body
 
-__all__ = ["PatchedGELU", "PatchedQuickGELU", "quick_gelu_reason", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS", "lean_subclass"]
+__all__ = ["PatchedGELU", "PatchedQuickGELU", "quick_gelu_reason", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS",
+           "lean_subclass"]
 
 _LEAN_SUBCLASSES: dict[tuple[type, type], type] = {}
 _QUICK_GELU_CHECKED: dict[type, str | None] = {}
@@ -70,8 +71,9 @@ class PatchedGELU(GELU):
     With autograd the output is leanact's (the float64 truth rounded once; it can differ from
     torch's kernel by one ulp); without it (``torch.no_grad``, inference) the replaced module
     computes the output, so that a patched model's inference outputs are bit-identical to the
-    unpatched model's; so does it under ``torch.func`` transforms (:mod:`leanact.ops.transforms`). The replaced module is kept as a plain attribute (not a submodule: it has
-    no state and must not show up in ``modules()`` or the state dict).
+    unpatched model's; so does it under ``torch.func`` transforms (:mod:`leanact.ops.transforms`).
+    The replaced module is kept as a plain attribute (not a submodule: it has no state and must not
+    show up in ``modules()`` or the state dict).
     """
 
     def __init__(self, approximate: str = "none", reference: nn.Module | None = None) -> None:
@@ -96,8 +98,10 @@ def quick_gelu_reason(m: nn.Module) -> str | None:
     t = type(m)
     if t not in _QUICK_GELU_CHECKED:  # once per class
         body = forward_body(t.forward)
-        ok = body is not None and len(body[0]) == 1 and body[1] == f"return{body[0][0]}*torch.sigmoid(1.702*{body[0][0]})"
-        _QUICK_GELU_CHECKED[t] = None if ok else "QuickGELUActivation whose forward is not input * torch.sigmoid(1.702 * input)"
+        ok = (body is not None and len(body[0]) == 1
+              and body[1] == f"return{body[0][0]}*torch.sigmoid(1.702*{body[0][0]})")
+        _QUICK_GELU_CHECKED[t] = (None if ok
+                                  else "QuickGELUActivation whose forward is not input * torch.sigmoid(1.702 * input)")
     return _QUICK_GELU_CHECKED[t]
 
 

@@ -175,7 +175,8 @@ def _upcast_candidate(layer: nn.Module) -> bool:
     if (not isinstance(lora_a, nn.ModuleDict) or not isinstance(drop, nn.ModuleDict) or not lora_a
             or not isinstance(base, torch.Tensor) or not base.is_floating_point()):
         return False
-    return all(type(a) in (nn.Linear, lean_subclass(_UpcastingLoRAIn, nn.Linear)) and isinstance(drop._modules.get(k), nn.Identity)
+    return all(type(a) in (nn.Linear, lean_subclass(_UpcastingLoRAIn, nn.Linear))
+               and isinstance(drop._modules.get(k), nn.Identity)
                and a.weight.is_floating_point() and a.weight.element_size() > base.element_size()
                for k, a in lora_a.items())
 

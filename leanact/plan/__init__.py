@@ -98,11 +98,13 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     ``sample_inputs``: one batch as the model takes it (a dict of keyword arguments, a tuple of
     positional ones, or one tensor), at the batch size and sequence length to plan for.
     ``strategies``: names from :data:`leanact.strategies.STRATEGIES` (default: all but the
-    ``+tiled_mlp`` variants of the recompute strategies; offload ones only on CUDA); ``"lean"`` is always measured as the baseline. ``layers``: qualified names
-    (default :func:`~leanact.strategies.find_layers`). ``costs``: reuse a previous
-    measurement (``plan_obj.costs``). ``time_model``: "measure" (time each layer, best of ``reps``)
-    or "flops" (deterministic FLOP count; see :func:`~leanact.plan.costs.measure_costs`). ``loss_fn`` is accepted for the estimator's signature; the
-    measurement runs each layer's forward and backward alone, so no loss is needed.
+    ``+tiled_mlp`` variants of the recompute strategies; offload ones only on CUDA); ``"lean"`` is
+    always measured as the baseline. ``layers``: qualified names (default
+    :func:`~leanact.strategies.find_layers`). ``costs``: reuse a previous measurement
+    (``plan_obj.costs``). ``time_model``: "measure" (time each layer, best of ``reps``) or "flops"
+    (deterministic FLOP count; see :func:`~leanact.plan.costs.measure_costs`). ``loss_fn`` is
+    accepted for the estimator's signature; the measurement runs each layer's forward and backward
+    alone, so no loss is needed.
     ``allow_lossy``: also consider the strategies of :data:`leanact.strategies.LOSSY` (saved
     tensors stored in fp8/int8: they change gradients); without it they are never chosen, and
     naming one in ``strategies`` raises.

@@ -26,7 +26,8 @@ from leanact.strategies.plan import Plan, applied_plan, remove
 FLOP_RATE = 1e11  # nominal FLOP/s of the "flops" time model
 COPY_RATE = 1e10  # nominal bytes/s of offload copies in the "flops" time model
 
-__all__ = ["FLOP_RATE", "COPY_RATE", "StrategyCost", "LayerCosts", "ModelCosts", "measure_costs", "call_model", "tensors_in"]
+__all__ = ["FLOP_RATE", "COPY_RATE", "StrategyCost", "LayerCosts", "ModelCosts", "measure_costs", "call_model",
+           "tensors_in"]
 
 
 @dataclass

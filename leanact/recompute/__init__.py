@@ -10,6 +10,6 @@ from .producers import activation, cast, dropout, gelu, layer_norm, quick_gelu, 
 from .recipes import (Recipe, RecipeTransform, cached_bytes, counters, is_active, live_recipes, register,
                       reset_counters, scope)
 
-__all__ = ["Recipe", "RecipeTransform", "activation", "cached_bytes", "cast", "counters", "dropout", "gelu", "is_active",
-           "layer_norm", "live_recipes", "producers", "quick_gelu", "register", "relu", "reset_counters", "rms_norm", "scope",
-           "silu", "swiglu"]
+__all__ = ["Recipe", "RecipeTransform", "activation", "cached_bytes", "cast", "counters", "dropout", "gelu",
+           "is_active", "layer_norm", "live_recipes", "producers", "quick_gelu", "register", "relu", "reset_counters",
+           "rms_norm", "scope", "silu", "swiglu"]

@@ -337,7 +337,8 @@ class _Claim:
     __slots__ = ("recipe", "size", "stride", "offset", "pins", "__weakref__")
 
     def __init__(self, recipe: Recipe, t: torch.Tensor, pins: tuple[torch.Tensor, ...]):
-        self.recipe, self.size, self.stride, self.offset, self.pins = recipe, t.size(), t.stride(), t.storage_offset(), pins
+        self.recipe, self.pins = recipe, pins
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
 class RecipeTransform(SavedTensorTransform):

@@ -10,5 +10,6 @@ from .offload import (DEFAULT_THRESHOLD, HostMemoryError, HostPool, KeptSplit, O
 from .plan import LOSSY, STRATEGIES, Plan, applied_plan, describe, remove, uniform
 from .recompute import PRESETS, policy
 
-__all__ = ["LOSSY", "DEFAULT_THRESHOLD", "HostMemoryError", "HostPool", "KeptSplit", "OffloadTransform", "PRESETS", "Plan", "STRATEGIES",
-           "applied_plan", "describe", "find_layers", "is_host_copy", "is_host_copy_key", "policy", "remove", "split_kept", "uniform"]
+__all__ = ["LOSSY", "DEFAULT_THRESHOLD", "HostMemoryError", "HostPool", "KeptSplit", "OffloadTransform", "PRESETS",
+           "Plan", "STRATEGIES", "applied_plan", "describe", "find_layers", "is_host_copy", "is_host_copy_key",
+           "policy", "remove", "split_kept", "uniform"]

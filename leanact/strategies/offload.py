@@ -92,7 +92,8 @@ class HostPool:
 
     def __init__(self, limit: int | None = None):
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"HostPool(limit={limit!r}): a number of bytes >= 0, or None (the host's available memory)")
+            raise ValueError(f"HostPool(limit={limit!r}): a number of bytes >= 0, or None (the host's available "
+                             "memory)")
         self.limit = limit
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
         # storages of buffers owned by the pool (free or lent) -> the buffer, weakly (a key whose
@@ -294,7 +295,8 @@ class _Handle:
     __slots__ = ("copy", "size", "stride", "offset", "whole")
 
     def __init__(self, copy: _HostCopy, t: torch.Tensor, whole: bool):
-        self.copy, self.size, self.stride, self.offset, self.whole = copy, t.size(), t.stride(), t.storage_offset(), whole
+        self.copy, self.whole = copy, whole
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
 class OffloadTransform(SavedTensorTransform):
@@ -312,7 +314,8 @@ class OffloadTransform(SavedTensorTransform):
 
     # -- forward ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle | None:
-        if torch.compiler.is_compiling() or t.layout != torch.strided or (type(t) is not torch.Tensor and not is_fake(t)):
+        if (torch.compiler.is_compiling() or t.layout != torch.strided
+                or (type(t) is not torch.Tensor and not is_fake(t))):
             return None
         if isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter):
             return None
@@ -328,7 +331,8 @@ class OffloadTransform(SavedTensorTransform):
             copy = ref() if ref is not None else None
             if copy is not None:
                 src = copy.src()
-                if src is None or src.untyped_storage()._cdata != key or copy.version != t._version or copy.dtype != t.dtype:
+                if (src is None or src.untyped_storage()._cdata != key or copy.version != t._version
+                        or copy.dtype != t.dtype):
                     copy = None
         if copy is None:
             with torch.no_grad():

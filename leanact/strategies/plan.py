@@ -25,7 +25,8 @@ STRATEGIES: dict[str, str] = {
     "offload+recompute": "keep the layer inputs only, offloaded to host memory; recompute the layer",
     "full": "keep the layer inputs only; recompute the whole layer in backward",
     "tiled_mlp": "run the MLP over chunks of the sequence; keep none of its inside, recompute it per chunk in backward",
-    "full+tiled_mlp": "keep the layer inputs only; recompute the layer in backward, its MLP over chunks of the sequence",
+    "full+tiled_mlp": "keep the layer inputs only; recompute the layer in backward, its MLP over chunks of the "
+                      "sequence",
     "offload+recompute+tiled_mlp": "keep the layer inputs only, offloaded to host memory; recompute the layer in "
                                    "backward, its MLP over chunks of the sequence",
     "lossy:fp8": "LOSSY (opt-in): what the layer keeps stored as fp8 e4m3 + a scale per 128 elements",

@@ -75,7 +75,8 @@ def _check(device: torch.device, key) -> None:
         ulp = torch.finfo(mine.dtype).eps * true.abs().max().item()
         e_got = (got.double() - true.double()).abs().max().item()
         e_ref = (mine.double() - true.double()).abs().max().item()
-        assert e_got <= 4 * e_ref + 2 * ulp, f"cross_entropy {name}: error {e_got:.3g} against the PyTorch path's {e_ref:.3g}"
+        assert e_got <= 4 * e_ref + 2 * ulp, (f"cross_entropy {name}: error {e_got:.3g} against the PyTorch "
+                                              f"path's {e_ref:.3g}")
 
 
 register_check("cross_entropy", _check)

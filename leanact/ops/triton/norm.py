@@ -150,8 +150,8 @@ def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: b
     if not _norm_ok(k, t, n, weight) or dy.dtype not in _d._DTYPES:
         return None
     dx, pw, _ = _d._grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False, _d.RMS_PROGRAMS_PER_SM)
-    if _d._launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight), None,
-                  dx, pw, None, n, rms=True, from_output=from_output) is _d._FAILED:
+    if _d._launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight),
+                  None, dx, pw, None, n, rms=True, from_output=from_output) is _d._FAILED:
         return None
     grads = _param_grads(k, "rms_norm", t, pw, None, weight, None, n, div_w=from_output)
     return None if grads is None else (dx, grads[0])
