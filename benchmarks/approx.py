@@ -19,7 +19,6 @@ and keeps the attention log-sum-exp, shaped (b, heads, s), exact through ``selec
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import pathlib
 import time
@@ -51,10 +50,12 @@ MEMORY_ROWS = {
     "patch + compress=fp8": ({"compress": "fp8"}, True, "saved 16-bit tensors, fp8 e4m3"),
     "patch + fewbit=2 + rl=0.5 + fp8": ({"fewbit": 2, "randomized_linear": 0.5, "compress": "fp8"}, True,
                                         "all three"),
-    "patch + fewbit=2 + rl=0.5 (FFN out only)": ({"fewbit": 2, "randomized_linear": {"ratio": 0.5, "modules": _ffn_out}},
+    "patch + fewbit=2 + rl=0.5 (FFN out only)": ({"fewbit": 2,
+                                                  "randomized_linear": {"ratio": 0.5, "modules": _ffn_out}},
                                                  True, "GELU derivative, FFN-out weight grad"),
-    "patch + fewbit=2 + rl=0.5 (FFN out) + fp8": ({"fewbit": 2, "randomized_linear": {"ratio": 0.5, "modules": _ffn_out},
-                                                  "compress": "fp8"}, True, "the above + saved tensors in fp8"),
+    "patch + fewbit=2 + rl=0.5 (FFN out) + fp8": ({"fewbit": 2,
+                                                   "randomized_linear": {"ratio": 0.5, "modules": _ffn_out},
+                                                   "compress": "fp8"}, True, "the above + saved tensors in fp8"),
     "HF eager + compress=fp8": ({"compress": "fp8"}, False, "saved 16-bit tensors, fp8 e4m3"),
 }
 

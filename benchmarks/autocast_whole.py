@@ -22,7 +22,8 @@ def per_sample(cfg, seq: int, patch: bool, device: str) -> int:
     acts = {}
     for b in (1, 2):
         ids = torch.zeros(b, seq, dtype=torch.long)
-        acts[b] = leanact.estimate_config(cfg, dict(input_ids=ids, labels=ids), model_class=transformers.LlamaForCausalLM,
+        acts[b] = leanact.estimate_config(cfg, dict(input_ids=ids, labels=ids),
+                                          model_class=transformers.LlamaForCausalLM,
                                           patch=patch, autocast="bf16", device=device).activations
     return acts[2] - acts[1]
 

@@ -64,7 +64,10 @@ def main() -> None:
             t = statistics.median(times[m])
             rows.append((s, m, per_sbh[m], per_sbh[m] / per_sbh["torch"], t * 1e3, t / base))
     header = ("s", "mode", "B/sbh", "memory vs torch", "fwd+bwd ms", "time vs torch")
-    fmt = lambda r: [str(r[0]), r[1], f"{r[2]:.2f}", f"{r[3]:.3f}x", f"{r[4]:.1f}", f"{r[5]:.2f}x"]
+
+    def fmt(r):
+        return [str(r[0]), r[1], f"{r[2]:.2f}", f"{r[3]:.3f}x", f"{r[4]:.1f}", f"{r[5]:.2f}x"]
+
     title = (f"encoder layer h={args.hidden} a={args.heads} b={args.batch} {args.dtype} dropout={args.dropout}, "
              f"CPU {torch.get_num_threads()} threads")
     if args.markdown:

@@ -278,20 +278,20 @@ def plot(results: dict, out_png: str | Path, steps: int) -> None:
                 es, el = zip(*r["eval"])
                 top.plot(es, el, color=c, ls=ls, lw=1.6, marker="o", ms=3, label=f"{variant}, seed {seed}")
                 if vi:
-                    ref = [l for _, l in reference[seed]["eval"]]
+                    ref = [loss for _, loss in reference[seed]["eval"]]
                     bottom.plot(es, [a - b for a, b in zip(el, ref)], color=c, ls=ls, marker="o", ms=3,
                                 label=f"{variant} − reference, seed {seed}")
         seeds = list(reference)
         for si, seed in enumerate(seeds[1:], 1):
             es, el = zip(*reference[seed]["eval"])
-            base = [l for _, l in reference[seeds[0]]["eval"]]
+            base = [loss for _, loss in reference[seeds[0]]["eval"]]
             bottom.plot(es, [a - b for a, b in zip(el, base)], color="gray", ls=styles[si % len(styles)],
                         marker="s", ms=3, label=f"noise: reference seed {seed} − seed {seeds[0]}")
         top.set_title(f"{names[task]} on Alice in Wonderland (byte-level)")
         top.set_ylabel("loss (nats/token): thin = train, markers = held-out")
         bottom.set_ylabel("held-out loss difference")
         # Start the difference plot after the steep first part, where every difference is large.
-        tail = [(s, l) for s, l in reference[seeds[0]]["eval"] if s >= steps // 5]
+        tail = [(s, loss) for s, loss in reference[seeds[0]]["eval"] if s >= steps // 5]
         if tail:
             bottom.set_xlim(tail[0][0] - steps / 50, steps + steps / 50)
             vals = [abs(y) for ln in bottom.get_lines() for x, y in zip(*ln.get_data()) if x >= tail[0][0]]

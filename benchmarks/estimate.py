@@ -106,8 +106,9 @@ def main(argv=None) -> None:
                 t2 = time.perf_counter()
                 pe = (pred.peak - real.peak) / real.peak
                 ae = (pred.activations - real.activations) / real.activations
-                tab.add_row(family, dt + (f" + {args.autocast} autocast" if args.autocast else ""), variant, fmt_bytes(pred.peak), fmt_bytes(real.peak),
-                            f"{pe:+.2%}", fmt_bytes(pred.activations), fmt_bytes(real.activations), f"{ae:+.2%}",
+                tab.add_row(family, dt + (f" + {args.autocast} autocast" if args.autocast else ""), variant,
+                            fmt_bytes(pred.peak), fmt_bytes(real.peak), f"{pe:+.2%}", fmt_bytes(pred.activations),
+                            fmt_bytes(real.activations), f"{ae:+.2%}",
                             "yes" if pred.per_layer == real.per_layer else "NO", f"{t1 - t0:.1f}s", f"{t2 - t1:.1f}s")
     Console(width=220).print(tab)
 

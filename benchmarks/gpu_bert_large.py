@@ -196,7 +196,8 @@ def markdown(rows: list[Row], device: str, cap_gib: float, seq: int, cast: str, 
     for r, rb, rs in ratios(rows):
         lines.append(f"| {r.precision} | {r.mode} | {r.batch} | {rb:.2f}x | {r.seq_per_s:.1f} | {rs:.2f}x "
                      f"| {r.peak_gib:.2f} |")
-    lines.append(f"\nTargets (Tempo): leanact ≥ {TARGET_BATCH:g}x eager's batch and ≥ {TARGET_SPEED:g}x its throughput.")
+    lines.append(f"\nTargets (Tempo): leanact ≥ {TARGET_BATCH:g}x eager's batch and ≥ {TARGET_SPEED:g}x its "
+                 "throughput.")
     return "\n".join(lines) + "\n"
 
 

@@ -131,7 +131,8 @@ TITLES = {
     "head": "Head + causal-LM loss forward+backward, 8,192 tokens, hidden 2048, V=128,256, bf16",
     "steps": "Whole training steps side by side, interleaved (fp32 weights + bf16 autocast, fused AdamW)",
     "profile": "Where a training step's GPU time goes: kernels by device time (HF sdpa and leanact)",
-    "long": "Long context, Llama-3.2-1B geometry, bf16 weights, AdamW, batch 1: recompute vs offload, predicted vs measured",
+    "long": "Long context, Llama-3.2-1B geometry, bf16 weights, AdamW, batch 1: recompute vs offload, predicted vs "
+            "measured",
 }
 
 
@@ -779,7 +780,8 @@ def part_ops(rec: Recorder, limit_s: float) -> None:
             basis = k_lean if k_lean == k_lean else t_lean  # the kernels' time where the profiler has it
             gbs = moved / (basis * 1e-3) / 1e9 if moved else None
             rec.row(name, dt, "x".join(map(str, shape)), t_ref, t_lean, f"{ratio:.2f}x", "ok" if ratio <= 1.1 else "no",
-                    s_ref, s_lean, f"{s_ratio:.2f}x", "ok" if s_ratio <= 1.1 else "no", t_path, t_liger, k_ref, k_lean, f"{k_lean / k_ref:.2f}x" if k_ref == k_ref else "n/a",
+                    s_ref, s_lean, f"{s_ratio:.2f}x", "ok" if s_ratio <= 1.1 else "no", t_path, t_liger, k_ref, k_lean,
+                    f"{k_lean / k_ref:.2f}x" if k_ref == k_ref else "n/a",
                     f"{n_ref:g} / {n_lean:g}" if n_ref == n_ref else "n/a", f"{gbs:,.0f}" if gbs else "n/a",
                     f"{100 * gbs / peak:.0f}%" if gbs and peak else "n/a")
         except Exception as e:  # one op failing leaves the others (the part still fails at the end; an OOM is a row)
@@ -1673,7 +1675,6 @@ def profile_step(step) -> tuple[list[tuple[str, int, float]], float, int, float]
     """One step (after one warm-up step) under torch.profiler: ``(kernels, device ms, launches, wall
     ms)``, kernels = ``(name, calls, ms)`` by device time, most first (CUDA kernels; on the CPU the
     aten operators by their own CPU time)."""
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             s()
             _sync(device)
             times[k].append(time.perf_counter() - t0)
-    print(f"{args.model} on {device}: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items()))
+    print(f"{args.model} on {device}: "
+          + ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items()))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):

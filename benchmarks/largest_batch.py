@@ -3,8 +3,9 @@
     python benchmarks/largest_batch.py [--models bert-base bert-large gpt2 llama-1b-like] [--budgets 16 24 80]
 
 Each geometry (random weights, built on the meta device: nothing runs for real) at its default
-sequence (``leanact.models.geometries``: bert-base 128, bert-large 512, gpt2 1024, llama-1b-like 1024), bf16 weights, AdamW, the whole step counted
-(parameters, gradients, optimizer state, activations, temporaries; Trainer protocol, CUDA's kernels):
+sequence (``leanact.models.geometries``: bert-base 128, bert-large 512, gpt2 1024, llama-1b-like
+1024), bf16 weights, AdamW, the whole step counted (parameters, gradients, optimizer state,
+activations, temporaries; Trainer protocol, CUDA's kernels):
 HF sdpa, HF sdpa + HF gradient checkpointing (non-reentrant), leanact.patch, and leanact.patch + the
 best plan of ``--plans`` (each strategy on every layer, as ``plan(maximize="batch")`` picks). A cell
 is the largest batch whose predicted peak fits the budget (leanact.estimate.fit.largest_fitting).

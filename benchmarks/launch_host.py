@@ -78,8 +78,12 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = []
     for (name, dt), (kernel, grid, a, kw) in rows.items():
-        triton_launch = (lambda k=kernel, g=grid, a=a, kw=kw: k[g](*a, **kw))
-        leanact_launch = (lambda k=kernel, g=grid, a=a, kw=kw: L.launch(k, g, *a, **kw))
+        def triton_launch(k=kernel, g=grid, a=a, kw=kw):
+            return k[g](*a, **kw)
+
+        def leanact_launch(k=kernel, g=grid, a=a, kw=kw):
+            return L.launch(k, g, *a, **kw)
+
         for f in (triton_launch, leanact_launch):
             f()
             f()

@@ -72,6 +72,24 @@ def build(geometry: str, variant: str, lora_fp32: bool | None = None):
     return model.train()
 
 
+def longest(model, sample, strategy: str, budgets: list[int], multiple: int) -> tuple[list[str], int]:
+    """One row: per budget, the longest sequence that fits (and the pinned host memory it needs); and
+    the number of estimates run."""
+    memo: dict[int, object] = {}  # one estimate per size, shared by the budgets
+
+    def cost(n: int) -> int:
+        if n not in memo:
+            memo[n] = step_estimate(model, sample, strategy, "seq", n, device="cuda")
+        return memo[n].peak
+
+    cells = []
+    for b in budgets:
+        n = largest_fitting(cost, b - reserve_for(b), probes=(8, 32, 128), multiple=multiple)[0]
+        host = memo[n].host if n in memo else 0
+        cells.append(f"{n:,}" + (f" ({host / GIB:.0f} GiB host)" if host else ""))
+    return cells, len(memo)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GiB")
@@ -90,22 +108,11 @@ def main(argv=None) -> None:
                  "|---|" + "---:|" * len(budgets)]
         for label, variant, strategy in ROWS[key]:
             model = build(geometry, variant, lora_fp32)
-            memo: dict[int, object] = {}  # one estimate per size, shared by the budgets
             t0 = time.perf_counter()
-
-            def cost(n: int) -> int:
-                if n not in memo:
-                    memo[n] = step_estimate(model, sample, strategy, "seq", n, device="cuda")
-                return memo[n].peak
-
-            cells = []
-            for b in budgets:
-                n = largest_fitting(cost, b - reserve_for(b), probes=(8, 32, 128), multiple=args.multiple)[0]
-                host = memo[n].host if n in memo else 0
-                cells.append(f"{n:,}" + (f" ({host / GIB:.0f} GiB host)" if host else ""))
-            print(f"{title} / {label}: {cells} ({len(memo)} estimates, {time.perf_counter() - t0:.0f} s)", flush=True)
+            cells, estimates = longest(model, sample, strategy, budgets, args.multiple)
+            print(f"{title} / {label}: {cells} ({estimates} estimates, {time.perf_counter() - t0:.0f} s)", flush=True)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-            del model, memo
+            del model
         tables.append("\n".join(lines))
     print("\n".join(tables))
 

@@ -54,7 +54,8 @@ def kernels_ms(fn, x, dy, iters: int = 20, repeats: int = 3) -> float:
 
 def _modules(name: str, n: int, dtype, frozen: bool):
     if name == "LayerNorm":
-        ref, lean = torch.nn.LayerNorm(n, device=DEVICE, dtype=dtype), leanact.nn.LayerNorm(n, device=DEVICE, dtype=dtype)
+        ref = torch.nn.LayerNorm(n, device=DEVICE, dtype=dtype)
+        lean = leanact.nn.LayerNorm(n, device=DEVICE, dtype=dtype)
     else:
         ref, lean = torch.nn.RMSNorm(n, device=DEVICE, dtype=dtype), leanact.nn.RMSNorm(n, device=DEVICE, dtype=dtype)
     for p in (*ref.parameters(), *lean.parameters()):
@@ -94,7 +95,8 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), torch {torch.__version__}: kernels' device ms per "
           f"forward+backward (torch.profiler, median of 3 x 20 calls)\n")
     for frozen, heads in ((False, [f"leanact, {k}/SM" for k in COUNTS]),
-                          (True, [f"leanact, {k:,} programs" for k in FREE_COUNTS] + ["leanact, one per row (default)"])):
+                          (True, [f"leanact, {k:,} programs" for k in FREE_COUNTS]
+                           + ["leanact, one per row (default)"])):
         print("γ, β frozen (no partials), leanact by programs\n" if frozen else
               "γ, β trained, leanact by programs per SM\n")
         print("| op | dtype | shape | torch | " + " | ".join(heads) + " |")

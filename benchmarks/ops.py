@@ -115,8 +115,11 @@ def main() -> None:
                          ref_net, lean_net, t_ref * 1e3, t_lean * 1e3, t_lean / t_ref))
     header = ("op", "dtype", "shape", "torch kept", "leanact kept", "torch net in layer", "leanact net in layer",
               "torch ms", "leanact ms", "time ratio")
-    fmt = lambda r: [r[0], r[1], r[2], f"{r[3]:,}", f"{r[4]:,}", f"{r[5]:,}", f"{r[6]:,}", f"{r[7]:.2f}",
-                     f"{r[8]:.2f}", f"{r[9]:.2f}x"]
+
+    def fmt(r):
+        return [r[0], r[1], r[2], f"{r[3]:,}", f"{r[4]:,}", f"{r[5]:,}", f"{r[6]:,}", f"{r[7]:.2f}", f"{r[8]:.2f}",
+                f"{r[9]:.2f}x"]
+
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
@@ -126,7 +129,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"leanact ops vs torch (CPU, {torch.get_num_threads()} threads, fwd+bwd median of {args.repeats})")
+    tab = Table(title=f"leanact ops vs torch (CPU, {torch.get_num_threads()} threads, fwd+bwd median of "
+                      f"{args.repeats})")
     for h in header:
         tab.add_column(h, justify="left" if h in ("op", "dtype", "shape") else "right")
     for r in rows:

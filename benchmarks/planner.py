@@ -155,7 +155,9 @@ def main() -> None:
             compiled[frac] = max(ok, key=lambda x: x[0]) if ok else None
         compiled["unconstrained"] = (1.0, tried[1.0]) if 1.0 in tried else None
 
-    mib = lambda n: f"{n / 2**20:.1f}"
+    def mib(n):
+        return f"{n / 2**20:.1f}"
+
     rows = [("-", "unpatched (reference)", "", mib(ref_kept), "100.0%", "", f"{ref_t * 1e3:.0f}", "1.00x"),
             ("-", "leanact.patch only", "", mib(kept_bytes["patched"]), f"{kept_bytes['patched'] / ref_kept:.1%}", "",
              f"{times['patched'] * 1e3:.0f}", f"{times['patched'] / ref_t:.2f}x")]
@@ -181,7 +183,8 @@ def main() -> None:
         if not args.no_compile:
             c = compiled.get(frac)
             if c is None:
-                rows.append((label, "torch.compile", f"no value in {args.compile_values} meets it", "", "", "no", "", ""))
+                rows.append((label, "torch.compile", f"no value in {args.compile_values} meets it", "", "", "no", "",
+                             ""))
             else:
                 v, (k, r) = c
                 rows.append((label, "torch.compile", f"activation_memory_budget={v}", mib(k), f"{k / ref_kept:.1%}",

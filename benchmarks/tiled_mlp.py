@@ -54,7 +54,8 @@ def main(argv=None):
     print(f"{'strategy':12s} {'kept':>12s} {'B/sbh':>7s} {'fwd+bwd':>9s} {'vs lean':>8s}")
     for s in strategies:
         c = by[s]
-        print(f"{s:12s} {c.kept / 2**20:9.2f} MiB {c.kept / sbh:7.2f} {c.time * 1e3:7.0f} ms {c.time / by['lean'].time:7.2f}x")
+        print(f"{s:12s} {c.kept / 2**20:9.2f} MiB {c.kept / sbh:7.2f} {c.time * 1e3:7.0f} ms "
+              f"{c.time / by['lean'].time:7.2f}x")
 
 
 if __name__ == "__main__":

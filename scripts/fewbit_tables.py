@@ -254,7 +254,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tables = solve_all()
     for (name, bits), t in tables.items():
-        print(f"{name:10s} b={bits}: {len(t['borders']):2d} borders, error {t['error']:.3e}, {t['iterations']} iterations")
+        print(f"{name:10s} b={bits}: {len(t['borders']):2d} borders, error {t['error']:.3e}, "
+              f"{t['iterations']} iterations")
     if args.check:
         from leanact.ops.fewbit_tables import TABLES
 

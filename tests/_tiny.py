@@ -13,9 +13,9 @@ def tiny_hf(family: str):
                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = transformers.BertForMaskedLM(cfg)
     elif family == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                       intermediate_size=64, vocab_size=50, max_position_embeddings=16,
-                                       attn_implementation="sdpa")
+        cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, intermediate_size=64, vocab_size=50,
+                                       max_position_embeddings=16, attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(cfg)
     else:
         raise ValueError(family)

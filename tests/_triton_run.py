@@ -22,7 +22,8 @@ def interpreter_marks(interpreted: bool):
     inf/nan (RuntimeWarning) ignored, and a mark skipping a test where this process does not run
     kernels under the interpreter (the module's ``test_in_subprocess`` runs it again there)."""
     return ([pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")],
-            pytest.mark.skipif(not interpreted, reason="Triton imported without the interpreter: see test_in_subprocess"))
+            pytest.mark.skipif(not interpreted,
+                               reason="Triton imported without the interpreter: see test_in_subprocess"))
 
 
 def interpreter_setup():

@@ -540,7 +540,8 @@ def test_the_batched_checks_ignore_an_enclosing_autocast(later):
     inside the caller's autocast block, whose casts reject some (fp16's takes no bf16 next to float64)."""
     w1, b1 = torch.ones(16), torch.zeros(16)
     w2, b2 = torch.ones(16, dtype=torch.float64), torch.zeros(16, dtype=torch.bfloat16)
-    items = [(w1, b1, 16, torch.float32, 8.0), (w2, b2, 16, torch.bfloat16, 8.0), (w2 * 0, None, 16, torch.float32, 8.0)]
+    items = [(w1, b1, 16, torch.float32, 8.0), (w2, b2, 16, torch.bfloat16, 8.0),
+             (w2 * 0, None, 16, torch.float32, 8.0)]
     with torch.autocast("cpu", dtype=torch.float16):
         got = guard_batch.check_many_later(items).result() if later else guard_batch.check_many(items)
     assert got == [True, True, False]

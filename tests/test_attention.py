@@ -398,7 +398,8 @@ def test_errors():
 
 
 @pytest.mark.parametrize(
-    "mode,p,fused", [("recompute", 0.2, True), ("tempo", 0.2, True), ("recompute", 0.0, True), ("recompute", 0.0, False)]
+    "mode,p,fused",
+    [("recompute", 0.2, True), ("tempo", 0.2, True), ("recompute", 0.0, True), ("recompute", 0.0, False)],
 )
 def test_compile_aot_eager_matches_eager(mode, p, fused):
     """Dropout (python block loops unroll; masks from the seed) and the dropout-0 paths (fused q:
@@ -420,7 +421,10 @@ def test_compile_aot_eager_matches_eager(mode, p, fused):
 @pytest.mark.slow
 def test_compile_inductor_matches_eager():
     _, q, k, v = make_qkv(1, 2, 20, 8)
-    fn = lambda q, k, v: attention(q, k, v, None, 0.2, True, block_size=8, seed=SEED)
+
+    def fn(q, k, v):
+        return attention(q, k, v, None, 0.2, True, block_size=8, seed=SEED)
+
     eager, comp = fn(q, k, v), torch.compile(fn, fullgraph=True)(q, k, v)
     assert torch.allclose(eager, comp, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads(eager, (q, k, v)), grads(comp, (q, k, v))):

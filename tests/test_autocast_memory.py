@@ -23,7 +23,7 @@ import leanact  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
 from leanact.recompute import counters, reset_counters  # noqa: E402
 
-H, A, KV, I, S = 64, 4, 2, 256, 16
+H, A, KV, I, S = 64, 4, 2, 256, 16  # noqa: E741 (I: the intermediate size, as in the formulas)
 
 
 def _bert(n):

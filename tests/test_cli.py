@@ -129,7 +129,8 @@ def _gpt2_json(tmp_path):
 
 def test_budget_plans_a_causal_lm_with_its_default_config(tmp_path, capsys):
     """GPT-2's config has use_cache=True: the planner used to fail on it ("planner failed", exit 0)."""
-    out = _json(capsys, ["profile", "--model", _gpt2_json(tmp_path), "--seq", "32", "--repeats", "0", "--budget", "1GiB"])
+    out = _json(capsys, ["profile", "--model", _gpt2_json(tmp_path), "--seq", "32", "--repeats", "0",
+                         "--budget", "1GiB"])
     assert "transformer.h.0" in out["plan"] and "transformer.h.1" in out["plan"], out["plan"]
 
 

@@ -31,7 +31,8 @@ def test_fp8_relative_error_bound(n):
     assert (err[~normal] <= scale[~normal] * 2.0**-10 * (1 + 1e-5)).all()  # subnormals: half their step
     blocks = x[: (n // 128) * 128].view(-1, 128)
     if blocks.numel():  # the block maximum is kept (to float32 rounding)
-        torch.testing.assert_close(back[: blocks.numel()].view(-1, 128).abs().amax(1), blocks.abs().amax(1), rtol=1e-6, atol=0)
+        torch.testing.assert_close(back[: blocks.numel()].view(-1, 128).abs().amax(1), blocks.abs().amax(1),
+                                   rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("n", [4096, 1000])

@@ -75,8 +75,8 @@ def test_without_dropout_patched_training_matches_unpatched(task):
     assert lean["eval"][0] == ref["eval"][0]  # identical weights, identical held-out batches
     train_ref, train_lean = torch.tensor(ref["train"]), torch.tensor(lean["train"])
     torch.testing.assert_close(train_lean, train_ref, rtol=1e-6, atol=0)  # ~1e-7 seen
-    torch.testing.assert_close(torch.tensor([l for _, l in lean["eval"]]),
-                               torch.tensor([l for _, l in ref["eval"]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor([loss for _, loss in lean["eval"]]),
+                               torch.tensor([loss for _, loss in ref["eval"]]), rtol=1e-6, atol=0)
     assert [s for s, _ in ref["eval"]] == [0, 5, 10, 15, 20, 25]
     assert ref["final_eval"] < ref["eval"][0][1] - 0.5  # it learns
 

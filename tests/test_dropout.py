@@ -11,7 +11,8 @@ from leanact.nn.dropout import Dropout
 from leanact.ops.dropout import dropout, dropout_seeded
 from leanact.ops.random import CHUNK, keep_mask_like
 
-TOL = {torch.float64: dict(rtol=1e-12, atol=0), torch.float32: dict(rtol=1e-6, atol=0), torch.bfloat16: dict(rtol=2**-7, atol=0)}
+TOL = {torch.float64: dict(rtol=1e-12, atol=0), torch.float32: dict(rtol=1e-6, atol=0),
+       torch.bfloat16: dict(rtol=2**-7, atol=0)}
 
 
 def _nonzero(*shape, dtype=torch.float32, requires_grad=False):
@@ -35,7 +36,8 @@ def test_matches_plain_torch(dtype, shape):
 def test_non_contiguous_inputs(dtype):
     p, seed = 0.4, torch.tensor(-987)
     base = torch.randn(300, 520, dtype=dtype)
-    views = (lambda t: t.t(), lambda t: t[::2, 1::3], lambda t: t.t()[:, :200], lambda t: t.unsqueeze(0).expand(2, 300, 520))
+    views = (lambda t: t.t(), lambda t: t[::2, 1::3], lambda t: t.t()[:, :200],
+             lambda t: t.unsqueeze(0).expand(2, 300, 520))
     for view in views:
         x = view(base)
         assert not x.is_contiguous()
@@ -143,7 +145,8 @@ def test_p1_zeros_and_zero_gradient():
 @pytest.mark.parametrize("p", [-0.1, 1.1, 2])
 def test_bad_p(p):
     x = torch.randn(3)
-    for fn in (lambda: dropout(x, p), lambda: dropout(x, p, training=False), lambda: dropout_seeded(x, 1, p), lambda: Dropout(p)):
+    for fn in (lambda: dropout(x, p), lambda: dropout(x, p, training=False), lambda: dropout_seeded(x, 1, p),
+               lambda: Dropout(p)):
         with pytest.raises(ValueError, match=f"between 0 and 1, but got {p}"):
             fn()
 

@@ -84,7 +84,8 @@ def test_against_torch_with_the_same_mask(h_dtype, r_dtype):
     xhat = ((y64 - b64) / w64).detach()
     dy64 = dy.double().reshape(rows, n)
     u = torch.finfo(z).eps / 2
-    for g, t, mag in ((grads[2], truth[2], (dy64 * xhat.reshape(rows, n)).abs().sum(0)), (grads[3], truth[3], dy64.abs().sum(0))):
+    for g, t, mag in ((grads[2], truth[2], (dy64 * xhat.reshape(rows, n)).abs().sum(0)),
+                      (grads[3], truth[3], dy64.abs().sum(0))):
         assert bool(((g.double() - t).abs() <= (4 * n + 8 + rows) * u * mag).all())
 
 

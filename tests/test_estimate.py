@@ -348,7 +348,8 @@ class _Blocks(torch.nn.Module):
     def __init__(self, h=32, n=3):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
+            torch.nn.Sequential(torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.GELU(),
+                                torch.nn.Linear(4 * h, h))
             for _ in range(n))
 
     def forward(self, x, scale):

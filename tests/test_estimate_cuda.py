@@ -2,7 +2,6 @@
 checked to the byte against formulas."""
 import sys
 
-import pytest
 import torch
 import torch.nn.functional as F
 import transformers

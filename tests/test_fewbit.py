@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from leanact.memory import saved_bytes
-from leanact.ops.fewbit import FUNCTIONS, fewbit_activation, fewbit_derivative, fewbit_packed_nbytes, table
+from leanact.ops.fewbit import FUNCTIONS, fewbit_activation, fewbit_derivative, fewbit_packed_nbytes
 from leanact.ops.fewbit_tables import TABLES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -182,7 +182,8 @@ def test_gradient_error_decreases_with_bits_on_normal_inputs(function):
 @pytest.mark.parametrize("n", [1, 8, 1000, 4099])
 def test_saved_bytes_are_bits_times_ceil_n_over_8(bits, n):
     x = torch.randn(n, dtype=torch.bfloat16, requires_grad=True)
-    assert saved_bytes(lambda: fewbit_activation(x, "gelu", bits)) == bits * ((n + 7) // 8) == fewbit_packed_nbytes(n, bits)
+    assert (saved_bytes(lambda: fewbit_activation(x, "gelu", bits)) == bits * ((n + 7) // 8)
+            == fewbit_packed_nbytes(n, bits))
     x = torch.randn(3, n, dtype=torch.float32).t().requires_grad_()  # non-contiguous
     y = fewbit_activation(x, "silu", bits)
     assert saved_bytes(lambda: fewbit_activation(x, "silu", bits)) == bits * ((3 * n + 7) // 8)

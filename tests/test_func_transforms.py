@@ -38,13 +38,14 @@ OPS = {  # name: (leanact, torch reference), both f(x, w) -> scalar
     "gelu": (lambda x, w: (LF.gelu(x) * w).sin().sum(), lambda x, w: (F.gelu(x) * w).sin().sum()),
     "gelu_tanh": (lambda x, w: (LF.gelu(x, "tanh") * w).sin().sum(),
                   lambda x, w: (F.gelu(x, approximate="tanh") * w).sin().sum()),
-    "nn.LayerNorm": (lambda x, w: functional_call(leanact.nn.LayerNorm(H, dtype=torch.float64), {"weight": w, "bias": _B},
-                                                  (x,)).sin().sum(),
+    "nn.LayerNorm": (lambda x, w: functional_call(leanact.nn.LayerNorm(H, dtype=torch.float64),
+                                                  {"weight": w, "bias": _B}, (x,)).sin().sum(),
                      lambda x, w: F.layer_norm(x, (H,), w, _B).sin().sum()),
     "recipe swiglu": (lambda x, w: P.swiglu(x, x * w).sin().sum(), lambda x, w: (F.silu(x) * x * w).sin().sum()),
     "recipe layer_norm": (lambda x, w: P.layer_norm(x, (H,), w, _B).sin().sum(),
                           lambda x, w: F.layer_norm(x, (H,), w, _B).sin().sum()),
-    "recipe rms_norm": (lambda x, w: P.rms_norm(x, (H,), w).sin().sum(), lambda x, w: F.rms_norm(x, (H,), w).sin().sum()),
+    "recipe rms_norm": (lambda x, w: P.rms_norm(x, (H,), w).sin().sum(),
+                        lambda x, w: F.rms_norm(x, (H,), w).sin().sum()),
     "recipe gelu": (lambda x, w: (P.gelu(x) * w).sin().sum(), lambda x, w: (F.gelu(x) * w).sin().sum()),
 }
 TRANSFORMS = {
@@ -120,7 +121,8 @@ def test_func_grad_of_patched_model_matches_unpatched(family, attention):
 def _modules():
     from leanact.nn import fused
 
-    return {"LeanMLP": lambda: fused.LeanMLP(H, 2 * H, "gelu"), "LeanMLP swiglu": lambda: fused.LeanMLP(H, 2 * H, "swiglu"),
+    return {"LeanMLP": lambda: fused.LeanMLP(H, 2 * H, "gelu"),
+            "LeanMLP swiglu": lambda: fused.LeanMLP(H, 2 * H, "swiglu"),
             "LayerNormLinears": lambda: fused.LayerNormLinears(H, [H, H // 2]),
             "TransformerEncoderLayer": lambda: leanact.nn.TransformerEncoderLayer(H, 2, 2 * H, dropout=0.0,
                                                                                  batch_first=True)}

@@ -12,7 +12,7 @@ from leanact.ops.gated_mlp import GATED_ACTIVATIONS, gated_act, gated_down
 
 from _tol import within_rounding_bound
 
-N, I, H = 6, 12, 8
+N, I, H = 6, 12, 8  # noqa: E741 (I: the intermediate size, as in the formulas)
 
 
 def _inputs(dtype, fused, bias=True, seed=0):
@@ -129,7 +129,7 @@ def test_family_mlps_are_lean(family, kind):
     x = torch.randn(2, 5, ref.down_proj.out_features, generator=torch.Generator().manual_seed(0))
     meter = SavedTensorMeter(lean, exclude=[x])
     with meter:
-        y = lean(x.requires_grad_())
+        lean(x.requires_grad_())
     inter = ref.down_proj.in_features
     assert meter.total_bytes == 2 * 10 * inter * 4  # g and u
 
@@ -157,7 +157,7 @@ def test_outer_saved_tensor_hooks_see_what_leanact_keeps(dtype):
         xi = x.clone().requires_grad_()
         x = xi
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = mod(xi)
+            mod(xi)
         assert sum(seen.values()) == n * 10 * inter * e, (mod is lean, seen)
     xs = [x.detach().clone().requires_grad_() for _ in range(2)]
     dy = torch.randn(2, 5, x.shape[-1], generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -102,7 +102,8 @@ def test_commit_is_the_leanact_packages_checkout(tmp_path, monkeypatch):
     pkg = pathlib.Path(leanact.__file__).parent
     other = tmp_path / "other"
     other.mkdir()
-    assert _git(other, "init", "-q").returncode == 0 and _git(other, "commit", "-q", "--allow-empty", "-m", "x").returncode == 0
+    assert _git(other, "init", "-q").returncode == 0
+    assert _git(other, "commit", "-q", "--allow-empty", "-m", "x").returncode == 0
     monkeypatch.chdir(other)  # another repository as the working directory
     if _git(pkg, "ls-files", "--error-unmatch", "__init__.py").returncode == 0:
         assert suite.versions()["commit"].split(" ")[0] == _git(pkg, "rev-parse", "--short", "HEAD").stdout.strip()
@@ -325,7 +326,8 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     assert len(sections) == len(parts)
     for name, section in zip(parts, sections):
         assert section.startswith(suite.TITLES[name] + " — ok"), section[:300]
-        rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| " + suite.COLUMNS[name][0])]
+        rows = [ln for ln in section.splitlines()
+                if ln.startswith("| ") and not ln.startswith("| " + suite.COLUMNS[name][0])]
         assert rows, section
     estimate = sections[parts.index("estimate")]
     assert estimate.count("| ok |") == 2, estimate  # estimate(device="cpu") within 5% of the measured step

@@ -117,7 +117,8 @@ def test_no_batch_under_a_dispatch_mode(monkeypatch):
     with Passthrough():
         model(x)
     batches = []
-    monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or guard_batch.check_many(items, **kw))
+    monkeypatch.setattr(LN, "check_many",
+                        lambda items, **kw: batches.append(len(items)) or guard_batch.check_many(items, **kw))
     _stepped(model)
     model(x)
     assert batches == [4]  # without the mode: batched

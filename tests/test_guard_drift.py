@@ -128,7 +128,8 @@ def _decide(norms, x):
 
 
 def _truth(m) -> bool:
-    return LN._check(m.weight, getattr(m, "bias", None), 16, torch.float32, getattr(m, "max_ratio", LN.DEFAULT_MAX_RATIO))
+    return LN._check(m.weight, getattr(m, "bias", None), 16, torch.float32,
+                     getattr(m, "max_ratio", LN.DEFAULT_MAX_RATIO))
 
 
 def test_verdicts_stand_under_adam_until_its_steps_could_break_the_rule(monkeypatch):

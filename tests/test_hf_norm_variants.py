@@ -237,7 +237,8 @@ def test_gemma_norms_decide_in_the_one_batch_per_step(monkeypatch):
     x = torch.randn(2, H, requires_grad=True)
     batches, singles = [], []
     check_many, check = L.check_many, L._check
-    monkeypatch.setattr(L, "check_many", lambda items, **kw: batches.append([it[-1] for it in items]) or check_many(items, **kw))
+    monkeypatch.setattr(L, "check_many",
+                        lambda items, **kw: batches.append([it[-1] for it in items]) or check_many(items, **kw))
     monkeypatch.setattr(L, "_check", lambda *a: singles.append(1) or check(*a))
 
     def step():

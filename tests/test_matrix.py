@@ -20,7 +20,6 @@ Rules (README "Exactness"):
 from __future__ import annotations
 
 import copy
-import itertools
 import pickle
 import random
 import warnings

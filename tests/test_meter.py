@@ -51,7 +51,7 @@ def test_a_freed_storage_does_not_absorb_a_later_one(monkeypatch):
     with meter:
         y = x.exp()  # keeps its result y
         del y  # the graph and y's storage go
-        z = (x * 2).sin()  # keeps its input, a new storage (same key)
+        (x * 2).sin()  # keeps its input, a new storage (same key)
     assert [r.duplicate_of for r in meter.records] == [None, None]
     assert meter.total_bytes == 2 * 4000  # what was saved, both storages (the first one freed since)
 
@@ -202,7 +202,8 @@ def test_measure_layer_cost_leaves_no_graph_alive():
                 x = blk(x)[0]
             return x
 
-    cost = measure_layer_cost(lambda n: _First(build(n)), lambda: (torch.randn(2, 8, 32, requires_grad=True),), 8, 2, 32)
+    cost = measure_layer_cost(lambda n: _First(build(n)), lambda: (torch.randn(2, 8, 32, requires_grad=True),),
+                              8, 2, 32)
     assert cost.bytes > 0
     gc.collect()
     assert live_recipes() == before

@@ -14,7 +14,7 @@ from leanact.patching.hf_moe import hf_experts_replacement  # noqa: E402
 
 from _tol import assert_same_loss_and_grads, within_rounding_bound  # noqa: E402
 
-T, H, I, E, K = 7, 8, 6, 4, 2
+T, H, I, E, K = 7, 8, 6, 4, 2  # noqa: E741 (I: the intermediate size, as in the formulas)
 
 
 def _routing(seed=0, dtype=torch.float64, k=K):
@@ -102,7 +102,7 @@ def test_kept_bytes_exact(dtype):
     for mod, expected in ((lean, T * 2 * two_i * e + T * 2 * 4), (ref, None)):
         meter = SavedTensorMeter(mod, exclude=[x, idx])
         with meter:
-            y = mod(x, idx, w)
+            mod(x, idx, w)
         if expected is not None:
             assert meter.total_bytes == expected, meter.total_bytes
         else:

@@ -17,7 +17,7 @@ from leanact.ops.moe_clamped import clamped_experts  # noqa: E402
 from leanact.patching.hf_moe_clamped import hf_clamped_experts_replacement  # noqa: E402
 from _tol import assert_same_loss_and_grads  # noqa: E402
 
-T, H, I, E, K = 9, 8, 6, 4, 2
+T, H, I, E, K = 9, 8, 6, 4, 2  # noqa: E741 (I: the intermediate size, as in the formulas)
 LIMIT = 0.7  # small enough that a good share of gate and up values is clamped
 
 
@@ -89,7 +89,8 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("dtype, impl", [(d, i) for d in (torch.float32, torch.bfloat16) for i in ("eager", "grouped_mm")]
+@pytest.mark.parametrize("dtype, impl", [(d, i) for d in (torch.float32, torch.bfloat16)
+                                         for i in ("eager", "grouped_mm")]
                          + [(torch.float64, "eager")])  # torch's grouped_mm has no float64 kernel
 def test_patched_experts_match_hf(dtype, impl):
     """Output bitwise HF's (same implementation); gradients of x, the routing weights and all four

@@ -90,7 +90,8 @@ def test_decision_checked_once_per_optimizer_step(monkeypatch):
     monkeypatch.setattr(ln_mod, "_check", lambda *a: calls.append(1) or check(*a))
     # (after a step, norms of earlier tests still alive in this process may be decided with it, in one batch)
     monkeypatch.setattr(ln_mod, "check_many",
-                        lambda items, **kw: calls.extend(1 for it in items if it[0] is m.weight) or check_many(items, **kw))
+                        lambda items, **kw: (calls.extend(1 for it in items if it[0] is m.weight)
+                                             or check_many(items, **kw)))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
     x = torch.randn(8, H, requires_grad=True)
     for step in range(4):

@@ -96,7 +96,8 @@ def test_gradcheck_rms_norm(affine, from_output, ns):
     x = torch.randn(3, 2, 4, 5, dtype=torch.float64, requires_grad=True)
     w = gamma(ns, torch.float64).requires_grad_() if affine else None
     inputs = (x, w) if affine else (x,)
-    assert torch.autograd.gradcheck(lambda *t: rms_norm(t[0], ns, t[1] if affine else None, from_output=from_output), inputs)
+    assert torch.autograd.gradcheck(lambda *t: rms_norm(t[0], ns, t[1] if affine else None, from_output=from_output),
+                                    inputs)
 
 
 # --- against torch, all dtypes, shapes, strides ------------------------------------------------

@@ -200,8 +200,8 @@ def results(dist_results):
 
 
 @pytest.mark.parametrize("case", EQUAL_CASES,
-                         ids=lambda c: f"{'sp' if c[0] else 'tp'}-dropout{c[1]}" + ("" if len(c) < 3 or c[2] else "-unpatched")
-                         + "".join(f"-{x}" for x in c[3:]))
+                         ids=lambda c: f"{'sp' if c[0] else 'tp'}-dropout{c[1]}"
+                         + ("" if len(c) < 3 or c[2] else "-unpatched") + "".join(f"-{x}" for x in c[3:]))
 def test_gpt2_matches_single_process(results, case):
     """TP (+SP) loss, logits, every gradient and the parameters after one SGD step equal the
     single-process model's (1e-5 relative); with dropout 0.1 too (embedding dropout replicated,

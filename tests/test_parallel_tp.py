@@ -190,7 +190,8 @@ def _tp_case(world, family, sequence_parallel, dropout, strategy=None, regather=
         torch.optim.SGD(m.parameters(), lr=0.5).step()
     refs = {n: p.detach() for n, p in ref.named_parameters()}
     scale = torch.stack([p.norm() for p in refs.values()]).median()
-    step = {n: ((full(p.detach()) - refs[n]).norm() / (refs[n].norm() if refs[n].norm() > 1e-6 * scale else scale)).item()
+    step = {n: ((full(p.detach()) - refs[n]).norm()
+                / (refs[n].norm() if refs[n].norm() > 1e-6 * scale else scale)).item()
             for n, p in par.named_parameters()}  # key biases start at 0 and get rounding-noise gradients
     return dict(loss=rel(out.loss, out_ref.loss), logits=rel(out.logits, out_ref.logits),
                 grads=grads, step=step, rng=torch.get_rng_state())
@@ -211,7 +212,8 @@ def tp_results(dist_results):
 
 
 @pytest.mark.parametrize("case", EQUAL_CASES,
-                         ids=lambda c: f"{c[0]}-{'sp' if c[1] else 'tp'}-dropout{c[2]}" + "".join(f"-{x}" for x in c[3:]))
+                         ids=lambda c: f"{c[0]}-{'sp' if c[1] else 'tp'}-dropout{c[2]}"
+                         + "".join(f"-{x}" for x in c[3:]))
 def test_tp_matches_single_process(tp_results, case):
     """TP (+SP) output, loss and every gradient equal the single-process model's (1e-5 relative).
     With hidden dropout 0.1 too: the sequence-parallel dropout draws the single-process mask's slice."""

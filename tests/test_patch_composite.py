@@ -40,8 +40,8 @@ def _clip():
 
 def _clip_batch():
     g = torch.Generator().manual_seed(3)
-    return dict(input_ids=torch.randint(2, 99, (2, 7), generator=g), pixel_values=torch.randn(2, 3, 16, 16, generator=g),
-                return_loss=True)
+    return dict(input_ids=torch.randint(2, 99, (2, 7), generator=g),
+                pixel_values=torch.randn(2, 3, 16, 16, generator=g), return_loss=True)
 
 
 def _states(model):

@@ -207,7 +207,10 @@ def test_autocast_and_bf16_within_2x_unpatched_error():
                 a, ga = _step(ref, batch)
                 b, gb = _step(lean, batch)
             assert b.logits is None
-            e = lambda x, t: (x.float() - t).norm().item() / t.norm().item()
+
+            def e(x, t):
+                return (x.float() - t).norm().item() / t.norm().item()
+
             assert e(b.loss, truth.loss) <= 2 * max(e(a.loss, truth.loss), 2**-9), (family, case)
             head = next(n for n, p in ref.named_parameters() if p is ref.get_output_embeddings().weight)
             for name in (head, "model.norm.weight", "model.embed_tokens.weight"):

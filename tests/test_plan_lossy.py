@@ -8,7 +8,6 @@ import leanact  # noqa: E402
 import leanact.plan as lplan  # noqa: E402
 from leanact import strategies as S  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
-from leanact.plan import InfeasibleBudget  # noqa: E402
 
 from test_patch_families import _batch  # noqa: E402
 from test_patch_families import _build as _build_family  # noqa: E402
@@ -41,7 +40,8 @@ def test_uniform_fp8_keeps_less_and_changes_gradients_slightly():
     S.remove(m)
     assert fp8_bytes < lean_bytes  # (tiny model: storages under 4096 elements stay as they are)
     diffs = [((p.grad - g_exact[n]).norm() / g_exact[n].norm()).item()
-             for n, p in m.named_parameters() if n in g_exact and g_exact[n].norm() > 1e-6]  # (key bias: 0 in exact math)
+             for n, p in m.named_parameters()
+             if n in g_exact and g_exact[n].norm() > 1e-6]  # (key bias: 0 in exact math)
     assert max(diffs) > 0  # lossy: gradients change ...
     assert max(diffs) < 0.1  # ... but only by fp8 rounding of the kept activations
 

@@ -182,7 +182,8 @@ def test_cpu_and_cuda_identical():
 
 
 def _block_fn(seed, rows, cols):
-    return keep_mask(seed, rows[:, None] * 5000 + cols[None, :], 0.25) & keep_mask_like(seed, (rows.numel(), cols.numel()), 0.6)
+    return (keep_mask(seed, rows[:, None] * 5000 + cols[None, :], 0.25)
+            & keep_mask_like(seed, (rows.numel(), cols.numel()), 0.6))
 
 
 def test_compile_aot_eager():

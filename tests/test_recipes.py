@@ -19,7 +19,8 @@ from leanact.memory import SavedTensorMeter, saved_bytes
 from leanact.nn.fused import LayerNormLinears, LeanMLP, RecipeDropout, RecipeGELU, RecipeLayerNorm
 from leanact.ops.dropout import dropout as seeded_dropout
 from leanact.ops.dropout import dropout_seeded
-from leanact.recompute import RecipeTransform, cached_bytes, counters, live_recipes, producers as P, reset_counters, scope
+from leanact.recompute import (RecipeTransform, cached_bytes, counters, live_recipes, producers as P, reset_counters,
+                               scope)
 
 B, S, H = 2, 8, 16  # tokens B*S = 16
 
@@ -119,7 +120,7 @@ def test_norm_linears_equal_torch(dtype, norm):
             n = F.layer_norm(x, (H,), m.norm.weight, m.norm.bias, 1e-5)
         else:
             n = F.rms_norm(x, (H,), m.norm.weight, 1e-5)
-        return tuple(l(n) for l in m.linears)
+        return tuple(lin(n) for lin in m.linears)
 
     x = torch.randn(B, S, H).to(dtype)
     reset_counters()
@@ -170,7 +171,7 @@ def test_autocast_cpu_equal_torch_and_lean():
 
     def ref(x):
         n = F.layer_norm(x, (H,), m.norm.weight, m.norm.bias)
-        return tuple(l(n) for l in m.linears)
+        return tuple(lin(n) for lin in m.linears)
 
     reset_counters()
     _assert_same(_grads(m, ac(m), x), _grads(m, ac(ref), x))
@@ -205,7 +206,7 @@ def test_saved_bytes_ln_qkv(dtype):
 
     def plain():
         n = F.layer_norm(x, (H,), m.norm.weight, m.norm.bias)
-        return [l(n) for l in m.linears]
+        return [lin(n) for lin in m.linears]
 
     plain = saved_bytes(plain, m)
     assert lean == nbytes(B, S, H, dtype=dtype) + stats
@@ -220,7 +221,8 @@ def test_saved_bytes_mlp(dtype, act, p):
     ffn = 4 * H
     m = LeanMLP(H, ffn, act, dropout=p).to(dtype)
     x = torch.randn(B, S, H, dtype=dtype, requires_grad=True)
-    xb, ub, ab = nbytes(B, S, H, dtype=dtype), nbytes(B, S, m.fc1.out_features, dtype=dtype), nbytes(B, S, ffn, dtype=dtype)
+    xb, ub = nbytes(B, S, H, dtype=dtype), nbytes(B, S, m.fc1.out_features, dtype=dtype)
+    ab = nbytes(B, S, ffn, dtype=dtype)
     lean = saved_bytes(lambda: m(x), m)
     assert lean == xb + ub + (8 if p else 0)  # fc1 input + fc1 output (+ one seed)
 
@@ -245,9 +247,12 @@ def test_saved_bytes_chains_and_policy():
             return fn()
 
     mods = nn.ModuleList([w1, w2])
+
     # Linear -> LN -> GELU -> dropout -> dropout -> Linear: the GELU's own copy of its input (the
     # LN output) is a recipe too; all is rebuilt from the LN input (fc1 output), stats, two seeds
-    chain = lambda: w2(P.dropout(P.dropout(P.gelu(P.layer_norm(w1(x), 4 * H)), 0.1), 0.2))
+    def chain():
+        return w2(P.dropout(P.dropout(P.gelu(P.layer_norm(w1(x), 4 * H)), 0.1), 0.2))
+
     assert saved_bytes(lambda: run(chain), mods) == xb + ub + 2 * nbytes(B, S, 1) + 16
     # dropout of a Linear output (kept by nobody) or of an input (alive, not kept): recipe not used
     reset_counters()
@@ -265,7 +270,8 @@ def test_saved_bytes_chains_and_policy():
 
 
 def test_scope_hooks_any_module():
-    model = nn.Sequential(RecipeLayerNorm(H), nn.Linear(H, 4 * H), RecipeGELU(), RecipeDropout(0.1), nn.Linear(4 * H, H))
+    model = nn.Sequential(RecipeLayerNorm(H), nn.Linear(H, 4 * H), RecipeGELU(), RecipeDropout(0.1),
+                          nn.Linear(4 * H, H))
     x = torch.randn(B, S, H, requires_grad=True)
     xb, ub = nbytes(B, S, H), nbytes(B, S, 4 * H)
     plain = saved_bytes(lambda: model(x), model)
@@ -288,7 +294,7 @@ def test_one_recompute_for_three_consumers_and_cache_freed():
     before = live_recipes()  # (other tests' graphs may still be alive)
     with m.recipes:
         y = P.layer_norm(x, H, m.norm.weight, m.norm.bias)
-        outs = [l(y) for l in m.linears]
+        outs = [lin(y) for lin in m.linears]
     y_ref = weakref.ref(y)
     del y
     gc.collect()

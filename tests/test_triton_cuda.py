@@ -252,7 +252,8 @@ def test_patched_equals_unpatched_on_cuda(family):
         assert torch.allclose(g1[name], g0[name], rtol=1e-4, atol=1e-5), name
 
 
-_CHECK_KEYS = [("dropout", torch.int64)] + [("dropout", dt) for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
+_CHECK_KEYS = [("dropout", torch.int64)] + [
+    ("dropout", dt) for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
     ("gelu", (dt, mode)) for dt in (torch.float32, torch.bfloat16, torch.float16) for mode in ("none", "tanh")] + [
     (name, dt) for name in ("layer_norm", "rms_norm") for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
     ("gated_mlp", (dt, kind)) for dt in (torch.float32, torch.bfloat16) for kind in ("silu", "gelu", "gelu_tanh")] + [

@@ -53,7 +53,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     both_nan = a.isnan() & b.isnan() if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
-    return bool(((a == b) & (a.signbit() == b.signbit()) | both_nan).all()) if a.is_floating_point() else torch.equal(a, b)
+    return (bool(((a == b) & (a.signbit() == b.signbit()) | both_nan).all()) if a.is_floating_point()
+            else torch.equal(a, b))
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
