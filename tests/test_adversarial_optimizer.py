@@ -243,9 +243,9 @@ def test_a_data_write_that_skips_the_version_is_confirmed_or_raises(family):
     _grads_equal(ref, lean, inputs)
 
 
-def test_a_contradicted_verdict_without_a_backward_is_settled_quietly():
-    """A forward under grad whose backward never runs, then another forward: it reads the confirmation,
-    decides again and raises nothing (no gradient was computed from the broken verdict)."""
+def _broken_after_steps():
+    """A lean LayerNorm after two AdamW steps (its verdict standing on the bound), γ then zeroed on half
+    its channels through ``.data``, and one forward under grad that used the cached verdict."""
     LN.clear_decision_cache()
     m = leanact.nn.LayerNorm(16)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -254,26 +254,39 @@ def test_a_contradicted_verdict_without_a_backward_is_settled_quietly():
         m(x).sum().backward()
         opt.step()
     _break(m.weight, "data")
-    m(x)  # (no backward)
+    y = m(x)  # (no backward yet: or one that runs compiled, whose Python is not run again)
     assert LN._PENDING
+    return m, opt, x, y
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["graph dropped", "graph kept"])
+def test_a_contradicted_verdict_read_at_the_next_forward_is_still_raised(kept):
+    """The next forward's first norm reads the confirmation where no error can be raised, and decides
+    again (its own backward is exact, torch's path). The failure is owed: the first forward's backward
+    (inexact) raises if it ever runs, and so does the next optimizer step, before applying anything."""
+    m, opt, x, y = _broken_after_steps()
+    if not kept:
+        del y
+    second = m(x).sum()
+    assert not LN._PENDING and LN._OWED
+    if kept:
+        with pytest.raises(RuntimeError, match="leanact.*cannot see"):
+            (y.sum() + second).backward()
+    else:
+        second.backward()  # (exact: the fallback)
+        with pytest.raises(RuntimeError, match="leanact.*cannot see"):
+            opt.step()
+    m.zero_grad()
     ref = torch.nn.LayerNorm(16)
     ref.load_state_dict(m.state_dict())
     _close_grads(m, ref, x)
-    assert not LN._PENDING
+    assert not LN._PENDING and not LN._OWED
 
 
 def test_an_optimizer_step_after_a_contradicted_verdict_raises():
-    """Where the norms' backward did not confirm (it ran compiled: its Python is not run again), the
-    next optimizer step does, before it applies the gradients."""
-    LN.clear_decision_cache()
-    m = leanact.nn.LayerNorm(16)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    x = torch.randn(4, 16)
-    for _ in range(2):
-        m(x).sum().backward()
-        opt.step()
-    _break(m.weight, "data")
-    m(x)  # (its backward, compiled, would not confirm)
+    """Where the norms' backward did not confirm, the next optimizer step does, before it applies the
+    gradients."""
+    m, opt, _x, _y = _broken_after_steps()
     before = m.bias.detach().clone()
     with pytest.raises(RuntimeError, match="leanact.*cannot see"):
         opt.step()

@@ -136,6 +136,7 @@ def clear_decision_cache() -> None:
     _DECISIONS.clear()
     _BY_ID.clear()
     _PENDING.clear()
+    _OWED.clear()
     _GENERATION[0] += 1
 
 
@@ -390,7 +391,7 @@ def confirm_verdicts() -> None:
     wait). A write that skips ``_version`` (``p.data.mul_(0)``, a kernel of one's own), which neither
     the cache nor Adam's bound can see, and that moved γ, β out of the rule would make this backward
     inexact: the norm decides again at its next call, and this raises."""
-    if _PENDING and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
+    if (_PENDING or _OWED) and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
         _settle(raising=True)  # (not while a compiler traces the backward: see _confirm_before_step)
 
 
@@ -403,8 +404,14 @@ def _confirm_before_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_pre_hook(guard_drift.own_hook(_confirm_before_step))
 
 
+#: normalized sizes of norms whose contradicted verdict a forward used, read where no error could be
+#: raised (the next forward's first norm): owed to the next backward or optimizer step, which raise
+#: (that forward's graph, if it is ever differentiated, holds the inexact path)
+_OWED: list = []
+
+
 def _settle(raising: bool) -> None:
-    failed = []
+    failed = _OWED
     while _PENDING:
         epoch, pairs, later = _PENDING.pop()
         for (ref, entry), ok in zip(pairs, later.result()):
@@ -417,6 +424,8 @@ def _settle(raising: bool) -> None:
             if used:
                 failed.append(entry[2][2])
     if failed and raising:
+        failed = failed[:]
+        _OWED.clear()
         raise RuntimeError(
             f"leanact: the γ/β of {len(failed)} norm(s) (normalized sizes {sorted(set(failed))}) changed "
             "in a way leanact cannot see (a write through `.data`, or by a kernel that skips `_version`) and "
