@@ -28,8 +28,9 @@ from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_for
 from ..recompute.recipes import RecipeTransform
 from ..saved import ambient
 from . import weight_recast
+from .adapter import ModelStep, PatchRun
 
-__all__ = ["AutocastRecipes", "install", "remove"]
+__all__ = ["AutocastRecipes", "install", "remove", "STEP"]
 
 _DEVICES = ("cuda", "cpu")
 
@@ -76,3 +77,11 @@ def install(model: nn.Module) -> ContextForward:
 def remove(model: nn.Module, wrapper: ContextForward | None) -> None:
     """Undo :func:`install`."""
     unwrap_forward(model, wrapper)
+
+
+def _install(model: nn.Module, run: PatchRun) -> None:
+    if run.cast_recipes:
+        run.state["cast_recipes"] = install(model)
+
+
+STEP = ModelStep("cast_recipes", _install, lambda model, run: remove(model, run.state.get("cast_recipes")))

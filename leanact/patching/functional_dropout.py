@@ -26,8 +26,9 @@ from ..ops.dropout import dropout as lean_dropout
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from ..recompute.recipes import foreign_hooks
 from .hf_head import _remove_mode
+from .adapter import ModelStep, PatchRun
 
-__all__ = ["DropoutState", "calls_functional_dropout", "install", "uninstall", "active"]
+__all__ = ["DropoutState", "calls_functional_dropout", "install", "uninstall", "active", "STEP"]
 
 _DROPOUT = torch.nn.functional.dropout
 _local = threading.local()
@@ -147,3 +148,10 @@ def uninstall(model: nn.Module) -> None:
         w = _wrapped(m)
         if w is not None:
             unwrap_forward(m, w)
+
+
+def _install(model: nn.Module, run: PatchRun) -> None:
+    run.summary.functional_dropout = install(model)
+
+
+STEP = ModelStep("functional_dropout", _install, lambda model, run: uninstall(model))

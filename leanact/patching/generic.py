@@ -9,18 +9,17 @@ fire. Hooks registered on a replacement after patching fire as on any module.
 """
 from __future__ import annotations
 
+from functools import partial
+from typing import Sequence
+
 from torch import nn
 
 from .. import nn as lnn
-from .hf_fc_mlp import hf_fc_mlp_replacement, is_hf_fc_mlp
-from .hf_rms_norm import hf_rms_norm_replacement, is_hf_rms_norm
-from .hf_moe import hf_experts_replacement, is_hf_experts
-from .hf_moe_clamped import hf_clamped_experts_replacement, is_hf_clamped_experts
-from .hf_residual_norm import hf_residual_norm_replacement, is_hf_residual_norm
-from .hf_swiglu import hf_swiglu_replacement, is_hf_swiglu_mlp
+from . import peft_lora
+from .adapter import ModuleAdapter, PatchRun, Replacement
 from .modules import PatchedGELU, PatchedQuickGELU, hooks_reason, quick_gelu_reason
 
-__all__ = ["replacement_for"]
+__all__ = ["replacement_for", "swap_modules"]
 
 # Types that keep nothing leanact can reduce (or keep only what backward inherently needs).
 _NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential,
@@ -72,16 +71,17 @@ def _hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
     return None, "activation without a lean equivalent yet"
 
 
-def replacement_for(m: nn.Module) -> tuple[nn.Module | None, str | None]:
+def replacement_for(m: nn.Module, adapters: Sequence[ModuleAdapter]) -> Replacement:
     """(new module, None) to replace ``m``; (None, reason) to leave it and report why; (None, None)
-    when there is nothing to report (containers, Linear, modules that are already lean)."""
-    new, reason = _replacement(m)
+    when there is nothing to report (containers, Linear, modules that are already lean). torch's own
+    modules and Hugging Face's activations first, then the first of ``adapters`` that recognises ``m``."""
+    new, reason = _replacement(m, adapters)
     if new is not None and (hooks := hooks_reason(m)) is not None:
         return None, hooks  # a module with hooks stays, so that they keep firing
     return new, reason
 
 
-def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
+def _replacement(m: nn.Module, adapters: Sequence[ModuleAdapter]) -> Replacement:
     """:func:`replacement_for` before the check for hooks registered on ``m``."""
     t = type(m)
     if isinstance(m, _LEAN_TYPES):
@@ -107,24 +107,8 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     elif isinstance(m, nn.RMSNorm) and t is nn.RMSNorm:
         new = lnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
         new.weight = m.weight
-    elif is_hf_rms_norm(m):
-        new, reason = hf_rms_norm_replacement(m)
-        if new is None:
-            return None, reason
-    elif is_hf_swiglu_mlp(m):
-        new, reason = hf_swiglu_replacement(m)
-        if new is None:
-            return None, reason
-    elif is_hf_residual_norm(m):
-        new, reason = hf_residual_norm_replacement(m)
-        if new is None:
-            return None, reason
-    elif is_hf_fc_mlp(m):
-        new, reason = hf_fc_mlp_replacement(m)
-        if new is None:
-            return None, reason
-    elif is_hf_experts(m):
-        new, reason = (hf_clamped_experts_replacement if is_hf_clamped_experts(m) else hf_experts_replacement)(m)
+    elif (adapter := next((a for a in adapters if a.recognises(m)), None)) is not None:
+        new, reason = adapter.replacement(m)
         if new is None:
             return None, reason
     elif t.__name__.endswith("Router") and t.__module__.startswith("transformers.models."):
@@ -137,3 +121,37 @@ def _replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         return None, "no lean equivalent (not covered)"
     new.train(m.training)
     return new, None
+
+
+def _label(new: nn.Module) -> str:
+    """What a replacement is, for the summary."""
+    if type(new).__module__.startswith(("leanact.patching.hf_", "leanact.patching.peft_")) or isinstance(
+            new, PatchedQuickGELU):
+        return f"leanact.patching.{type(new).__name__}"
+    return (f"leanact.nn.{'GELU' if isinstance(new, lnn.GELU) else type(new).__name__}"
+            + (f"({new.approximate!r})" if hasattr(new, "approximate") else ""))
+
+
+def swap_modules(model: nn.Module, run: PatchRun, adapters: Sequence[ModuleAdapter]) -> None:
+    """Replace every module of ``model`` that a rule above replaces (through PEFT's LoRA layers too),
+    outermost first: a replaced module's children are not visited, except LoRA layers kept as its
+    children (their dropouts). What is left is reported with the reason."""
+    rule = partial(replacement_for, adapters=adapters)
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            qual = f"{prefix}.{name}" if prefix else name
+            new, reason = peft_lora.replacement_through_lora(child, rule)
+            if new is not None:
+                run.swap(parent, name, new, _label(new), qual)
+                for k, c in new._modules.items():
+                    if c is not None and peft_lora.is_lora_layer(c):
+                        visit(c, f"{qual}.{k}")
+                continue
+            if reason is not None:
+                run.summary.left.append((qual, type(child).__name__, reason))
+            visit(child, qual)
+
+    visit(model, "")

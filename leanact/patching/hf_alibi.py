@@ -37,7 +37,6 @@ is at least as close to the float64 result (tests: within 2x HF's own error).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import sys
 import weakref
@@ -50,11 +49,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..ops.attention import attention as _lean_attention
 from ..ops.transforms import functorch_active
 from .attention_hf import EagerMaskedRows, read_back_once
-from .hf_swiglu import fresh_containers
-from .modules import hooks_reason, lean_subclass
+from .adapter import ModelStep, PatchRun
+from .modules import hooks_reason, reclass
 from .source import forward_body
 
-__all__ = ["is_hf_alibi_attention", "hf_alibi_replacement", "has_lean", "AlibiState", "ROWS"]
+__all__ = ["is_hf_alibi_attention", "hf_alibi_replacement", "has_lean", "AlibiState", "ROWS", "STEP"]
 
 #: sha256 (first 16 hex digits) of the normalised forward bodies the rewrite below reproduces.
 _KNOWN = {
@@ -105,11 +104,7 @@ def hf_alibi_replacement(m: nn.Module, state: AlibiState) -> tuple[nn.Module | N
         return None, reason
     if "forward" in m.__dict__:
         return None, "forward replaced on the instance"
-    new = copy.copy(m)
-    new.__class__ = lean_subclass(_LeanAlibiAttention, t)
-    fresh_containers(new)
-    new.__dict__["_leanact_alibi"] = state
-    return new, None
+    return reclass(m, _LeanAlibiAttention, _leanact_alibi=state), None
 
 
 # The structure of the last mask checked: (weakref to it, causal?, per-key bias row or None).
@@ -269,3 +264,29 @@ class _LeanAlibiAttention:
         out = self._core(query_layer, key_layer, value_layer, key, extra, p, self.inv_norm_factor, mode, uniform)
         attn_output = out.transpose(1, 2).reshape(batch_size, query_length, self.num_heads * self.head_dim)
         return self.dense(attn_output), None
+
+
+def install(model: nn.Module, run: PatchRun) -> None:
+    """Swap Bloom's / Falcon's attention modules for their lean twin, all sharing one :class:`AlibiState`
+    (``run.state["alibi"]``, read by the attention step; absent when none was swapped)."""
+    if not run.attention:
+        return
+    state = AlibiState(run.attention)
+    found = False
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None or not is_hf_alibi_attention(child):
+                continue
+            qual = f"{prefix}.{name}" if prefix else name
+            new, reason = hf_alibi_replacement(child, state)
+            if new is None:
+                if reason is not None:
+                    run.summary.left.append((qual, type(child).__name__, reason))
+                continue
+            run.swap(parent, name, new, f"leanact.patching.{type(new).__name__}", qual)
+            found = True
+    if found:
+        run.state["alibi"] = state
+
+
+STEP = ModelStep("alibi", install)

@@ -22,7 +22,6 @@ recognised is left with a reason; its QuickGELU is still replaced on its own
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
@@ -31,11 +30,11 @@ from torch import nn
 from ..ops.transforms import functorch_active
 from ..recompute.producers import quick_gelu
 from ..recompute.recipes import RecipeTransform, foreign_hooks
-from .hf_swiglu import fresh_containers
-from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, lean_subclass, quick_gelu_reason
+from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, quick_gelu_reason, reclass
 from .source import forward_body
+from .adapter import ModuleAdapter
 
-__all__ = ["is_hf_fc_mlp", "hf_fc_mlp_replacement"]
+__all__ = ["is_hf_fc_mlp", "hf_fc_mlp_replacement", "ADAPTER"]
 
 _ACT_NAMES = ("activation_fn", "act_fn", "act")
 _checked: dict[tuple[type, str], str | None] = {}
@@ -121,8 +120,8 @@ def hf_fc_mlp_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         reason = _forward_reason(t, act)
     if reason is not None:
         return None, reason
-    new = copy.copy(m)  # shallow: the same children and Parameters; fresh containers below
-    new.__class__ = lean_subclass(_LeanHFFcMLP, t)
-    fresh_containers(new)
-    new._leanact_fc_mlp = act
-    return new, None
+    return reclass(m, _LeanHFFcMLP, _leanact_fc_mlp=act), None
+
+
+ADAPTER = ModuleAdapter("hf_fc_mlp", is_hf_fc_mlp, hf_fc_mlp_replacement,
+                        "CLIP's fc1 -> QuickGELU -> fc2 MLP")

@@ -74,8 +74,9 @@ from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.transforms import functorch_active
 from ..recompute.context_forward import ContextForward
 from .modules import RUN_TIME_HOOKS, hook_kinds
+from .adapter import ModelStep, PatchRun
 
-__all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES"]
+__all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES", "STEP"]
 
 ATTR = "_leanact_head"
 ELIGIBLE_SUFFIXES = ("ForCausalLM", "ForMaskedLM", "LMHeadModel")
@@ -720,3 +721,25 @@ def _chain(f, depth: int = 8):
             return
         yield f
         f = getattr(f, "previous", None) or getattr(f, "__wrapped__", None)
+
+
+def _install(model: nn.Module, run: PatchRun) -> None:
+    """Install the fused loss on the outermost Hugging Face language models of ``model``."""
+    inside: list[nn.Module] = []
+    for path, m in model.named_modules():
+        if not eligible_class(m) or any(any(c is m for c in o.modules()) for o in inside):
+            continue
+        inside.append(m)
+        head = m.get_output_embeddings()
+        head_name = next((n for n, c in m.named_modules() if c is head), "?") if head is not None else "-"
+        before = f"{head_name} ({type(head).__name__}) + cross_entropy"
+        reason = head_reason(m) if run.fused_loss else "fused_loss=False"
+        if reason is not None:
+            run.summary.loss.append((path, before, f"left: {reason}"))
+            continue
+        run.summary.loss_states[path] = install(m, path)
+        run.summary.loss.append((path, before, "leanact fused linear + cross-entropy (training with labels; "
+                                               "logits None)"))
+
+
+STEP = ModelStep("fused_loss", _install, lambda model, run: uninstall(model))

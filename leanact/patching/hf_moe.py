@@ -19,18 +19,18 @@ concatenated, not transposed, no bias, no post-expert norm) and HF's eager loop 
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch import nn
 
 from ..ops.moe import gated_experts
 from ..ops.transforms import functorch_active
-from .hf_swiglu import activation_kind, fresh_containers
-from .modules import hooks_reason, lean_subclass
+from .hf_swiglu import activation_kind
+from .modules import hooks_reason, reclass
 from .source import forward_body
+from .adapter import ModuleAdapter
 
-__all__ = ["is_hf_experts", "hf_experts_replacement"]
+__all__ = ["is_hf_experts", "hf_experts_replacement", "flags_reason", "IMPLEMENTATIONS", "ADAPTER"]
 
 _EAGER_LOOP = (
     "final_hidden_states=torch.zeros_like({x});withtorch.no_grad():;"
@@ -46,7 +46,7 @@ _EAGER_LOOP = (
     "returnfinal_hidden_states")
 _FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
           "has_post_expert_norm": False, "_is_expert_parallel": False}
-_IMPLEMENTATIONS = {None: False, "eager": False, "grouped_mm": True}  # -> grouped arithmetic
+IMPLEMENTATIONS = {None: False, "eager": False, "grouped_mm": True}  # -> grouped arithmetic
 _checked: dict[type, str | None] = {}
 
 
@@ -70,12 +70,12 @@ def _forward_reason(t: type) -> str | None:
     return _checked[t]
 
 
-def _flags_reason(m: nn.Module, flags: dict = _FLAGS) -> str | None:
+def flags_reason(m: nn.Module, flags: dict = _FLAGS) -> str | None:
     for k, v in flags.items():
         if getattr(m, k, v) != v:
             return f"experts with {k}={getattr(m, k)!r} (covered: {k}={v!r})"
     impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
-    if impl not in _IMPLEMENTATIONS:
+    if impl not in IMPLEMENTATIONS:
         return f"experts implementation {impl!r} (covered: eager, grouped_mm)"
     return None
 
@@ -90,10 +90,10 @@ class _LeanHFExperts:
         act_cls, kind = self._leanact_experts
         act = self._modules.get("act_fn")
         if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or functorch_active()
-                or type(act) is not act_cls or activation_kind(act)[1] is not None or _flags_reason(self) is not None
+                or type(act) is not act_cls or activation_kind(act)[1] is not None or flags_reason(self) is not None
                 or hidden_states.dim() != 2):
             return hf_forward(self, hidden_states, top_k_index, top_k_weights)
-        grouped = _IMPLEMENTATIONS[getattr(getattr(self, "config", None), "_experts_implementation", None)]
+        grouped = IMPLEMENTATIONS[getattr(getattr(self, "config", None), "_experts_implementation", None)]
         return gated_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, kind,
                              grouped=grouped)
 
@@ -114,11 +114,11 @@ def hf_experts_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         return None, (f"{t.__name__}: gate_up_proj {tuple(gu.shape)} / down_proj {tuple(down.shape)} "
                       "not (E, 2I, h) / (E, h, I)")
     kind, reason = activation_kind(m._modules["act_fn"])
-    reason = reason or _flags_reason(m) or _forward_reason(t)
+    reason = reason or flags_reason(m) or _forward_reason(t)
     if reason is not None:
         return None, reason
-    new = copy.copy(m)
-    new.__class__ = lean_subclass(_LeanHFExperts, t)
-    fresh_containers(new)
-    new._leanact_experts = (type(m._modules["act_fn"]), kind)
-    return new, None
+    return reclass(m, _LeanHFExperts, _leanact_experts=(type(m._modules["act_fn"]), kind)), None
+
+
+ADAPTER = ModuleAdapter("hf_moe", is_hf_experts, hf_experts_replacement,
+                        "MoE experts as 3-D gate_up/down parameters (Mixtral, Qwen2/3-MoE)")

@@ -17,7 +17,6 @@ class).
 """
 from __future__ import annotations
 
-import copy
 import numbers
 
 import torch
@@ -26,12 +25,12 @@ from torch import nn
 from ..ops.amp import autocast_dtype
 from ..ops.moe_clamped import clamped_experts
 from ..ops.transforms import functorch_active
-from .hf_moe import _IMPLEMENTATIONS, _flags_reason
-from .hf_swiglu import fresh_containers
-from .modules import hooks_reason, lean_subclass
+from .hf_moe import IMPLEMENTATIONS, flags_reason, is_hf_experts
+from .modules import hooks_reason, reclass
 from .source import forward_body
+from .adapter import ModuleAdapter
 
-__all__ = ["is_hf_clamped_experts", "hf_clamped_experts_replacement"]
+__all__ = ["is_hf_clamped_experts", "hf_clamped_experts_replacement", "ADAPTER"]
 
 _PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _LOOP = (
@@ -71,7 +70,7 @@ def _code_reason(t: type) -> str | None:
 
 def _state_reason(m: nn.Module) -> str | None:
     """What may change after patching: flags, implementation, α and the limit, the gate."""
-    if (reason := _flags_reason(m, _FLAGS)) is not None:
+    if (reason := flags_reason(m, _FLAGS)) is not None:
         return reason
     for k in ("alpha", "limit"):
         v = getattr(m, k, None)
@@ -95,7 +94,7 @@ class _LeanHFClampedExperts:
                 or hidden_states.dim() != 2 or any(p is None for p in params)
                 or len({p.dtype for p in params}) != 1):
             return hf_forward(self, hidden_states, router_indices, routing_weights)
-        grouped = _IMPLEMENTATIONS[getattr(getattr(self, "config", None), "_experts_implementation", None)]
+        grouped = IMPLEMENTATIONS[getattr(getattr(self, "config", None), "_experts_implementation", None)]
         if not grouped and hidden_states.dtype != params[0].dtype:
             return hf_forward(self, hidden_states, router_indices, routing_weights)
         return clamped_experts(hidden_states, router_indices, routing_weights, *params, float(self.alpha),
@@ -121,7 +120,8 @@ def hf_clamped_experts_replacement(m: nn.Module) -> tuple[nn.Module | None, str 
     reason = _state_reason(m) or _code_reason(t)
     if reason is not None:
         return None, reason
-    new = copy.copy(m)
-    new.__class__ = lean_subclass(_LeanHFClampedExperts, t)
-    fresh_containers(new)
-    return new, None
+    return reclass(m, _LeanHFClampedExperts), None
+
+
+ADAPTER = ModuleAdapter("hf_moe_clamped", lambda m: is_hf_experts(m) and is_hf_clamped_experts(m),
+                        hf_clamped_experts_replacement, "MoE experts with biases and clamps (GPT-OSS)")

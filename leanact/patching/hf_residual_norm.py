@@ -18,7 +18,6 @@ own, no hooks, and the forward above (two arguments).
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
@@ -27,11 +26,11 @@ from torch import nn
 from .. import nn as lnn
 from ..ops.dropout_add_norm import dropout_add_layer_norm
 from ..ops.transforms import functorch_active
-from .hf_swiglu import fresh_containers
-from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, lean_subclass
+from .modules import hook_kinds, hooks_reason, reclass, unchanged
 from .source import forward_body
+from .adapter import ModuleAdapter
 
-__all__ = ["is_hf_residual_norm", "hf_residual_norm_replacement", "PATCHED_CHILDREN"]
+__all__ = ["is_hf_residual_norm", "hf_residual_norm_replacement", "PATCHED_CHILDREN", "ADAPTER"]
 
 #: instance attribute of a replacement: {name: child} of the children :func:`leanact.patch` made for
 #: it (``unpatch`` gives the original module its own back; children set since then stay)
@@ -61,11 +60,6 @@ def _forward_reason(t: type) -> str | None:
     return _checked[t]
 
 
-def _plain(m: nn.Module, t: type) -> bool:
-    """``m`` is exactly the lean module ``t``, runs its class forward and has no run-time hooks."""
-    return type(m) is t and "forward" not in m.__dict__ and not hook_kinds(m, RUN_TIME_HOOKS)
-
-
 class _LeanHFResidualNorm:
     """Mixin placed before the HF class: with autograd, ``dense`` then the fused dropout + add +
     LayerNorm (module doc); otherwise HF's own forward (on the lean children)."""
@@ -77,7 +71,7 @@ class _LeanHFResidualNorm:
         mods = self._modules
         drop, norm = mods.get("dropout"), mods.get("LayerNorm")
         if (len(args) != 2 or kwargs or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or functorch_active() or not _plain(drop, lnn.Dropout) or not _plain(norm, lnn.LayerNorm)
+                or functorch_active() or not unchanged(drop, lnn.Dropout) or not unchanged(norm, lnn.LayerNorm)
                 or drop.inplace or norm.from_output is not None or not isinstance(mods.get("dense"), nn.Module)):
             return hf_forward(self, *args, **kwargs)
         x, residual = args
@@ -118,10 +112,12 @@ def hf_residual_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | 
             return None, f"{k} has hooks registered on it ({', '.join(kinds)})"
     if (reason := _forward_reason(t)) is not None:
         return None, reason
-    new = copy.copy(m)  # shallow: the same dense and Parameters; fresh containers below
-    new.__class__ = lean_subclass(_LeanHFResidualNorm, t)
-    fresh_containers(new)
+    new = reclass(m, _LeanHFResidualNorm)
     for k in ("dropout", "LayerNorm"):
         new._modules[k] = _lean_child(m._modules[k])
     new.__dict__[PATCHED_CHILDREN] = {k: new._modules[k] for k in ("dropout", "LayerNorm")}
     return new, None
+
+
+ADAPTER = ModuleAdapter("hf_residual_norm", is_hf_residual_norm, hf_residual_norm_replacement,
+                        "BERT-style dense -> dropout -> add -> LayerNorm output blocks")

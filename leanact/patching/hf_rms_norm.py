@@ -41,7 +41,6 @@ in the summary.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 
@@ -55,11 +54,11 @@ from ..ops.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
 from ..ops.triton import norm as _triton
-from .hf_swiglu import fresh_containers
-from .modules import lean_subclass
+from .modules import reclass
 from .source import forward_body
+from .adapter import ModuleAdapter
 
-__all__ = ["hf_rms_norm_replacement", "is_hf_rms_norm", "VARIANTS"]
+__all__ = ["hf_rms_norm_replacement", "is_hf_rms_norm", "VARIANTS", "ADAPTER"]
 
 _HF_BODY = ("input_dtype={x}.dtype;{x}={x}.to(torch.float32);variance={x}.pow(2).mean(-1,keepdim=True);"
             "{x}={x}*torch.rsqrt(variance+self.variance_epsilon);")
@@ -351,8 +350,9 @@ def hf_rms_norm_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]
         return None, reason
     if not isinstance(getattr(m, _EPS[variant], None), float):
         return None, f"{t.__name__}: no float {_EPS[variant]}"
-    new = copy.copy(m)  # shallow: the same Parameter; fresh containers below
-    new.__class__ = lean_subclass(_LeanHFRMSNorm, t)
-    fresh_containers(new)
-    new._leanact_variant = variant
-    return new, None
+    return reclass(m, _LeanHFRMSNorm, _leanact_variant=variant), None
+
+
+ADAPTER = ModuleAdapter("hf_rms_norm", is_hf_rms_norm, hf_rms_norm_replacement,
+                        "Hugging Face RMSNorms: LLaMA's, OLMo 2's fp32, Gemma's (1 + w), T5's, "
+                        "Cohere's bias-free LayerNorm")

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from ..ops.rotary import rotary
+from .adapter import ModelStep, PatchRun
 
-__all__ = ["install", "uninstall", "installed", "MARK", "NOTE"]
+__all__ = ["install", "uninstall", "installed", "MARK", "NOTE", "STEP"]
 
 _ATTR = "_leanact_rotary"
 MARK = "_leanact_rotary_tables"  # attribute set on the (cos, sin) tensors of a patched model
@@ -180,3 +181,11 @@ def uninstall(model: nn.Module) -> None:
         if m.__dict__.get("forward") is wrapper:
             del m.__dict__["forward"]
     object.__delattr__(model, _ATTR)
+
+
+def _install(model: nn.Module, run: PatchRun) -> None:
+    if run.attention and (n := install(model)):
+        run.summary.notes.append(NOTE.format(n=n))
+
+
+STEP = ModelStep("rotary", _install, lambda model, run: uninstall(model))

@@ -28,7 +28,6 @@ per class); anything else is left with a reason.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import re
 
@@ -39,20 +38,15 @@ from torch import nn
 from ..ops.gated_mlp import gated_down
 from ..ops.transforms import functorch_active
 from .source import forward_body
-from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, lean_subclass
+from .modules import RUN_TIME_HOOKS, hook_kinds, hooks_reason, reclass, unchanged
+from .adapter import ModuleAdapter
 
-__all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp", "activation_kind", "fresh_containers"]
+__all__ = ["hf_swiglu_replacement", "is_hf_swiglu_mlp", "activation_kind", "ADAPTER"]
 
 _ACT_NAMES = ("act_fn", "activation_fn", "act")
 _SEPARATE = ("gate_proj", "up_proj", "down_proj")
 _FUSED = ("gate_up_proj", "down_proj")
 _checked: dict[tuple[type, str, bool], str | None] = {}
-_HOOK_DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_non_persistent_buffers_set")
-
-
 def _layout(m: nn.Module) -> tuple[tuple[str, ...], str] | None:
     """(projection names, activation attribute) if ``m`` has a gated MLP's children, else None."""
     mods = m._modules
@@ -126,27 +120,14 @@ def activation_kind(act: nn.Module | None) -> tuple[str | None, str | None]:
     return kind, None
 
 
-def _own_forward(m: nn.Module) -> bool:
-    """No forward override on the instance, or only leanact's weight recast (same computation)."""
-    from .weight_recast import RecastForward
-
-    return "forward" not in m.__dict__ or isinstance(m.__dict__["forward"], RecastForward)
-
-
 def _down_linear(m: nn.Module | None) -> bool:
     """The down projection, whose weight gated_down uses directly: an ``nn.Linear`` computing
     ``F.linear(x, weight, bias)`` on this input (the exact class, or a subclass declaring
     ``_leanact_exact_on_rebuilt_input``: lossy's RandomizedLinear, exact on an input that is rebuilt
     anyway), no forward override, no hooks. (The gate/up projections are called as modules: any.)"""
     if isinstance(m, nn.Linear) and getattr(type(m), "_leanact_exact_on_rebuilt_input", False):
-        return _plain(m, type(m))
-    return _plain(m, nn.Linear)
-
-
-def _plain(m: nn.Module | None, cls: type) -> bool:
-    """Still the module patching saw: that exact class, no forward override, no hooks."""
-    return (type(m) is cls and _own_forward(m) and not (m._forward_hooks or m._forward_pre_hooks
-                                                                  or m._backward_hooks or m._backward_pre_hooks))
+        return unchanged(m, type(m))
+    return unchanged(m, nn.Linear)
 
 
 class _LeanHFSwiGLU:
@@ -160,7 +141,7 @@ class _LeanHFSwiGLU:
         names, act, act_cls, kind = self._leanact_gated
         mods = self._modules
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or functorch_active()
-                or not _plain(mods.get(act), act_cls)
+                or not unchanged(mods.get(act), act_cls)
                 or not all(isinstance(mods.get(k), nn.Module) for k in names[:-1])
                 or not _down_linear(mods.get(names[-1]))):
             return hf_forward(self, *args, **kwargs)
@@ -171,14 +152,6 @@ class _LeanHFSwiGLU:
             g, u = mods["gate_proj"](x), mods["up_proj"](x)
         down = mods["down_proj"]
         return gated_down(g, u, down.weight, down.bias, kind)
-
-
-def fresh_containers(new: nn.Module) -> None:
-    """Give a shallow copy of a module its own parameter/child/hook containers (same contents)."""
-    for k in _HOOK_DICTS:
-        if k in new.__dict__:
-            v = new.__dict__[k]
-            new.__dict__[k] = type(v)(v) if not isinstance(v, set) else set(v)
 
 
 def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
@@ -202,8 +175,8 @@ def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         reason = _forward_reason(t, act, len(names) == 2)
     if reason is not None:
         return None, reason
-    new = copy.copy(m)  # shallow: the same children and Parameters; fresh containers below
-    new.__class__ = lean_subclass(_LeanHFSwiGLU, t)
-    fresh_containers(new)
-    new._leanact_gated = (names, act, type(m._modules[act]), kind)
-    return new, None
+    return reclass(m, _LeanHFSwiGLU, _leanact_gated=(names, act, type(m._modules[act]), kind)), None
+
+
+ADAPTER = ModuleAdapter("hf_swiglu", is_hf_swiglu_mlp, hf_swiglu_replacement,
+                        "gated MLPs (SwiGLU, GeGLU; separate or fused gate/up projections)")

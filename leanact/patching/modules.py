@@ -1,6 +1,8 @@
 """Replacement modules used by :func:`leanact.patch` where the plain drop-in is not enough."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from ..recompute.producers import quick_gelu
 from .source import forward_body
 
 __all__ = ["PatchedGELU", "PatchedQuickGELU", "quick_gelu_reason", "hook_kinds", "hooks_reason", "RUN_TIME_HOOKS",
-           "lean_subclass"]
+           "lean_subclass", "reclass", "fresh_containers", "unchanged"]
 
 _LEAN_SUBCLASSES: dict[tuple[type, type], type] = {}
 _QUICK_GELU_CHECKED: dict[type, str | None] = {}
@@ -30,6 +32,45 @@ def lean_subclass(mixin: type, base: type) -> type:
         cls = type(f"Lean{base.__name__}", (mixin, base), {"__module__": mixin.__module__, "__reduce_ex__": _reduce_ex})
         _LEAN_SUBCLASSES[key] = cls
     return cls
+
+
+_CONTAINERS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_non_persistent_buffers_set")
+
+
+def fresh_containers(new: nn.Module) -> None:
+    """Give a shallow copy of a module its own parameter/child/hook containers (same contents)."""
+    for k in _CONTAINERS:
+        if k in new.__dict__:
+            v = new.__dict__[k]
+            new.__dict__[k] = type(v)(v) if not isinstance(v, set) else set(v)
+
+
+def reclass(m: nn.Module, mixin: type, **attributes) -> nn.Module:
+    """The lean twin of a Hugging Face module: a shallow copy of ``m`` (the same children, Parameters
+    and buffers, so state_dict keys, optimizer references and tying are unchanged) whose class is
+    :func:`lean_subclass` ``(mixin, type(m))``, with containers of its own (hooks registered on the twin
+    later do not reach ``m``, which :func:`leanact.unpatch` puts back) and ``attributes`` set on it."""
+    new = copy.copy(m)
+    new.__class__ = lean_subclass(mixin, type(m))
+    fresh_containers(new)
+    new.__dict__.update(attributes)
+    return new
+
+
+def _own_forward(m: nn.Module) -> bool:
+    """No forward override on the instance, or only leanact's weight recast (same computation)."""
+    from .weight_recast import RecastForward
+
+    return "forward" not in m.__dict__ or isinstance(m.__dict__["forward"], RecastForward)
+
+
+def unchanged(m: nn.Module | None, cls: type) -> bool:
+    """Still the module patching saw: that exact class, no forward override, no run-time hooks."""
+    return (type(m) is cls and _own_forward(m) and not (m._forward_hooks or m._forward_pre_hooks
+                                                                  or m._backward_hooks or m._backward_pre_hooks))
 
 
 def _new_lean(mixin: type, base: type) -> nn.Module:

@@ -30,10 +30,10 @@ from ..ops.amp import autocast_dtype
 from ..ops.backward import once_differentiable
 from ..recompute import producers
 from ..recompute.recipes import RecipeTransform, foreign_hooks
-from .hf_swiglu import _plain
-from .modules import lean_subclass
+from .modules import lean_subclass, unchanged
+from .adapter import ModelStep, PatchRun
 
-__all__ = ["is_lora_layer", "replacement_through_lora", "adopt", "install_upcasts", "uninstall_upcasts"]
+__all__ = ["is_lora_layer", "replacement_through_lora", "adopt", "install_upcasts", "uninstall_upcasts", "STEP"]
 
 Replace = Callable[[nn.Module], "tuple[nn.Module | None, str | None]"]
 
@@ -55,7 +55,7 @@ class _LoRASwiGLU:
         names, act, act_cls, kind = self._leanact_gated
         mods = self._modules
         if (len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or foreign_hooks() or not _plain(mods.get(act), act_cls)):
+                or foreign_hooks() or not unchanged(mods.get(act), act_cls)):
             return hf_forward(self, *args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))
         with RecipeTransform():
@@ -203,3 +203,12 @@ def uninstall_upcasts(model: nn.Module) -> None:
             m.cast_input_dtype_enabled = True
         if type(m) is lean_subclass(_UpcastingLoRAIn, nn.Linear):
             m.__class__ = nn.Linear
+
+
+def _install(model: nn.Module, run: PatchRun) -> None:
+    if install_upcasts(model):
+        run.summary.notes.append("PEFT LoRA adapters wider than their input: lora_A casts it and keeps the input, "
+                                 "not a copy")
+
+
+STEP = ModelStep("peft_upcasts", _install, lambda model, run: uninstall_upcasts(model))

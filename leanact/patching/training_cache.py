@@ -22,7 +22,9 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["install", "remove", "installed"]
+from .adapter import ModelStep, PatchRun
+
+__all__ = ["install", "remove", "installed", "STEP"]
 
 
 def _argument(module: nn.Module, args, kwargs, name: str):
@@ -80,3 +82,11 @@ def remove(model: nn.Module) -> None:
         if h is _no_training_cache:
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _install(model: nn.Module, run: PatchRun) -> None:
+    if install(model):
+        run.summary.notes.append("use_cache=False for training calls (train mode, grad on): no KV cache kept")
+
+
+STEP = ModelStep("training_cache", _install, lambda model, run: remove(model))
