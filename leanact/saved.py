@@ -31,8 +31,8 @@ import torch
 
 from leanact._local import setting
 
-__all__ = ["SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient", "with_ambient",
-           "keeping_output", "unobserved_ambient"]
+__all__ = ["foreign_hooks", "SavedTensorTransform", "SavedTensorObserver", "active_transforms", "ambient",
+           "with_ambient", "keeping_output", "unobserved_ambient"]
 
 _state = threading.local()
 #: the number the next autograd node made on this thread gets (a private torch API: where it is
@@ -210,9 +210,11 @@ class ambient:  # noqa: N801 - a context manager used like a function
         _state.ambient = self._previous
 
 
-def _foreign_hooks() -> bool:
-    """Whether torch's innermost saved-tensor hooks are someone else's (a checkpointed region) or
-    torch.func transforms (which disable saved-tensor hooks) are active."""
+def foreign_hooks() -> bool:
+    """Whether torch's innermost saved-tensor hooks are someone else's (e.g. inside a
+    ``torch.utils.checkpoint`` region or its recompute), or torch.func transforms (which disable
+    saved-tensor hooks altogether) are active. Entering a transform there would shadow them (torch
+    applies only the innermost hooks), so leanact's transforms then stay out."""
     if torch._C._are_functorch_transforms_active():
         return True
     top = _top_hooks(False) if _top_hooks is not None else None
@@ -248,7 +250,7 @@ class with_ambient:  # noqa: N801 - a context manager used like a function
         if tr is None or not torch.is_grad_enabled():
             return
         stack = _stacks()[0]
-        if any(t is tr for t in stack) or torch.compiler.is_compiling() or _foreign_hooks():
+        if any(t is tr for t in stack) or torch.compiler.is_compiling() or foreign_hooks():
             return
         _push_hooks(_pack, _unpack)
         stack.insert(0, tr)
@@ -277,7 +279,7 @@ def keeping_output(apply: Callable[[], torch.Tensor], output_kept: bool = True) 
     if tr is None:
         return apply()
     if not _stacks()[0] and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        if _foreign_hooks():
+        if foreign_hooks():
             return apply()  # a checkpointed region: nothing of it is kept (with_ambient stays out too)
         y = apply()
         if output_kept:

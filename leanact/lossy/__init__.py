@@ -111,9 +111,9 @@ def _activation_function(m: nn.Module) -> str | None:
     if t.__module__ == "transformers.activations":
         if t.__name__ == "SiLUActivation":
             return "silu"
-        from ..patching.generic import _hf_activation
+        from ..patching.generic import hf_activation
 
-        new, _ = _hf_activation(m)
+        new, _ = hf_activation(m)
         if new is not None:
             return "gelu_tanh" if new.approximate == "tanh" else "gelu"
     return None
@@ -131,7 +131,7 @@ def _in_layer_stack(model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 
 def _swap_modules(model: nn.Module, state: LossyState) -> None:
-    from ..patching.hf_swiglu import _LeanHFSwiGLU
+    from ..patching.hf_swiglu import LeanHFSwiGLU
     from ..patching.modules import hook_kinds
 
     fewbit, rl = state.options.get("fewbit"), state.options.get("randomized_linear")
@@ -145,7 +145,7 @@ def _swap_modules(model: nn.Module, state: LossyState) -> None:
                 continue
             qual = f"{prefix}.{name}" if prefix else name
             new = None
-            if fewbit is not None and name == "act_fn" and isinstance(parent, _LeanHFSwiGLU):
+            if fewbit is not None and name == "act_fn" and isinstance(parent, LeanHFSwiGLU):
                 pass  # the lean SwiGLU keeps g and u only; a few-bit SiLU would add silu(g) and the product
             elif fewbit is not None and (fn := _activation_function(child)) is not None:
                 new = FewBitActivation(fn, int(fewbit.get("bits", 2)))

@@ -49,7 +49,7 @@ from .adapter import ATTR, PatchRun
 from .hf_head import keep_logits
 from .hf_residual_norm import PATCHED_CHILDREN
 from .registry import MODEL_STEPS
-from .summary import PatchSummary
+from .patch_summary import PatchSummary
 
 __all__ = ["patch", "unpatch", "summary", "PatchSummary", "register_option", "keep_logits"]
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .summary import PatchSummary
+from .patch_summary import PatchSummary
 
 __all__ = ["ModuleAdapter", "ModelStep", "PatchRun", "Replacement", "ATTR"]
 

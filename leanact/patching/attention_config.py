@@ -12,7 +12,7 @@ from torch import nn
 
 from . import attention_hf, hf_alibi
 from .adapter import ATTR, ModelStep, PatchRun
-from .summary import off_reason
+from .patch_summary import off_reason
 
 __all__ = ["STEP"]
 

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.dropout import dropout as lean_dropout
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from ..recompute.recipes import foreign_hooks
-from .hf_head import _remove_mode
+from .hf_head import remove_mode
 from .adapter import ModelStep, PatchRun
 
 __all__ = ["DropoutState", "calls_functional_dropout", "install", "uninstall", "active", "STEP"]
@@ -102,7 +102,7 @@ class _Scope:
         # Ours only: a mode entered inside the forward and left after it (the fused loss's window,
         # :mod:`leanact.patching.hf_head`) may still be above it.
         if mode is not None and mode in torch.overrides._get_current_function_mode_stack():
-            _remove_mode(mode)
+            remove_mode(mode)
         return False
 
 

@@ -40,7 +40,7 @@ def _layer_norm(m: nn.LayerNorm) -> nn.Module:
     return new
 
 
-def _hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
+def hf_activation(m: nn.Module) -> tuple[nn.Module | None, str]:
     """HF activation classes (transformers.activations) -> leanact GELU where the function is GELU."""
     import torch.nn.functional as F
 
@@ -97,7 +97,7 @@ def _replacement(m: nn.Module, adapters: Sequence[ModuleAdapter]) -> Replacement
             return None, reason
         new = PatchedQuickGELU(reference=m)
     elif t.__module__ == "transformers.activations":
-        new, reason = _hf_activation(m)
+        new, reason = hf_activation(m)
         if new is None:
             return None, reason
         new = PatchedGELU(new.approximate, reference=m)

@@ -621,7 +621,7 @@ def _close(module, win: "_Window") -> None:
         else:  # another mode still above ours (entered inside forward, not left): remove ours only
             stack = torch.overrides._get_current_function_mode_stack()
             if win in stack:
-                _remove_mode(win)
+                remove_mode(win)
 
 
 class _HeadForward(ContextForward):
@@ -649,7 +649,7 @@ class _HeadForward(ContextForward):
         return _clean(win, output)
 
 
-def _remove_mode(win) -> None:
+def remove_mode(win) -> None:
     saved = []
     while True:
         top = torch._C._pop_torch_function_stack()

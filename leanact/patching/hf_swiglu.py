@@ -130,7 +130,7 @@ def _down_linear(m: nn.Module | None) -> bool:
     return unchanged(m, nn.Linear)
 
 
-class _LeanHFSwiGLU:
+class LeanHFSwiGLU:
     """Mixin placed before the HF class: with autograd, keeps g and u (gated_down); otherwise HF's
     own forward. ``_leanact_gated`` = (projection names, activation attribute, activation class, kind)."""
 
@@ -157,7 +157,7 @@ class _LeanHFSwiGLU:
 def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
     """(new module sharing m's children and Parameters, None) or (None, reason)."""
     t = type(m)
-    if isinstance(m, _LeanHFSwiGLU):
+    if isinstance(m, LeanHFSwiGLU):
         return None, None
     if (reason := hooks_reason(m)) is not None:
         return None, reason
@@ -175,7 +175,7 @@ def hf_swiglu_replacement(m: nn.Module) -> tuple[nn.Module | None, str | None]:
         reason = _forward_reason(t, act, len(names) == 2)
     if reason is not None:
         return None, reason
-    return reclass(m, _LeanHFSwiGLU, _leanact_gated=(names, act, type(m._modules[act]), kind)), None
+    return reclass(m, LeanHFSwiGLU, _leanact_gated=(names, act, type(m._modules[act]), kind)), None
 
 
 ADAPTER = ModuleAdapter("hf_swiglu", is_hf_swiglu_mlp, hf_swiglu_replacement,

@@ -61,10 +61,9 @@ def reclass(m: nn.Module, mixin: type, **attributes) -> nn.Module:
 
 
 def _own_forward(m: nn.Module) -> bool:
-    """No forward override on the instance, or only leanact's weight recast (same computation)."""
-    from .weight_recast import RecastForward
-
-    return "forward" not in m.__dict__ or isinstance(m.__dict__["forward"], RecastForward)
+    """No forward override on the instance, or only one computing the same values (leanact's weight
+    recast, :class:`leanact.patching.weight_recast.RecastForward`)."""
+    return "forward" not in m.__dict__ or getattr(m.__dict__["forward"], "same_computation", False) is True
 
 
 def unchanged(m: nn.Module | None, cls: type) -> bool:

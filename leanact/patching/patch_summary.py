@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from . import attention_hf
-
-if TYPE_CHECKING:
-    from .functional_dropout import DropoutState
 
 __all__ = ["PatchSummary", "off_reason"]
 
@@ -37,7 +34,7 @@ class PatchSummary:
     attention_configs: dict = field(default_factory=dict, repr=False, compare=False)
     #: ``torch.nn.functional.dropout`` calls in modeling code (:mod:`leanact.patching.functional_dropout`):
     #: the classes whose forward calls it and how many calls kept a seed so far; None: no such class.
-    functional_dropout: "DropoutState | None" = field(default=None, compare=False)
+    functional_dropout: Any = field(default=None, compare=False)  # a functional_dropout.DropoutState
 
     def functional_dropout_row(self) -> tuple[str, str, str] | None:
         """(what, was, now) for the table: the wrapped classes and the calls redirected so far."""

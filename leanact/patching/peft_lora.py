@@ -65,10 +65,10 @@ class _LoRASwiGLU:
 def _lora_mlp(new: nn.Module, hf_class: type) -> bool:
     """Turn a lean gated MLP (built against the base layers) into its LoRA-calling form; False if its
     gate is not covered (a fused gate_up_proj, or an activation other than SiLU)."""
-    from .hf_swiglu import _LeanHFSwiGLU
+    from .hf_swiglu import LeanHFSwiGLU
 
     gated = getattr(new, "_leanact_gated", None)
-    if not isinstance(new, (_LeanHFSwiGLU, _LoRASwiGLU)) or gated is None or len(gated[0]) != 3 or gated[3] != "silu":
+    if not isinstance(new, (LeanHFSwiGLU, _LoRASwiGLU)) or gated is None or len(gated[0]) != 3 or gated[3] != "silu":
         return False
     new.__class__ = lean_subclass(_LoRASwiGLU, hf_class)
     return True
@@ -77,11 +77,11 @@ def _lora_mlp(new: nn.Module, hf_class: type) -> bool:
 def adopt(model: nn.Module) -> int:
     """Move the lean gated MLPs of ``model`` into which PEFT has since put LoRA layers to
     :class:`_LoRASwiGLU` (those not covered keep running HF's forward); returns how many moved."""
-    from .hf_swiglu import _LeanHFSwiGLU
+    from .hf_swiglu import LeanHFSwiGLU
 
     moved = 0
     for m in model.modules():
-        if isinstance(m, _LeanHFSwiGLU) and any(c is not None and is_lora_layer(c) for c in m._modules.values()):
+        if isinstance(m, LeanHFSwiGLU) and any(c is not None and is_lora_layer(c) for c in m._modules.values()):
             moved += _lora_mlp(m, type(m).__mro__[2])
     install_upcasts(model)
     return moved

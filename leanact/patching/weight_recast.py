@@ -43,6 +43,8 @@ from ..ops.weight_recast import LOW_DTYPES, hook_matmul_saves, recast_weight
 from ..recompute.context_forward import ContextForward, unwrap_forward
 from ..recompute.recipes import RecipeTransform, foreign_hooks, has_recipe, shared_cast
 from ..saved import unobserved_ambient, with_ambient
+from . import hf_head
+from .adapter import ATTR
 
 __all__ = ["RecastForward", "apply", "remove", "recast_dtype", "wraps_linears", "NOTE"]
 
@@ -109,6 +111,8 @@ class RecastForward(ContextForward):
     of its 16-bit cast (module doc). ``context`` holds the module's computation given the cast
     weight (None: inert, the module's own forward)."""
 
+    same_computation = True  # (the module's own forward's values: leanact.patching.modules.unchanged)
+
     def __call__(self, *args, **kwargs):
         compute = self.context
         if compute is None or len(args) != 1 or kwargs:
@@ -144,8 +148,6 @@ class _State:
 def _fused_heads(model: nn.Module) -> set[int]:
     """ids of the output embeddings whose loss :mod:`leanact.patching.hf_head` fuses (it arms them
     per call through their instance ``forward``; its fused op keeps the parameter already)."""
-    from . import hf_head
-
     return {id(m.get_output_embeddings()) for m in model.modules() if hf_head.ATTR in m.__dict__}
 
 
@@ -166,11 +168,9 @@ def apply(model: nn.Module, enabled: bool) -> nn.Module:
         m.__dict__["forward"] = wrapper
         state.wrapped.append((m, wrapper))
     object.__setattr__(model, _ATTR, state)
-    from . import summary
-
-    s = summary(model)
-    if s is not None and state.wrapped:
-        s.notes.append(NOTE.format(n=len(state.wrapped)))
+    run = model.__dict__.get(ATTR)  # (the patch's summary)
+    if run is not None and state.wrapped:
+        run.summary.notes.append(NOTE.format(n=len(state.wrapped)))
     return model
 
 

@@ -15,13 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..saved import foreign_hooks
+
 __all__ = ["ContextForward", "wrap_forward", "unwrap_forward"]
-
-
-def _foreign_hooks() -> bool:
-    from .recipes import foreign_hooks
-
-    return foreign_hooks()
 
 
 class ContextForward:
@@ -49,7 +45,7 @@ class ContextForward:
     def __call__(self, *args, **kwargs):
         forward = self._forward()
         if (self.context is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or _foreign_hooks()):
+                or foreign_hooks()):
             return forward(*args, **kwargs)
         with self.context:
             return forward(*args, **kwargs)

@@ -59,9 +59,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from leanact.saved import SavedTensorTransform, _foreign_hooks, _stacks, active_transforms, disabled
+from leanact.saved import SavedTensorTransform, _stacks, active_transforms, disabled, foreign_hooks
 
 from .casts import SharedCast, cast_recipe, cast_share, tag_kept
+from .context_forward import unwrap_forward, wrap_forward
 
 __all__ = ["Recipe", "RecipeTransform", "register", "release", "is_active", "has_recipe", "shared_cast",
            "foreign_hooks", "scope", "counters", "reset_counters", "cached_bytes", "live_recipes"]
@@ -99,14 +100,6 @@ def _key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except Exception:  # sparse, nested, some subclasses
         return None
-
-
-def foreign_hooks() -> bool:
-    """Whether torch's innermost saved-tensor hooks are someone else's (e.g. inside a
-    ``torch.utils.checkpoint`` region or its recompute). Entering a transform there would shadow
-    them (torch applies only the innermost hooks), so modules and :func:`scope` then stay out.
-    Also True under ``torch.func`` transforms, which disable saved-tensor hooks altogether."""
-    return _foreign_hooks()
 
 
 def is_active() -> bool:
@@ -411,8 +404,6 @@ class _ScopeHandle:
         self.transform, self._module, self._wrapper = transform, module, wrapper
 
     def remove(self) -> None:
-        from .context_forward import unwrap_forward
-
         unwrap_forward(self._module, self._wrapper)
         self._wrapper = None
 
@@ -433,7 +424,5 @@ def scope(module: nn.Module, transform: RecipeTransform | None = None) -> _Scope
     Recipes matter only where producers run (leanact.nn.fused's ``Recipe*`` modules, LeanMLP,
     LayerNormLinears or the functions of :mod:`leanact.recompute.producers`).
     """
-    from .context_forward import wrap_forward
-
     tr = transform if transform is not None else RecipeTransform()
     return _ScopeHandle(tr, module, wrap_forward(module, tr))
