@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from leanact.ops.triton import dispatch
     from leanact.ops.triton import gelu as G
     from leanact.ops.triton import gelu32_kernels as G32
-    from leanact.ops.triton import kernels as K
+    from leanact.ops.triton import common as K
 
     dev = "cuda" if cuda else "cpu"
     widths = (0, 1, 2) if cuda else (0, 1)

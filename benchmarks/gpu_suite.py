@@ -605,8 +605,8 @@ def op_cases(device: str = "cuda", tokens: int = 16384):
 
     import leanact.functional as LF
     from leanact.ops.gated_mlp import gated_down
-    from leanact.ops.layer_norm import layer_norm
-    from leanact.ops.rms_norm import rms_norm
+    from leanact.ops.norms.layer_norm import layer_norm
+    from leanact.ops.norms.rms_norm import rms_norm
 
     liger = _liger() if device == "cuda" else None
     w1k, b1k = torch.rand(1024, device=device) + 0.5, torch.randn(1024, device=device) * 0.1
@@ -1599,12 +1599,12 @@ def _step_rows(rec: Recorder, model: str, shape: str, modes: list[Mode]) -> None
 @contextlib.contextmanager
 def _decision_timer():
     """Yields ``(seconds, syncs)``: the seconds of each per-step decision of leanact's norms
-    (``leanact.ops.layer_norm._refresh_stale``, at the first norm of a step: verdicts that stand
+    (``leanact.ops.norms.verdict._refresh_stale``, at the first norm of a step: verdicts that stand
     under Adam's step bound, the others checked in one batch) and the item counts of the batched
     checks (``check_many``: one device-to-host sync each)."""
-    from leanact.ops import layer_norm
+    from leanact.ops.norms import verdict
 
-    real, real_check = layer_norm._refresh_stale, layer_norm.check_many
+    real, real_check = verdict._refresh_stale, verdict.check_many
     seconds: list[float] = []
     syncs: list[int] = []
 
@@ -1619,11 +1619,11 @@ def _decision_timer():
         syncs.append(len(items))
         return real_check(items, **kw)
 
-    layer_norm._refresh_stale, layer_norm.check_many = timed, counted
+    verdict._refresh_stale, verdict.check_many = timed, counted
     try:
         yield seconds, syncs
     finally:
-        layer_norm._refresh_stale, layer_norm.check_many = real, real_check
+        verdict._refresh_stale, verdict.check_many = real, real_check
 
 
 def part_steps(rec: Recorder, limit_s: float) -> None:
@@ -1644,8 +1644,8 @@ def part_steps(rec: Recorder, limit_s: float) -> None:
         if decisions:
             rec.note(f"{name}: the norms' per-step decision ran {len(decisions)} times (median "
                      f"{statistics.median(decisions) * 1e3:.2f} ms), {len(syncs)} of them a batched check with "
-                     "its one sync (leanact.ops.guard_batch; the others: verdicts standing under AdamW's step "
-                     "bound, leanact.ops.guard_drift)")
+                     "its one sync (leanact.ops.norms.batch_check; the others: verdicts standing under AdamW's step "
+                     "bound, leanact.ops.norms.step_bound)")
         _step_rows(rec, name, f"{batch}x{seq}", modes)
         by = {m.label: m for m in modes}
         hf, lean = by["HF sdpa"], by["leanact"]

@@ -40,7 +40,7 @@ from host_profile import build_model
 
 import leanact
 import leanact.ops.attention as attention_op
-from leanact.ops import guard_drift
+from leanact.ops.norms import step_bound
 from leanact.ops.triton import dispatch
 
 
@@ -54,16 +54,16 @@ class NoStep(torch.optim.SGD):
 
 @contextlib.contextmanager
 def _no_step_is_bounded():
-    """NoStep's steps move no parameter: a step bound of 0 (leanact.ops.guard_drift), so the norms'
+    """NoStep's steps move no parameter: a step bound of 0 (leanact.ops.norms.step_bound), so the norms'
     verdicts stand between steps as under AdamW (no batched check, no sync), the host path of an
     AdamW training step."""
-    real = guard_drift.step_bound
-    guard_drift.step_bound = lambda opt, group, moment=None: (0.0, 0.0) if type(opt) is NoStep else real(
+    real = step_bound.step_bound
+    step_bound.step_bound = lambda opt, group, moment=None: (0.0, 0.0) if type(opt) is NoStep else real(
         opt, group, moment)
     try:
         yield
     finally:
-        guard_drift.step_bound = real
+        step_bound.step_bound = real
 
 
 @contextlib.contextmanager
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         from _fake_triton_driver import install
 
         install(keep=False)  # before the first launch: the driver that runs nothing
-        from leanact.ops.triton import kernels
+        from leanact.ops.triton import common as kernels
     with dispatch.use_kernels(kernels, strict=True, fake=False), _attention_as_on_cuda(), \
             _no_step_is_bounded():
         steps = {name: make_step(args.model, v) for name, v in VARIANTS.items()}

@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from leanact.ops.triton import gelu32_kernels as G32  # noqa: E402
-from leanact.ops.triton import kernels as K  # noqa: E402
+from leanact.ops.gelu import kernels16 as K  # noqa: E402
 from gelu_directions import SHAPES  # noqa: E402  (this script's folder is first on sys.path)
 
 _BLOCK, _PER_THREAD = 1024, 8

@@ -136,9 +136,9 @@ def _ops_host(device: str, samples: int, L, with_liger: bool = False) -> list[tu
     import torch
 
     import leanact
-    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+    from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm
     from leanact.ops.rotary import rotary
-    from leanact.ops.triton import dispatch, kernels
+    from leanact.ops.triton import common as kernels, dispatch
 
     out = []
     cpu = device == "cpu"

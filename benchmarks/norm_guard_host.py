@@ -20,7 +20,7 @@ import time
 import torch
 
 import leanact
-from leanact.ops import guard_batch, guard_drift, layer_norm as LN
+from leanact.ops.norms import batch_check, step_bound, verdict as LN
 
 
 def _median_us(fn, repeat: int) -> float:
@@ -50,8 +50,8 @@ def main() -> None:
     norms[0](x)
 
     def hooks():
-        guard_drift._before_step(opt, (opt,), {})
-        guard_drift._after_step(opt, (opt,), {})
+        step_bound._before_step(opt, (opt,), {})
+        step_bound._after_step(opt, (opt,), {})
 
     def confirm():
         LN._arm()
@@ -63,7 +63,7 @@ def main() -> None:
     print(f"  step hooks (pre + post), per optimizer step: {_median_us(hooks, args.repeat):8.1f} us")
     print(f"  deferred confirmation (launch + read), per forward: {_median_us(confirm, args.repeat):8.1f} us")
     print(f"  synchronous check with slack (no bound), per step: "
-          f"{_median_us(lambda: guard_batch.check_many(items, slack=True), args.repeat):8.1f} us")
+          f"{_median_us(lambda: batch_check.check_many(items, slack=True), args.repeat):8.1f} us")
 
 
 if __name__ == "__main__":

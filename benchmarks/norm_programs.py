@@ -6,10 +6,10 @@ backward (torch.profiler), leanact at several program counts next to torch's op.
 Each program of the backward streams its share of the rows (loading the next row while it reduces
 this one) and, when γ and β train, keeps one float32 partial row of dγ (and dβ), summed by a second
 kernel: more programs put more rows in flight and more partials to sum. First table: γ, β trained,
-leanact at 2, 4, 8 and 16 programs per SM (the defaults: ``dispatch.PROGRAMS_PER_SM``, 4, for
-LayerNorm, ``dispatch.RMS_PROGRAMS_PER_SM``, 2, for RMSNorm). Second table: γ, β frozen (PEFT /
+leanact at 2, 4, 8 and 16 programs per SM (the defaults: ``launchers.PROGRAMS_PER_SM``, 4, for
+LayerNorm, ``launchers.RMS_PROGRAMS_PER_SM``, 2, for RMSNorm). Second table: γ, β frozen (PEFT /
 LoRA; no partials), leanact at 1,024, 2,048 and 4,096 programs and one per row (the default,
-``dispatch.PROGRAMS_WITHOUT_PARTIALS = None``).
+``launchers.PROGRAMS_WITHOUT_PARTIALS = None``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import leanact  # noqa: E402
-from leanact.ops.triton import dispatch  # noqa: E402
+from leanact.ops.norms import launchers  # noqa: E402
 
 COUNTS = (2, 4, 8, 16)  # programs per SM, γ and β trained
 FREE_COUNTS = (1024, 2048, 4096)  # programs, γ and β frozen (and None: one per row)
@@ -75,14 +75,14 @@ def table(frozen: bool) -> list[list[str]]:
             ref_mod, lean_mod = _modules(name, n, dtype, frozen)
             torch_ms = kernels_ms(ref_mod, x, dy)
             row = [name, str(dtype).replace("torch.", ""), f"{r}x{n}", f"{torch_ms:.4f}"]
-            saved = getattr(dispatch, attr)
+            saved = getattr(launchers, attr)
             try:
                 for k in (FREE_COUNTS + (None,)) if frozen else COUNTS:
-                    setattr(dispatch, attr, k)
+                    setattr(launchers, attr, k)
                     ms = kernels_ms(lean_mod, x, dy)
                     row.append(f"{ms:.4f} ({ms / torch_ms:.2f}x)")
             finally:
-                setattr(dispatch, attr, saved)
+                setattr(launchers, attr, saved)
             rows.append(row)
             del x, dy
     return rows

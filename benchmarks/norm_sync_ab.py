@@ -5,7 +5,7 @@
 Runs the steps part of ``benchmarks/gpu_suite.py`` (Llama-3.2-1B geometry and BERT-Large MLM
 steps, HF sdpa next to leanact, interleaved, medians) in this process, either as leanact runs
 (``drift``: a passing from-output verdict stands while AdamW's steps since its check stay within its
-slack, :mod:`leanact.ops.guard_drift`) or with every verdict checked again after each optimizer
+slack, :mod:`leanact.ops.norms.step_bound`) or with every verdict checked again after each optimizer
 step (``sync``: one batched check and one device-to-host sync per step, as before). Run the two
 alternately on the same machine (A, B, A, B): a host-bound step's time moves with the machine's CPU
 more than with this change. Prints the rows and the last notes as JSON.
@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     suite = importlib.util.module_from_spec(spec)
     sys.modules["gpu_suite"] = suite  # (its dataclasses look their module up)
     spec.loader.exec_module(suite)
-    from leanact.ops import guard_drift
+    from leanact.ops.norms import step_bound
 
     if argv[0] == "sync":
-        guard_drift.Stand.holds = lambda self: False  # every verdict checked again after each step (one sync)
+        step_bound.Stand.holds = lambda self: False  # every verdict checked again after each step (one sync)
     rec = suite.Recorder(None, suite.COLUMNS["steps"])
     suite.part_steps(rec, suite.LIMITS["steps"])
     print(argv[0], json.dumps(rec.data["rows"]), json.dumps(rec.data["notes"][-6:]))

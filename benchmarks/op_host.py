@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's leanact
 import leanact  # noqa: E402
-from leanact.ops.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
+from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
 SIZES = {"gpu": dict(rows=16384, gelu=4096, norm=1024, calls=60), "smoke": dict(rows=8, gelu=64, norm=32, calls=5)}

@@ -62,7 +62,7 @@ def cases(rows: int, hidden: int):
 def _fill(module: nn.Module) -> nn.Module:
     # Non-trivial affine parameters, identical for both implementations, in the range trained
     # Transformers have (γ in [0.5, 1.5], |β| ≲ 1): leanact's norms fall back to keeping their input
-    # when some |β/γ| > 8 or γ ≈ 0 (see leanact.ops.layer_norm).
+    # when some |β/γ| > 8 or γ ≈ 0 (see leanact.ops.norms.layer_norm).
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for name, p in module.named_parameters():

@@ -2,12 +2,12 @@
 from .ops.attention import attention
 from .ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from .ops.dropout import dropout, dropout_seeded
-from .ops.dropout_add_norm import dropout_add_layer_norm
+from .ops.norms.dropout_add_norm import dropout_add_layer_norm
 from .ops.gelu import gelu, gelu_minimum
-from .ops.layer_norm import layer_norm
+from .ops.norms.layer_norm import layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.random import draw_seed, keep_mask, keep_mask_like
-from .ops.rms_norm import rms_norm
+from .ops.norms.rms_norm import rms_norm
 
 __all__ = [
     "attention", "draw_seed", "dropout", "dropout_add_layer_norm", "dropout_seeded", "gelu", "gelu_minimum",

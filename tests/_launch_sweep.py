@@ -11,16 +11,19 @@ import torch
 
 from leanact.ops.triton import dispatch
 from leanact.ops.triton import cross_entropy as tce, dropout as td, gated as tgd, gelu as tg, lossy as tlo
-from leanact.ops.triton import norm as tn, rotary as tr
+from leanact.ops.norms import launchers as tn
+from leanact.ops.triton import rotary as tr
 
 #: The modules holding the kernels (each launches through its module-level name ``launch``).
-MODULES = ("kernels", "gelu32_kernels", "gated_kernels", "lossy_kernels", "rotary_kernels", "cross_entropy_kernels")
+MODULES = ("leanact.ops.triton.dropout_kernels", "leanact.ops.norms.kernels", "leanact.ops.gelu.kernels16",
+           "leanact.ops.triton.gelu32_kernels", "leanact.ops.triton.gated_kernels", "leanact.ops.triton.lossy_kernels",
+           "leanact.ops.triton.rotary_kernels", "leanact.ops.triton.cross_entropy_kernels")
 
 
 def modules():
     import importlib
 
-    return [importlib.import_module(f"leanact.ops.triton.{m}") for m in MODULES]
+    return [importlib.import_module(m) for m in MODULES]
 
 
 def kernel_names() -> set[str]:
@@ -51,7 +54,8 @@ def recording(seen: list):
 def sweep(device: str = "cpu", dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list:
     """Run every op's launchers once per dtype on small tensors; returns the launches made."""
     seen: list = []
-    kernels = modules()[0]
+    from leanact.ops.triton import common as kernels
+
     fp32 = torch.float32
     with dispatch.use_kernels(kernels, strict=True), recording(seen), torch.device(device):
         seed = torch.tensor(1234, dtype=torch.int64)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import leanact
-from leanact.ops import layer_norm as LN
+from leanact.ops.norms import verdict as LN
 
 from _families import batch, build
 

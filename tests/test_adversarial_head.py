@@ -21,7 +21,7 @@ import torch.nn.functional as Fn
 import _families as F
 import leanact
 from leanact.functional import linear_cross_entropy
-from leanact.ops import layer_norm as LN
+from leanact.ops.norms import verdict as LN
 from test_patch_head import _assert_close, _pair, _quiet, _step  # noqa: F401 (autouse fixture)
 
 T = 0.3  # a temperature

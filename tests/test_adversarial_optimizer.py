@@ -15,7 +15,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import leanact
-from leanact.ops import guard_batch, guard_drift, layer_norm as LN
+from leanact.ops.norms import batch_check, step_bound, verdict as LN
 
 from _families import batch, build
 
@@ -317,7 +317,7 @@ def test_a_loaded_optimizer_state_is_verified_once_and_then_trusted(monkeypatch)
     opt.load_state_dict(sd)
     m(x).pow(2).sum().backward()
     opt.step()
-    assert guard_drift._MOMENTS[opt][0] >= 1000.0 * 0.999
+    assert step_bound._MOMENTS[opt][0] >= 1000.0 * 0.999
     opt.load_state_dict(opt.state_dict())  # its own state, reloaded
     n = len(checks)
     for _ in range(10):
@@ -333,7 +333,7 @@ def test_a_loaded_optimizer_state_is_verified_once_and_then_trusted(monkeypatch)
 def test_a_moment_edited_in_place_is_verified():
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.Adam([p], lr=1e-3)
-    guard_drift.track(p, 1.0)
+    step_bound.track(p, 1.0)
     for _ in range(2):
         p.grad = torch.ones(4)
         opt.step()
@@ -341,7 +341,7 @@ def test_a_moment_edited_in_place_is_verified():
         opt.state[p]["exp_avg"].mul_(1e6)
     p.grad = torch.ones(4)
     opt.step()
-    assert guard_drift._MOMENTS[opt][0] > 1e4
+    assert step_bound._MOMENTS[opt][0] > 1e4
 
 
 @pytest.mark.parametrize("family", ["llama", "bert"])
@@ -426,7 +426,7 @@ def test_unwatched_steps_check_and_watched_steps_do_not(monkeypatch):
     finally:
         handle.remove()
     assert checks == [2, 2, 2]  # (the first forward after the hook came still stood: the step before was watched)
-    assert guard_batch.check_many_later([(torch.zeros(3), None, 3, torch.float32, 8.0)]).result() == [False]
+    assert batch_check.check_many_later([(torch.zeros(3), None, 3, torch.float32, 8.0)]).result() == [False]
 
 
 def test_the_step_bound_can_be_turned_off(monkeypatch):
@@ -458,8 +458,8 @@ def test_the_deferred_check_agrees_with_the_synchronous_one(device):
         items += [(w, b, n, torch.float32, 8.0, False), (w * 0, None, n, torch.bfloat16, 8.0, False),
                   (w, b * 100, n, torch.float16, 8.0, False), (w - 1.0, None, n, torch.float32, math.inf, True),
                   (None, b, n, torch.float32, 8.0, False)]
-    want = guard_batch.check_many(items)
-    assert guard_batch.check_many_later(items).result() == want
+    want = batch_check.check_many(items)
+    assert batch_check.check_many_later(items).result() == want
     assert True in want and False in want
 
 
@@ -556,5 +556,5 @@ def test_the_batched_checks_ignore_an_enclosing_autocast(later):
     items = [(w1, b1, 16, torch.float32, 8.0), (w2, b2, 16, torch.bfloat16, 8.0),
              (w2 * 0, None, 16, torch.float32, 8.0)]
     with torch.autocast("cpu", dtype=torch.float16):
-        got = guard_batch.check_many_later(items).result() if later else guard_batch.check_many(items)
+        got = batch_check.check_many_later(items).result() if later else batch_check.check_many(items)
     assert got == [True, True, False]

@@ -2,7 +2,7 @@
 
 * A patched BertLayer compiles with fullgraph=True once the LayerNorms' from-output decision is
   fixed (``m.from_output = True``) and gives eager's output and gradients, dropout included. With
-  the automatic decision the only graph breaks are ``leanact.ops.layer_norm.from_output_ok`` (a
+  the automatic decision the only graph breaks are ``leanact.ops.norms.verdict.from_output_ok`` (a
   host read of γ, β, wrapped in ``torch.compiler.disable``).
 * A patched LlamaDecoderLayer compiles with fullgraph=True too once the lean HF RMSNorms'
   decision is fixed the same way (their ``from_output`` attribute), and matches eager.

@@ -1,4 +1,4 @@
-"""leanact.ops.dropout_add_norm: LayerNorm(dropout(h) + residual) as one op keeping y, rstd and a seed.
+"""leanact.ops.norms.dropout_add_norm: LayerNorm(dropout(h) + residual) as one op keeping y, rstd and a seed.
 
 On the PyTorch path (the CPU) the op must be bitwise leanact's dropout, ``+`` and LayerNorm run one
 after the other (the same mask, the same roundings, the same random stream afterwards), keep
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from leanact.memory.meter import saved_bytes
 from leanact.ops.dropout import dropout
-from leanact.ops.dropout_add_norm import DropoutAddLayerNorm, dropout_add_layer_norm
-from leanact.ops.layer_norm import layer_norm
+from leanact.ops.norms.dropout_add_norm import DropoutAddLayerNorm, dropout_add_layer_norm
+from leanact.ops.norms.layer_norm import layer_norm
 from leanact.ops.random import keep_mask_like
 
 from _tol import within_rounding_bound

@@ -1,6 +1,5 @@
 """device="cuda": plain dropout and SDPA keep what CUDA's kernels keep (leanact.estimate.cuda_kernels),
 checked to the byte against formulas."""
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -309,9 +308,8 @@ def test_norm_backward_partials_per_sm(monkeypatch):
     from leanact.estimate import cuda_runtime
     from leanact.estimate.compat import triton_allocations
 
-    # (the module that allocates the partials: leanact.ops.triton.dispatch or one it is split into)
-    norms = next(sys.modules[n] for n in sorted(sys.modules)
-                 if n.startswith("leanact.ops.triton") and hasattr(sys.modules[n], "_grad_outputs"))
+    from leanact.ops.norms import launchers as norms
+
     monkeypatch.setattr(cuda_runtime, "target", lambda: cuda_runtime.GPU((9, 0), 10))
     with FakeTensorMode(), triton_allocations():
         y = torch.empty(4, 300, 64, dtype=torch.bfloat16)
@@ -337,20 +335,20 @@ def test_each_norm_backward_allocates_its_own_program_count(monkeypatch):
 
     from leanact.estimate import cuda_runtime
     from leanact.estimate.compat import triton_allocations
-    from leanact.ops.triton import dispatch, norm
+    from leanact.ops.norms import launchers as norm
 
     monkeypatch.setattr(cuda_runtime, "target", lambda: cuda_runtime.GPU((9, 0), 10))
-    monkeypatch.setattr(dispatch, "PROGRAMS_PER_SM", 3)
-    monkeypatch.setattr(dispatch, "RMS_PROGRAMS_PER_SM", 5)
+    monkeypatch.setattr(norm, "PROGRAMS_PER_SM", 3)
+    monkeypatch.setattr(norm, "RMS_PROGRAMS_PER_SM", 5)
     partials = []
-    real = dispatch._grad_outputs
+    real = norm._grad_outputs
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         partials.append(tuple(None if t is None else tuple(t.shape) for t in out[1:]))
         return out
 
-    monkeypatch.setattr(dispatch, "_grad_outputs", recording)
+    monkeypatch.setattr(norm, "_grad_outputs", recording)
     with FakeTensorMode(), triton_allocations():
         y, w, b = torch.empty(300, 64), torch.empty(64), torch.empty(64)
         rstd = torch.empty(300, 1)

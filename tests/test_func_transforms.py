@@ -12,7 +12,7 @@ from torch.func import functional_call, grad, jacrev, jvp, vmap
 
 import leanact
 import leanact.functional as LF
-from leanact.ops.layer_norm import from_output_ok
+from leanact.ops.norms.verdict import from_output_ok
 from leanact.recompute import producers as P
 
 from _tiny import tiny_batch, tiny_hf

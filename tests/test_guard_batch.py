@@ -1,4 +1,4 @@
-"""The norms' from-output decision for many norms at once (leanact.ops.guard_batch): the same
+"""The norms' from-output decision for many norms at once (leanact.ops.norms.batch_check): the same
 verdicts as the one-at-a-time rule, and after an optimizer step one batch for every norm of the
 model instead of one reduction and one sync per norm."""
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import leanact.nn as lnn
-from leanact.ops import guard_batch, layer_norm as LN
+from leanact.ops.norms import batch_check, verdict as LN
 
 
 def _cases():
@@ -56,10 +56,10 @@ def test_the_same_verdicts_as_one_at_a_time():
     cases = _cases() + _offset_cases()
     one = [LN._check(*c) if (c[0] if c[0] is not None else c[1]).numel() else True for c in cases]
     assert one[-len(_offset_cases()):] == [True, True, False, True, False, False, True, True]
-    assert guard_batch.check_many(cases) == one
+    assert batch_check.check_many(cases) == one
     assert True in one and False in one  # both kinds are exercised
     for i in range(len(cases)):  # and alone, and in every position
-        assert guard_batch.check_many(cases[i:] + cases[:i]) == one[i:] + one[:i]
+        assert batch_check.check_many(cases[i:] + cases[:i]) == one[i:] + one[:i]
 
 
 def _model():
@@ -77,7 +77,7 @@ def test_one_batch_per_optimizer_step(monkeypatch):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(4, 16, requires_grad=True)
     batches, singles = [], []
-    check_many, check = guard_batch.check_many, LN._check
+    check_many, check = batch_check.check_many, LN._check
     monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
     monkeypatch.setattr(LN, "_check", lambda *a: singles.append(1) or check(*a))
 
@@ -118,7 +118,7 @@ def test_no_batch_under_a_dispatch_mode(monkeypatch):
         model(x)
     batches = []
     monkeypatch.setattr(LN, "check_many",
-                        lambda items, **kw: batches.append(len(items)) or guard_batch.check_many(items, **kw))
+                        lambda items, **kw: batches.append(len(items)) or batch_check.check_many(items, **kw))
     _stepped(model)
     model(x)
     assert batches == [4]  # without the mode: batched
@@ -152,7 +152,7 @@ def test_only_parameters_an_optimizer_steps_are_batched(monkeypatch):
     stepped(x)
     copies(x)
     batches = []
-    check_many = guard_batch.check_many
+    check_many = batch_check.check_many
     monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(items) or check_many(items, **kw))
     _stepped(stepped)
     stepped(x)

@@ -1,4 +1,4 @@
-"""Verdicts that outlive Adam's steps (leanact.ops.guard_drift): the step bound holds whatever the
+"""Verdicts that outlive Adam's steps (leanact.ops.norms.step_bound): the step bound holds whatever the
 gradients, the slack keeps the rule, and a verdict stands only while both say so; anything else
 (another optimizer, a write outside a step) is checked as before."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import leanact
-from leanact.ops import guard_batch, guard_drift, layer_norm as LN
+from leanact.ops.norms import batch_check, step_bound, verdict as LN
 
 
 def _gradients(kind: str, steps: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -39,7 +39,7 @@ def test_one_step_moves_no_element_further_than_its_bound(kind, opt_kind, kwargs
         before = p.detach().clone()
         p.grad = g.clone()
         opt.step()
-        c, k = guard_drift.step_bound(opt, opt.param_groups[0])
+        c, k = step_bound.step_bound(opt, opt.param_groups[0])
         moved = (p.detach() - before).abs().max().item()
         assert moved <= c + k * before.abs().max().item() + 4 * 2**-52 * before.abs().max().item(), (moved, c, k)
         if not kwargs.get("weight_decay"):
@@ -66,19 +66,19 @@ def test_a_beta1_schedule_stays_within_the_bound():
     moved = (p.detach() - before).abs().item()
     fixed = 0.01 * 0.1 / math.sqrt(0.001 * (1 - 0.81 / 0.999))  # a·F for β1 = 0.9 held fixed
     assert moved > 3 * fixed
-    assert moved <= guard_drift.step_bound(opt, opt.param_groups[0])[0]
+    assert moved <= step_bound.step_bound(opt, opt.param_groups[0])[0]
 
 
 def test_no_bound_where_none_is_derived():
     p = torch.nn.Parameter(torch.zeros(2))
-    assert guard_drift.ratio_bound(0.9, 0.999) == pytest.approx(31.65, abs=0.02)
-    assert guard_drift.ratio_bound(0.9, 0.999, moment=100.0) == pytest.approx(100.1, abs=0.02)
-    assert guard_drift.ratio_bound(0.9995, 0.99) is None  # β1 above 2β2/(1+β2)
-    assert guard_drift.step_bound(torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p], lr=0.1).param_groups[0]) is None
+    assert step_bound.ratio_bound(0.9, 0.999) == pytest.approx(31.65, abs=0.02)
+    assert step_bound.ratio_bound(0.9, 0.999, moment=100.0) == pytest.approx(100.1, abs=0.02)
+    assert step_bound.ratio_bound(0.9995, 0.99) is None  # β1 above 2β2/(1+β2)
+    assert step_bound.step_bound(torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p], lr=0.1).param_groups[0]) is None
     adam = torch.optim.Adam([p], lr=0.1, eps=0.0)
-    assert guard_drift.step_bound(adam, adam.param_groups[0]) is None  # 0/0 possible
+    assert step_bound.step_bound(adam, adam.param_groups[0]) is None  # 0/0 possible
     adam = torch.optim.Adam([p], lr=torch.tensor(0.1))
-    assert guard_drift.step_bound(adam, adam.param_groups[0]) == pytest.approx((0.1 * 31.65, 0.0), abs=2e-3)
+    assert step_bound.step_bound(adam, adam.param_groups[0]) == pytest.approx((0.1 * 31.65, 0.0), abs=2e-3)
 
 
 def test_the_slack_keeps_the_rule_and_is_the_rules_distance():
@@ -90,8 +90,8 @@ def test_the_slack_keeps_the_rule_and_is_the_rules_distance():
         items += [(w, b, n, torch.bfloat16, 8.0, False), (w, None, n, torch.float32, 8.0, False),
                   (None, b.clamp(-2, 2), n, torch.float16, 8.0, False), (w - 1.0, None, n, torch.float32, 8.0, True),
                   (w, None, n, torch.bfloat16, math.inf, False)]  # (RMSNorm's: no ratio rule)
-    out = guard_batch.check_many(items, slack=True)
-    assert [o[0] for o in out] == guard_batch.check_many(items)
+    out = batch_check.check_many(items, slack=True)
+    assert [o[0] for o in out] == batch_check.check_many(items)
     for (w, b, n, dtype, ratio, offset), (ok, slack, w_max, b_max) in zip(items, out):
         assert ok and slack > 0
         assert w_max == (0.0 if w is None else w.abs().max().item())
@@ -101,10 +101,10 @@ def test_the_slack_keeps_the_rule_and_is_the_rules_distance():
         b2 = None if b is None else b + torch.sign(b) * slack
         assert LN._check(w2, b2, n, dtype, ratio, offset)
     # one channel, γ = 1, β = 0.5: the ratio's distance (8·1 − 0.5)/9
-    (ok, slack, *_), = guard_batch.check_many([(torch.ones(1), torch.tensor([0.5]), 4, torch.float32, 8.0)],
+    (ok, slack, *_), = batch_check.check_many([(torch.ones(1), torch.tensor([0.5]), 4, torch.float32, 8.0)],
                                               slack=True)
     assert 7.5 / 9 - 2e-5 <= slack < 7.5 / 9  # (less a guard of 8 float32 units for the rule's own rounding)
-    assert guard_batch.check_many([(torch.zeros(3), None, 3, torch.float32, 8.0)], slack=True)[0][:2] == (False, 0.0)
+    assert batch_check.check_many([(torch.zeros(3), None, 3, torch.float32, 8.0)], slack=True)[0][:2] == (False, 0.0)
 
 
 def _norms():
@@ -117,7 +117,7 @@ def _setup(monkeypatch, optimizer, **kwargs):
     LN.clear_decision_cache()
     norms = _norms()
     batches = []
-    check_many = guard_batch.check_many
+    check_many = batch_check.check_many
     monkeypatch.setattr(LN, "check_many", lambda items, **kw: batches.append(len(items)) or check_many(items, **kw))
     return norms, optimizer(norms.parameters(), **kwargs), torch.randn(4, 16, requires_grad=True), batches
 
@@ -198,14 +198,14 @@ def test_other_optimizers_check_every_step(monkeypatch):
 
 def test_the_step_bound_accumulates_per_parameter():
     p = torch.nn.Parameter(torch.ones(3))
-    c, k = 0.01 * guard_drift.ratio_bound(0.9, 0.999), 0.01 * 0.1  # (β2 as before: the same moment bound)
+    c, k = 0.01 * step_bound.ratio_bound(0.9, 0.999), 0.01 * 0.1  # (β2 as before: the same moment bound)
     one_step = c + (k + 2**-23) * 1.0
-    stands = [guard_drift.Stand(s, [(p, 1.0)]) for s in (2 * one_step * 1.0001, 2 * c, math.inf)]
+    stands = [step_bound.Stand(s, [(p, 1.0)]) for s in (2 * one_step * 1.0001, 2 * c, math.inf)]
     opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
     p.grad = torch.ones(3)
     opt.step()
-    assert guard_drift.step_bound(opt, opt.param_groups[0]) == pytest.approx((c, k))
-    assert guard_drift._DRIFT[p].total - stands[0].parts[0][2] == pytest.approx(one_step)
+    assert step_bound.step_bound(opt, opt.param_groups[0]) == pytest.approx((c, k))
+    assert step_bound._DRIFT[p].total - stands[0].parts[0][2] == pytest.approx(one_step)
     assert [s.holds() for s in stands] == [True, False, True]
     with torch.no_grad():
         p.add_(0.0)  # a write: _version moves
@@ -229,10 +229,10 @@ def test_a_write_seen_by_one_check_ends_every_older_verdict_on_that_tensor():
     """A β shared by two norms, written outside a step: the check that sees the write first (one
     norm's) does not let the other norm's older verdict stand on the new values."""
     p = torch.nn.Parameter(torch.ones(3))
-    older = guard_drift.Stand(1.0, [(p, 1.0)])
+    older = step_bound.Stand(1.0, [(p, 1.0)])
     with torch.no_grad():
         p.mul_(100.0)
-    newer = guard_drift.Stand(1.0, [(p, 100.0)])  # (a check of the other norm reads the new values)
+    newer = step_bound.Stand(1.0, [(p, 100.0)])  # (a check of the other norm reads the new values)
     assert newer.holds() and not older.holds()
 
 
@@ -241,11 +241,11 @@ def test_a_larger_beta2_seen_earlier_keeps_its_bound():
     drift per step still uses A = 100, not 10."""
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.Adam([p], lr=0.01, betas=(0.9, 0.9999))
-    guard_drift.track(p, 1.0)  # (tracked from the start: its state is the one leanact saw produced)
+    step_bound.track(p, 1.0)  # (tracked from the start: its state is the one leanact saw produced)
     p.grad = torch.ones(2)
     opt.step()  # (the group's history: β2 = 0.9999)
-    base = guard_drift.track(p, 1.0)[0]
+    base = step_bound.track(p, 1.0)[0]
     opt.param_groups[0]["betas"] = (0.9, 0.99)
     opt.step()
-    f = guard_drift.ratio_bound(0.9, 0.99) / (10.0 * 1.001)  # F of this step's betas
-    assert guard_drift._DRIFT[p].total - base == pytest.approx(0.01 * 100.0 * f * 1.001 + 2**-23 * 1.0, rel=1e-6)
+    f = step_bound.ratio_bound(0.9, 0.99) / (10.0 * 1.001)  # F of this step's betas
+    assert step_bound._DRIFT[p].total - base == pytest.approx(0.01 * 100.0 * f * 1.001 + 2**-23 * 1.0, rel=1e-6)

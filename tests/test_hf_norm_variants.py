@@ -228,7 +228,7 @@ def test_cuda_float64_rstd_is_the_composite_one(variant):
 def test_gemma_norms_decide_in_the_one_batch_per_step(monkeypatch):
     """Gemma's γ = 1 + w norms join the other norms' one batch per optimizer step (one sync), the
     same verdicts as alone; a w set to -1 (γ = 0) by a step moves its norm to the fallback."""
-    import leanact.ops.layer_norm as L
+    import leanact.ops.norms.verdict as L
 
     L.clear_decision_cache()
     norms = nn.ModuleList([hf_rms_norm_replacement(_norm("offset", seed=i))[0] for i in range(3)]
@@ -259,7 +259,7 @@ def test_gemma_norms_decide_in_the_one_batch_per_step(monkeypatch):
 def test_decided_once_per_step_and_once_when_frozen(monkeypatch, variant):
     """The from-output decision of a patched HF norm is cached: once per optimizer step (not once
     per forward: each decision reads γ on the host, a sync), and once while γ is frozen (PEFT)."""
-    import leanact.ops.layer_norm as L
+    import leanact.ops.norms.verdict as L
 
     calls = []
     check, check_many = L._check, L.check_many

@@ -123,7 +123,7 @@ def test_dropout_add_layer_norm_one_kernel_forward_two_backward(h_dtype):
     """The sub-layer end LayerNorm(dropout(h) + residual): the seed and one kernel forward (HF's three
     ops: dropout, add, norm), the norm's two backward kernels write both gradients (HF: the norm's,
     the add's cast, the dropout's)."""
-    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+    from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm
 
     h, r, m = _x(h_dtype), _x(torch.float32), lnn.LayerNorm(64)
     (f_aten, f_k), (b_aten, b_k) = _count(lambda: dropout_add_layer_norm(h, r, 64, m.weight, m.bias, 1e-5, 0.1),

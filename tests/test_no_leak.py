@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 import leanact
 from leanact import strategies
-from leanact.ops import layer_norm as LN
+from leanact.ops.norms import verdict as LN
 from leanact.saved import SavedTensorObserver
 
 from _tiny import tiny_batch, tiny_hf
@@ -120,7 +120,7 @@ def test_a_step_that_fails_or_is_dropped_frees_its_graph(family, strategy, where
     before = _live_bytes()
     failing_step()  # a leak grows with every failing step
     # (allowed: the norms' deferred confirmation of the failed forward, one small tensor per device,
-    # read at the next forward: leanact.ops.layer_norm.confirm_verdicts)
+    # read at the next forward: leanact.ops.norms.verdict.confirm_verdicts)
     in_flight = sum(later._counts.untyped_storage().nbytes() for *_, later in LN._PENDING)
     assert _live_bytes() == before + in_flight
     step(None)  # and the model still trains

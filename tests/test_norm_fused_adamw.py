@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import leanact
-from leanact.ops import layer_norm as ln_mod
+from leanact.ops.norms import verdict as ln_mod
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,6 +98,6 @@ def test_decision_checked_once_per_optimizer_step(monkeypatch):
         for _ in range(2):  # e.g. gradient accumulation: two forwards per step, at most one check
             m(x).sum().backward()
         # checked at the first forward and after the first step (the batched check, which gives the
-        # verdict's slack); then AdamW's bounded steps stay within it: no check (leanact.ops.guard_drift)
+        # verdict's slack); then AdamW's bounded steps stay within it: no check (leanact.ops.norms.step_bound)
         assert len(calls) == min(step + 1, 2)
         opt.step()

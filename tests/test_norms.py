@@ -5,7 +5,7 @@ Tolerances. fp32: compared with torch's fp32 result, rtol 1e-5 and atol 1e-5·ma
 by up to ~7 unit roundoffs from accumulating in bf16), so both are compared with torch's fp64
 result on the same rounded inputs, as max|err| / max|ref|; the bound is 4u (u = 2^-8 bf16,
 2^-11 fp16): the output/gradient rounding (u) plus y's rounding carried into x̂ (u·(|x̂| + ≤9),
-see leanact.ops.layer_norm) averaged over a row; observed ≤ 1.7u. Forward outputs are bitwise
+see leanact.ops.norms.layer_norm) averaged over a row; observed ≤ 1.7u. Forward outputs are bitwise
 equal to torch's in every dtype.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 
 from leanact.memory import saved_bytes
 from leanact.nn.normalization import LayerNorm, RMSNorm
-from leanact.ops import layer_norm as ln_mod
-from leanact.ops.layer_norm import layer_norm
-from leanact.ops.rms_norm import rms_norm
+from leanact.ops.norms import verdict as ln_mod
+from leanact.ops.norms.layer_norm import layer_norm
+from leanact.ops.norms.rms_norm import rms_norm
 
 U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -142,7 +142,7 @@ def test_matches_torch(op, shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_rms_composite_forward_matches_torch(dtype):
-    from leanact.ops.rms_norm import _composite, _fused
+    from leanact.ops.norms.rms_norm import _composite, _fused
 
     x, w = torch.randn(3, 5, 4, 6, dtype=dtype), gamma((4, 6), dtype)
     for weight in (w, None):

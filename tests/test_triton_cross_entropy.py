@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")
 def _interpreting() -> bool:
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    k = sys.modules.get("leanact.ops.triton.kernels")
+    k = sys.modules.get("leanact.ops.triton.common")
     return _FRESH or k is None or type(k._store).__name__ == "InterpretedFunction"
 
 
@@ -45,7 +45,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture
 def KM(monkeypatch):
     monkeypatch.setenv("LEANACT_TRITON", "1")
-    from leanact.ops.triton import cross_entropy_kernels, kernels
+    from leanact.ops.triton import common as kernels, cross_entropy_kernels
 
     return kernels, cross_entropy_kernels
 

@@ -10,10 +10,11 @@ pytestmark = [pytest.mark.cuda, pytest.mark.triton,
 
 import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONSTS)
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
-from leanact.ops.layer_norm import layer_norm  # noqa: E402
+from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask_like  # noqa: E402
-from leanact.ops.rms_norm import rms_norm  # noqa: E402
-from leanact.ops.triton import dispatch, norm  # noqa: E402
+from leanact.ops.norms.rms_norm import rms_norm  # noqa: E402
+from leanact.ops.triton import dispatch  # noqa: E402
+from leanact.ops.norms import launchers as norm  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +183,7 @@ def test_norms(monkeypatch, dtype, rms):
 def test_dropout_add_layer_norm(monkeypatch, h_dtype, autocast):
     """The sub-layer end's compiled kernels against its PyTorch path on this GPU: the same tensors kept,
     the same mask, y and the gradients within float32 rounding (BERT-Large's width and rows)."""
-    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+    from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm
 
     torch.manual_seed(2)
     n = 1024

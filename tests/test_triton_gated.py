@@ -32,7 +32,7 @@ def _interpreting() -> bool:
     kernels module either not imported yet or imported under the interpreter too."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    k = sys.modules.get("leanact.ops.triton.kernels")
+    k = sys.modules.get("leanact.ops.triton.common")
     return _FRESH or k is None or type(k._store).__name__ == "InterpretedFunction"
 
 

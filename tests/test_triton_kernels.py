@@ -24,10 +24,11 @@ import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONS
 import leanact.ops.gelu.minimum as GM  # noqa: E402
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
 from leanact.ops.gelu import gelu  # noqa: E402
-from leanact.ops.layer_norm import layer_norm  # noqa: E402
+from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask, keep_mask_like, keep_threshold  # noqa: E402
-from leanact.ops.rms_norm import rms_norm  # noqa: E402
-from leanact.ops.triton import dispatch, gelu as TG, norm as TN  # noqa: E402
+from leanact.ops.norms.rms_norm import rms_norm  # noqa: E402
+from leanact.ops.triton import dispatch, gelu as TG  # noqa: E402
+from leanact.ops.norms import launchers as TN  # noqa: E402
 from leanact.ops.triton import dropout as TD  # noqa: E402
 
 from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
@@ -43,7 +44,22 @@ def _kernels_on(monkeypatch):
 
 @pytest.fixture(scope="module")
 def K():
-    from leanact.ops.triton import kernels
+    """What the ops' launchers dispatch to (each op's kernel module is loaded from there by name)."""
+    from leanact.ops.triton import common
+
+    return common
+
+
+@pytest.fixture(scope="module")
+def DK():
+    from leanact.ops.triton import dropout_kernels
+
+    return dropout_kernels
+
+
+@pytest.fixture(scope="module")
+def NK():
+    from leanact.ops.norms import kernels
 
     return kernels
 
@@ -79,11 +95,11 @@ def _grads(fn, *inputs, kernels=None, dy=None):
 
 @interp
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1e-10])
-def test_keep_mask_bitwise(K, p):
+def test_keep_mask_bitwise(K, DK, p):
     for seed, offset, n in ((torch.tensor(-1234567890123456789), 0, 2000), (torch.tensor(7), (1 << 32) - 300, 700),
                             (torch.tensor(1 << 40), 5 << 32, 257)):
         out = torch.empty(n, dtype=torch.bool)
-        K.keep_mask_range(seed, out, keep_threshold(p), offset, block=256)
+        DK.keep_mask_range(seed, out, keep_threshold(p), offset, block=256)
         assert torch.equal(out, keep_mask(seed, torch.arange(n) + offset, p))
         with dispatch.use_kernels(K):
             assert torch.equal(keep_mask_like(seed, (n,), p, offset=offset), out)
@@ -402,11 +418,11 @@ def test_rms_norm(K, dtype, from_output, weight):
                                              (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("needs", ["all", "h", "residual", "params"])
-def test_dropout_add_layer_norm(K, h_dtype, r_dtype, p, needs):
+def test_dropout_add_layer_norm(NK, h_dtype, r_dtype, p, needs):
     """The sub-layer end's two kernels (forward: dropout, add, norm; backward: the norm's from the
     output, then the add's and the dropout's) against its PyTorch path: the same tensors kept, y and
     the gradients within float32 rounding of the two reduction orders, the same mask."""
-    from leanact.ops.dropout_add_norm import dropout_add_layer_norm
+    from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm
 
     torch.manual_seed(6)
     n, z = 40, torch.promote_types(h_dtype, r_dtype)
@@ -423,7 +439,7 @@ def test_dropout_add_layer_norm(K, h_dtype, r_dtype, p, needs):
         torch.manual_seed(11)
         return dropout_add_layer_norm(hh, rr, n, ww, bb, 1e-5, p)
 
-    spy = _Spy(K)
+    spy = _Spy(NK)
     y0, g0, s0 = _grads(fn, h, r, w, b, dy=dy)
     y1, g1, s1 = _grads(fn, h, r, w, b, kernels=spy, dy=dy)
     assert spy.calls[:2] == ["norm_forward", "norm_backward"]  # (then the partials' sum, if dγ or dβ is needed)
@@ -438,16 +454,16 @@ def test_dropout_add_layer_norm(K, h_dtype, r_dtype, p, needs):
 
 
 @interp
-def test_norm_backward_row_loop(K):
+def test_norm_backward_row_loop(NK):
     """More rows than programs: each program loops over its rows and sums its own dγ, dβ."""
     torch.manual_seed(5)
     y, rstd = torch.empty(11, 16), torch.empty(11)
-    K.norm_forward(torch.randn(11, 16), y, rstd, 16, None, None, 1e-5, rms=False)
+    NK.norm_forward(torch.randn(11, 16), y, rstd, 16, None, None, 1e-5, rms=False)
     dy = torch.randn(11, 16)
 
     def grads(programs):
         dx, dw, db = torch.empty(11, 16), torch.zeros(programs, 16), torch.zeros(programs, 16)
-        K.norm_backward(dy, y, rstd, None, None, dx, dw, db, 16, rms=False, from_output=True)
+        NK.norm_backward(dy, y, rstd, None, None, dx, dw, db, 16, rms=False, from_output=True)
         return dx, dw.sum(0), db.sum(0)
 
     full = grads(1)
@@ -459,21 +475,19 @@ def test_norm_backward_row_loop(K):
 
 
 @interp
-def test_norm_backward_without_partials_shares_rows(K, monkeypatch):
-    """γ, β frozen (no partials): dispatch.PROGRAMS_WITHOUT_PARTIALS programs share the rows, unevenly
+def test_norm_backward_without_partials_shares_rows(NK, monkeypatch):
+    """γ, β frozen (no partials): launchers.PROGRAMS_WITHOUT_PARTIALS programs share the rows, unevenly
     when they do not divide them; dx is the same whatever their count."""
-    from leanact.ops.triton import dispatch
-
     torch.manual_seed(6)
     w, b = torch.rand(16) + 0.5, torch.randn(16) * 0.1
     y, rstd = torch.empty(11, 16), torch.empty(11)
-    K.norm_forward(torch.randn(11, 16), y, rstd, 16, w, b, 1e-5, rms=False)
+    NK.norm_forward(torch.randn(11, 16), y, rstd, 16, w, b, 1e-5, rms=False)
     dy = torch.randn(11, 16)
 
     def dx(programs):
-        monkeypatch.setattr(dispatch, "PROGRAMS_WITHOUT_PARTIALS", programs)
+        monkeypatch.setattr(TN, "PROGRAMS_WITHOUT_PARTIALS", programs)
         out = torch.full((11, 16), float("nan"))
-        K.norm_backward(dy, y, rstd, w, b, out, None, None, 16, rms=False, from_output=True)
+        NK.norm_backward(dy, y, rstd, w, b, out, None, None, 16, rms=False, from_output=True)
         return out
 
     one = dx(1)
@@ -485,7 +499,7 @@ def test_norm_backward_without_partials_shares_rows(K, monkeypatch):
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_norm_partials_sum(K, dtype):
+def test_norm_partials_sum(NK, dtype):
     """dγ, dβ from the backward's per-program partials in one kernel: float32 sums over more
     programs than one tile holds (ragged), ÷ γ for RMSNorm from output, rounded once to the
     parameters' dtype. Bound: a float32 sum of P terms is within (P - 1)·u·Σ|p| of the truth (u =
@@ -498,7 +512,7 @@ def test_norm_partials_sum(K, dtype):
     for need_w, need_b, div_w in ((True, True, False), (True, False, True), (False, True, False), (True, False, False)):
         dw = torch.empty(n, dtype=dtype) if need_w else None
         db = torch.empty(n, dtype=dtype) if need_b else None
-        K.norm_partials_sum(pw if need_w else None, pb if need_b else None, dw, db, w, n, div_w)
+        NK.norm_partials_sum(pw if need_w else None, pb if need_b else None, dw, db, w, n, div_w)
         for got, parts, div in ((dw, pw, div_w), (db, pb, False)):
             if got is None:
                 continue
@@ -524,7 +538,7 @@ def test_norm_backward_of_no_rows(K):
 
 
 class _Spy:
-    """The kernels module, recording which launchers ran."""
+    """A kernel module, recording which of its launchers ran."""
 
     def __init__(self, k):
         self.k, self.calls = k, []
@@ -537,7 +551,7 @@ class _Spy:
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["llama", "fp32_mul", "offset", "t5"])
-def test_hf_rms_norm_variants_through_the_kernels(K, variant, dtype):
+def test_hf_rms_norm_variants_through_the_kernels(NK, variant, dtype):
     """Hugging Face's RMSNorm variants (LLaMA's, OLMo 2's, Gemma's 1 + w, T5's), patched: their
     backward runs the RMSNorm kernels (γ = w, or 1 + w in fp32 for Gemma's), from the output and
     from the input, within float32 rounding of the PyTorch path."""
@@ -558,7 +572,7 @@ def test_hf_rms_norm_variants_through_the_kernels(K, variant, dtype):
         lean, reason = hf_rms_norm_replacement(copy.deepcopy(ref))
         assert reason is None
         lean.from_output = from_output
-        spy = _Spy(K)
+        spy = _Spy(NK)
         y0, g0, _ = _grads(lean, x, dy=dy)
         w0, lean.weight.grad = lean.weight.grad, None
         with dispatch.use_kernels(spy):
@@ -596,18 +610,6 @@ def test_dispatch_declines_without_cuda_or_when_disabled(monkeypatch):
         assert dropout_seeded(x.double(), seed, 0.5).shape == x.shape
 
 
-def test_launchers_that_moved_out_of_dispatch_are_still_found_there():
-    """Each op's launchers live in its own module (leanact.ops.triton.norm, .gelu, .dropout); the
-    names dispatch had are forwarded, except the dropout ones, which now take the keep threshold."""
-    assert dispatch.layer_norm_forward is TN.layer_norm_forward and dispatch.rms_norm_backward is TN.rms_norm_backward
-    assert dispatch.gelu_backward is TG.gelu_backward and dispatch.MAX_N == TN.MAX_N == 32768
-    for name in ("dropout", "keep_mask_like", "keep_mask_rows"):
-        with pytest.raises(AttributeError, match=f"leanact.ops.triton.dropout.{name}, which takes the keep threshold"):
-            getattr(dispatch, name)
-    with pytest.raises(AttributeError):
-        dispatch.no_such_name
-
-
 def test_a_failing_kernel_warns_once_and_its_op_takes_the_pytorch_path():
     calls = []
 
@@ -634,36 +636,39 @@ def test_in_subprocess():
 
 
 _COMPILE = r'''
-from leanact.ops.triton import kernels as K
+from leanact.ops.gelu import kernels16 as K16
+from leanact.ops.norms import kernels as NK
+from leanact.ops.triton import common as K, dropout_kernels as DK
 
-build(K._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "n": "i64", "offset": "i64",
+build(DK._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "n": "i64", "offset": "i64",
       "thr": "i64", "scale": "fp32"}, {"APPLY": True, "BLOCK": 1024}, **K.FUSED)
-build(K._keep_rows_kernel, {"starts_ptr": "*i64", "out_ptr": "*u8", "seed_ptr": "*i64", "length": "i32", "thr": "i64"},
+build(DK._keep_rows_kernel, {"starts_ptr": "*i64", "out_ptr": "*u8", "seed_ptr": "*i64", "length": "i32", "thr": "i64"},
       {"BLOCK": 1024}, **K.FUSED)
-build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
+build(NK._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
       "N": "i32", "eps": "fp32", "r_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024, "RESIDUAL": False, "DROPOUT": False, "Z_KIND": 0},
       **K.FUSED)
-# the sub-layer end, dropout(h) + residual -> LayerNorm (leanact.ops.dropout_add_norm): bf16 h, fp32 residual and y
-build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "rstd_ptr": "*fp32",
+# the sub-layer end, dropout(h) + residual -> LayerNorm (leanact.ops.norms.dropout_add_norm): bf16 h, fp32
+# residual and y
+build(NK._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "rstd_ptr": "*fp32",
       "N": "i32", "eps": "fp32", "r_ptr": "*fp32", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024, "RESIDUAL": True, "DROPOUT": True, "Z_KIND": 0},
       **K.UNFUSED)
-build(K._ln_bwd_kernel, {"dy_ptr": "*fp32", "t_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "rstd_ptr": "*fp32",
+build(NK._ln_bwd_kernel, {"dy_ptr": "*fp32", "t_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "rstd_ptr": "*fp32",
       "dx_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32", "rows_per_prog": "i32",
       "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
        "NEED_DB": True, "BLOCK_N": 1024, "RESIDUAL": True, "NEED_DH": True, "DROPOUT": True, "Z_KIND": 0}, **K.FUSED)
-build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
+build(NK._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "rstd_ptr": "*fp32",
       "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32", "rows_per_prog": "i32",
       "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
        "NEED_DB": True, "BLOCK_N": 1024, "RESIDUAL": False, "NEED_DH": False, "DROPOUT": False, "Z_KIND": 0},
       **K.FUSED)
-build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "*bf16", "dw_ptr": "*bf16",
+build(NK._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "*bf16", "dw_ptr": "*bf16",
       "db_ptr": "*bf16", "P": "i32", "N": "i32"}, {"HAS_DW": True, "HAS_DB": True, "DIV_W": True, "BLOCK_P": 32,
       "BLOCK_N": 64}, **K.FUSED)
-build(K._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
+build(K16._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
 from leanact.ops.triton import gelu32_kernels as G32
 for fma_div, even in ((False, False), (True, False), (False, True)):

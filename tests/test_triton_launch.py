@@ -29,7 +29,8 @@ launches = install()
 import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
-from leanact.ops.triton import kernels as K, launch as L
+from leanact.ops.gelu import kernels16 as K
+from leanact.ops.triton import launch as L
 from _launch_sweep import kernel_names, sweep
 
 runs = collections.Counter()

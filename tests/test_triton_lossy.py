@@ -39,7 +39,7 @@ def _kernels_on(monkeypatch):
 
 @pytest.fixture(scope="module")
 def K():
-    from leanact.ops.triton import kernels
+    from leanact.ops.triton import common as kernels
 
     return kernels
 
@@ -369,7 +369,7 @@ def test_cuda_kernels_match_the_pytorch_path_on_the_device(dtype, monkeypatch):
 
 
 _COMPILE = r'''
-from leanact.ops.triton import kernels as K, lossy_kernels as LK
+from leanact.ops.triton import common as K, lossy_kernels as LK
 for kind, ptr in ((0, "*fp32"), (1, "*i16")):
     build(LK._fewbit_fwd_kernel, {"x_ptr": ptr, "y_ptr": ptr, "tab_ptr": ptr, "packed_ptr": "*u8",
           "borders_ptr": "*fp32", "labels_ptr": "*u8", "n": "i32", "per": "i32"},

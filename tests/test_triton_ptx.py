@@ -25,7 +25,10 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 _SCAN = r'''
 import re
-from leanact.ops.triton import gated_kernels as GK, gelu32_kernels as G32, kernels as K, lossy_kernels as LK
+from leanact.ops.gelu import kernels16 as K16
+from leanact.ops.norms import kernels as NK
+from leanact.ops.triton import common as K, dropout_kernels as DK, gated_kernels as GK, gelu32_kernels as G32
+from leanact.ops.triton import lossy_kernels as LK
 from leanact.ops.triton import rotary_kernels as RK
 
 APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.approx\.\w+|rsqrt\.approx\.\w+"
@@ -49,7 +52,8 @@ def scan(fn, sig, consts, **opts):
         f64.add(name)
 
 ''' + "{body}" + r'''
-kernels = {n for mod in (K, LK, GK, G32, RK) for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
+kernels = {n for mod in (DK, NK, K16, LK, GK, G32, RK) for n in vars(mod)
+           if n.startswith("_") and n.endswith("_kernel")}
 print("KERNELS", sorted(kernels - built), "MISSING")
 print("F64", sorted(f64))
 print("FTZ", sorted(ftz))
@@ -73,34 +77,33 @@ def _compile_scripts() -> str:
 
 
 _MORE = r'''
-from leanact.ops.triton import kernels as K
 for rms in (False, True):
-    build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+    build(NK._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
           "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32", "r_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64",
           "scale": "fp32"}, {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "BLOCK_N": 1024, "RESIDUAL": False,
           "DROPOUT": False, "Z_KIND": 0}, **K.FUSED)
-    build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+    build(NK._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
           "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32",
           "rows_per_prog": "i32", "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
           {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "FROM_OUTPUT": False, "NEED_DX": True, "NEED_DW": True,
            "NEED_DB": not rms, "BLOCK_N": 1024, "RESIDUAL": False, "NEED_DH": False, "DROPOUT": False,
            "Z_KIND": 0}, **K.FUSED)
 # the sub-layer end in a bf16 model (z rounded to bf16) and without dropout
-build(K._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+build(NK._ln_fwd_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
       "rstd_ptr": "*fp32", "N": "i32", "eps": "fp32", "r_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64",
       "scale": "fp32"}, {"HAS_W": True, "HAS_B": True, "RMS": False, "BLOCK_N": 1024, "RESIDUAL": True,
       "DROPOUT": True, "Z_KIND": 1}, **K.UNFUSED)
-build(K._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+build(NK._ln_bwd_kernel, {"dy_ptr": "*bf16", "t_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
       "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "M": "i32", "N": "i32",
       "rows_per_prog": "i32", "dh_ptr": "*bf16", "seed_ptr": "*i64", "thr": "i64", "scale": "fp32"},
       {"HAS_W": True, "HAS_B": True, "RMS": False, "FROM_OUTPUT": True, "NEED_DX": True, "NEED_DW": True,
        "NEED_DB": True, "BLOCK_N": 1024, "RESIDUAL": True, "NEED_DH": True, "DROPOUT": False, "Z_KIND": 1},
       **K.FUSED)
 for dtype in ("*bf16", "*fp32"):
-    build(K._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": dtype, "dw_ptr": dtype,
+    build(NK._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": dtype, "dw_ptr": dtype,
           "db_ptr": dtype, "P": "i32", "N": "i32"}, {"HAS_DW": True, "HAS_DB": True, "DIV_W": dtype == "*fp32",
           "BLOCK_P": 32, "BLOCK_N": 64}, **K.FUSED)
-build(K._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
+build(K16._gelu16_bwd_kernel, {"y_ptr": "*i16", "bits_ptr": "*u8", "dy_ptr": "*bf16", "out_ptr": "*bf16",
       "tab_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}, **K.FUSED)
 # the three ways to read a table row, with masks and over whole blocks (EVEN: no masks)
 for wide, even in ((0, False), (1, False), (2, False), (0, True), (2, True)):

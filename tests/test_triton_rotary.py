@@ -32,7 +32,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture
 def KM(monkeypatch):
     monkeypatch.setenv("LEANACT_TRITON", "1")
-    from leanact.ops.triton import kernels, rotary_kernels
+    from leanact.ops.triton import common as kernels, rotary_kernels
 
     return kernels, rotary_kernels
 

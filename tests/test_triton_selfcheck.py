@@ -17,12 +17,12 @@ triton, INTERPRETED = interpreter_setup()
 import leanact.ops.gelu.function as G  # noqa: E402
 from leanact.lossy.compress import compress, decompress  # noqa: E402
 from leanact.ops.dropout import dropout_seeded  # noqa: E402
-from leanact.ops.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
+from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
 from leanact.ops.fewbit import fewbit_activation  # noqa: E402
 from leanact.ops.gated_mlp import gated_down  # noqa: E402
-from leanact.ops.layer_norm import layer_norm  # noqa: E402
+from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask_like  # noqa: E402
-from leanact.ops.rms_norm import rms_norm  # noqa: E402
+from leanact.ops.norms.rms_norm import rms_norm  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
 from _triton_run import run_interpreted  # noqa: E402
@@ -33,7 +33,7 @@ interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the
 
 @pytest.fixture(scope="module")
 def K():
-    from leanact.ops.triton import kernels
+    from leanact.ops.triton import common as kernels
 
     return kernels
 
@@ -143,16 +143,10 @@ class _Corrupt:
         return corrupt
 
 
-def _gated_module():
-    from leanact.ops.triton import gated_kernels
+def _kernel_module(name: str):
+    import importlib
 
-    return gated_kernels
-
-
-def _lossy_module():
-    from leanact.ops.triton import lossy_kernels
-
-    return lossy_kernels
+    return importlib.import_module(name)
 
 
 def _layer_norm_dx():
@@ -162,16 +156,17 @@ def _layer_norm_dx():
     return dx
 
 
-_CASES = {  # op: (module, launcher, output argument, perturbation, call)
-    "dropout": (None, "dropout_apply", 1, lambda v: -v + 1,
+_CASES = {  # op: (kernel module, launcher, output argument, perturbation, call)
+    "dropout": ("leanact.ops.triton.dropout_kernels", "dropout_apply", 1, lambda v: -v + 1,
                 lambda: dropout_seeded(torch.randn(2000), torch.tensor(9), 0.3)),
-    "layer_norm": (None, "norm_backward", 5, lambda v: v * 1.01 + 0.01,  # dx (the forward is torch's kernel)
+    # dx (the forward is torch's kernel)
+    "layer_norm": ("leanact.ops.norms.kernels", "norm_backward", 5, lambda v: v * 1.01 + 0.01,
                    lambda: _layer_norm_dx()),
-    "gelu": (None, "gelu_forward16", 1, lambda v: v + 1,
+    "gelu": ("leanact.ops.gelu.kernels16", "gelu_forward16", 1, lambda v: v + 1,
              lambda: G._forward(torch.randn(3000).bfloat16(), "none", True)),
-    "gated_mlp": ("gated", "glu_forward", 2, lambda v: v * 1.05,
+    "gated_mlp": ("leanact.ops.triton.gated_kernels", "glu_forward", 2, lambda v: v * 1.05,
                   lambda: gated_down(torch.randn(6, 64), torch.randn(6, 64), torch.randn(8, 64))),
-    "compress": ("lossy", "quantize", 2, lambda v: v * 2,  # a wrong block scale
+    "compress": ("leanact.ops.triton.lossy_kernels", "quantize", 2, lambda v: v * 2,  # a wrong block scale
                  lambda: compress(torch.randn(1000), "int8", 128)),
 }
 
@@ -180,7 +175,7 @@ _CASES = {  # op: (module, launcher, output argument, perturbation, call)
 @pytest.mark.parametrize("op", sorted(_CASES))
 def test_a_wrong_kernel_fails_its_check_and_falls_back(K, op):
     where, launcher, out, shift, call = _CASES[op]
-    module = {None: K, "gated": _gated_module(), "lossy": _lossy_module()}[where]
+    module = _kernel_module(where)
     with dispatch.forced("off"):
         torch.manual_seed(0)
         reference = call()
@@ -261,10 +256,11 @@ def test_each_op_registers_its_own_check():
     layer and selfcheck.py import no op); importing any part of leanact imports them all."""
     where = {name: check.__module__ for name, check in dispatch._CHECKS.items()}
     assert where == {"dropout": "leanact.ops.dropout", "gelu": "leanact.ops.gelu.function",
-                     "layer_norm": "leanact.ops.layer_norm", "rms_norm": "leanact.ops.layer_norm",  # the norms' check
+                     # (the norms' check, made in layer_norm for both)
+                     "layer_norm": "leanact.ops.norms.layer_norm", "rms_norm": "leanact.ops.norms.layer_norm",
                      "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
                      "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy",
-                     "dropout_add_layer_norm": "leanact.ops.dropout_add_norm", "rotary": "leanact.ops.rotary"}
+                     "dropout_add_layer_norm": "leanact.ops.norms.dropout_add_norm", "rotary": "leanact.ops.rotary"}
 
 
 def test_setting(monkeypatch):

@@ -3,7 +3,7 @@
 What differs under ``FakeTensorMode`` and how each is handled (all swaps are scoped to a context
 manager and restored on exit; the owners' files are not modified):
 
-* ``leanact.ops.layer_norm.from_output_ok`` (imported by ``ops.rms_norm`` and
+* ``leanact.ops.norms.verdict.from_output_ok`` (imported by ``ops.rms_norm`` and
   ``patching.hf_rms_norm`` too) decides from the values of γ, β whether to keep y or x:
   ``bool(ok.all())`` raises ``DataDependentOutputException`` on fake weights. :func:`value_decisions`
   answers with the real weight's decision, or True for config-built models and meta weights (γ = 1, β = 0).
@@ -49,7 +49,7 @@ def value_decisions(real_of: dict[int, torch.Tensor]):
     """While active, ``from_output_ok`` (leanact's norms) answers for fake weights without reading
     values: the real weight's answer when known (``real_of``), else True. Every module that
     imported the function by name gets the wrapper; all are restored on exit."""
-    from leanact.ops import layer_norm as ln
+    from leanact.ops.norms import verdict as ln
 
     original = ln.from_output_ok
 
@@ -221,9 +221,9 @@ def triton_allocations():
         yield
         return
     sms = target().sms
-    # every leanact.ops.triton module that has the norms' program count (defined or imported by name)
-    owners = [m for name, m in list(sys.modules.items()) if m is not None and name.startswith("leanact.ops.triton")
-              and callable(getattr(m, "_programs", None))]
+    from leanact.ops.norms import launchers as norms
+
+    owners = [norms]
     saved = [(m, m._programs) for m in owners]
 
     def cuda_programs_of(programs):
@@ -233,7 +233,7 @@ def triton_allocations():
             # dγ (and dβ), as on the device
             if not _faking():
                 return programs(rows, device, per_sm)
-            return max(1, min(rows, (dispatch.PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
+            return max(1, min(rows, (norms.PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
         return cuda_programs
 
     for m, programs in saved:

@@ -2,14 +2,14 @@
 
 Subclasses of the torch modules: same constructor, attributes, state_dict keys and repr, so a
 torch state_dict loads unchanged and ``isinstance(m, torch.nn.LayerNorm)`` holds. With grad,
-forward calls :func:`leanact.ops.layer_norm.layer_norm` / :func:`leanact.ops.rms_norm.rms_norm`,
+forward calls :func:`leanact.ops.norms.layer_norm.layer_norm` / :func:`leanact.ops.norms.rms_norm.rms_norm`,
 which keep for backward only the output y and one rstd per row (fp32 for 16-bit inputs on GPU;
 torch's CPU LayerNorm kernel returns rstd in the input dtype). Why y: the Linear that follows a
 norm in a Transformer keeps y for its weight gradient anyway, and storages are shared, so the
 norm's net cost is one rstd per row instead of a copy of its input (plus mean and rstd).
 
 When γ (or |γ| relative to |β|) is too small for y to determine x̂ exactly, the op falls back to
-keeping the input (see ``leanact.ops.layer_norm``); the check runs once per optimizer step.
+keeping the input (see :mod:`leanact.ops.norms.verdict`); the check runs once per optimizer step.
 ``from_output`` (None = auto, True/False = forced) and, for LayerNorm, ``max_ratio`` are plain
 attributes, keyword-only in the constructor and left out of the repr. Without grad (no_grad,
 inference) forward is torch's, saving nothing. Do not modify the output in place before backward:
@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.layer_norm import DEFAULT_MAX_RATIO, layer_norm
-from ..ops.rms_norm import rms_norm
+from ..ops.norms.verdict import DEFAULT_MAX_RATIO
+from ..ops.norms.layer_norm import layer_norm
+from ..ops.norms.rms_norm import rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
 

@@ -4,7 +4,7 @@
 style (the norm's parameters become replicated DTensors, its input a ``Shard(seq_dim)`` DTensor)
 with one change: the module's own forward runs inside
 :func:`~torch.distributed.tensor.experimental.local_map` on plain local tensors. leanact's norms
-are custom autograd Functions (``leanact.ops.layer_norm``, ``rms_norm``, the lean HF RMSNorm) that
+are custom autograd Functions (``leanact.ops.norms.layer_norm``, ``rms_norm``, the lean HF RMSNorm) that
 read their weight from the module and save plain tensors (y and rstd) for backward, so they are
 given the local shard of x and the local copies of the replicated weight and bias. What is kept
 for backward is then exactly what the single-device op keeps, for the s/t rows of the shard.

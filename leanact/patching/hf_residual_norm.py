@@ -3,7 +3,7 @@
 
 HF's forward is ``LayerNorm(dropout(dense(x)) + residual)``. Patched, ``dense`` runs as a module
 (its hooks fire; leanact's weight recast applies) and the rest is
-:func:`leanact.ops.dropout_add_norm.dropout_add_layer_norm`: one op (on CUDA one kernel each way)
+:func:`leanact.ops.norms.dropout_add_norm.dropout_add_layer_norm`: one op (on CUDA one kernel each way)
 keeping y, rstd and the dropout's seed, what leanact's dropout and LayerNorm keep when run one after
 the other, without writing the dropout output and the sum. Its results are those of the two lean
 modules (the same mask, the same roundings; the norm's statistics to float32 rounding on CUDA).
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .. import nn as lnn
-from ..ops.dropout_add_norm import dropout_add_layer_norm
+from ..ops.norms.dropout_add_norm import dropout_add_layer_norm
 from ..ops.transforms import functorch_active
 from .modules import hook_kinds, hooks_reason, reclass, unchanged
 from .source import forward_body

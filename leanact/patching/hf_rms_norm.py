@@ -49,11 +49,12 @@ from torch import nn
 
 from ..ops.backward import once_differentiable
 from ..saved import keeping_output
-from ..ops.layer_norm import compute_dtype, confirm_verdicts, from_output_ok
-from ..ops.rms_norm import RMSNormFunction
+from ..ops.norms.layer_norm import compute_dtype
+from ..ops.norms.verdict import confirm_verdicts, from_output_ok
+from ..ops.norms.rms_norm import RMSNormFunction
 from ..ops.row_chunks import row_slices
 from ..ops.transforms import functorch_active
-from ..ops.triton import norm as _triton
+from ..ops.norms import launchers as _triton
 from .modules import reclass
 from .source import forward_body
 from .adapter import ModuleAdapter

@@ -18,7 +18,7 @@ __all__ = ["chunk_"]
 
 
 def _module(k):
-    return launchers(k, "cross_entropy_kernels", "chunk_")
+    return launchers(k, "leanact.ops.triton.cross_entropy_kernels", "chunk_")
 
 
 def chunk_(z, y, coef, lse, zy, zsum, scale: float, softcap, eps: float, stats: bool, grad: bool) -> bool:

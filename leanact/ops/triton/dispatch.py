@@ -1,19 +1,21 @@
 """Kernel or PyTorch path: the dispatch layer under every op's launchers.
 
-Each op's launchers (one function per op and direction, in the op's own module: :mod:`.dropout`,
-:mod:`.norm`, :mod:`.gelu`, :mod:`.gated`, :mod:`.lossy`, :mod:`.cross_entropy`) return what the
-op's PyTorch path would return (same dtypes, shapes and, where the op keeps tensors for backward,
-the same tensors to keep), computed by a Triton kernel, or ``None``: the caller then runs its
-PyTorch path. They ask :func:`_usable` and launch through :func:`_launch`. The kernels run when
+Each op's launchers (one function per op and direction, in the op's own module:
+:mod:`leanact.ops.norms.launchers`, :mod:`.dropout`, :mod:`.gelu`, :mod:`.gated`, :mod:`.lossy`,
+:mod:`.cross_entropy`, :mod:`.rotary`) return what the op's PyTorch path would return (same
+dtypes, shapes and, where the op keeps tensors for backward, the same tensors to keep), computed
+by a Triton kernel, or ``None``: the caller then runs its PyTorch path. They ask :func:`_usable`
+and launch through :func:`_launch`. The kernels run when
 
 - ``LEANACT_TRITON`` is unset, ``1`` or ``strict`` (read at every call; ``0`` turns them off),
 - every tensor is a plain CUDA tensor (not fake, not a subclass, not a functorch wrapper),
 - no ``torch.compile`` trace is running (the PyTorch path is what inductor fuses),
-- Triton imports (checked once, by loading :mod:`.kernels`), and the op's dtype and sizes are
+- Triton imports (checked once, by loading :mod:`.common`), and the op's dtype and sizes are
   covered (float16, bfloat16, float32; each launcher says its sizes); otherwise the PyTorch path.
 
-This module imports no op and no kernel module: :mod:`.kernels` is loaded by name on the first
-kernel call, and each op registers its self-check here (:func:`register_check`).
+This module imports no op and no kernel module: :mod:`.common` (what every kernel module builds on)
+is loaded by name on the first kernel call, each op's kernel module by the name its launchers give
+(:func:`launchers`), and each op registers its self-check here (:func:`register_check`).
 
 Before an op's kernel first runs on a device (per op, dtype and variant), a **self-check** runs the
 op on small inputs through the kernel and through its PyTorch path on that device and compares them
@@ -45,9 +47,9 @@ __all__ = ["available", "enabled", "forced", "register_check", "use_kernels", "v
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Elements per program of the elementwise kernels (a multiple of 8: a program packs whole bytes).
 BLOCK = 1024
-#: The kernels module (dropout, norms, GELU; the other ops' kernel modules build on it), loaded by
+#: The module every kernel module builds on (rounded stores, exact loads, bit packing), loaded by
 #: name on the first kernel call: whether it imports is whether Triton works here.
-_KERNELS = "leanact.ops.triton.kernels"
+_KERNELS = "leanact.ops.triton.common"
 _STATE: dict = {"kernels": None, "failed": False, "cpu": False, "strict": False, "fake": False, "verify": True}
 _BROKEN: set[str] = set()  # kernels that raised or failed their self-check: the PyTorch path from then on
 _VERIFIED: set[tuple] = set()  # (op, device, key) whose self-check passed
@@ -63,16 +65,23 @@ class _Local(threading.local):
 _LOCAL = _Local()
 
 
+_LAUNCHERS: dict[str, types.ModuleType] = {}  # kernel module name -> the module (imported once)
+
+
 def launchers(k, module: str, attr: str):
     """The launchers standing for ``k`` (what :func:`_usable` returned) for an op whose kernels live
-    in ``leanact.ops.triton.<module>``: that module when ``k`` is the shared kernels module (``k``
-    has no ``attr``), None when it fails to import (the PyTorch path); anything else
-    (``SHAPES_ONLY``, a test's module or double) as is."""
+    in the module named ``module`` (a dotted name, e.g. ``"leanact.ops.norms.kernels"``): that
+    module when ``k`` is a kernel module without ``attr`` (:mod:`.common`, or another op's kernel
+    module given to :func:`use_kernels`), None when it fails to import (the PyTorch path); anything
+    else (``SHAPES_ONLY``, a test's module or double) as is."""
     if isinstance(k, types.ModuleType) and not hasattr(k, attr):
-        try:
-            return importlib.import_module(f"{__package__}.{module}")
-        except Exception:  # a Triton that cannot build these: the PyTorch path
-            return None
+        found = _LAUNCHERS.get(module)
+        if found is None:
+            try:
+                found = _LAUNCHERS[module] = importlib.import_module(module)
+            except Exception:  # a Triton that cannot build these: the PyTorch path
+                return None
+        return found
     return k
 
 
@@ -166,11 +175,12 @@ def forced(path: str):
 
 @contextlib.contextmanager
 def use_kernels(module, strict: bool = True, fake: bool = False, verify: bool = False):
-    """For the duration of the block, run ``module``'s launchers: tests pass :mod:`.kernels`
-    imported under ``TRITON_INTERPRET=1`` and CPU tensors are accepted; ``fake=True`` accepts fake
-    tensors only (:data:`SHAPES_ONLY`: leanact.estimate). ``strict``: a failing kernel or self-check
-    raises. ``verify``: self-check each op before its first launch (as on CUDA; off by default, the
-    tests compare the kernels themselves)."""
+    """For the duration of the block, run the kernels: tests pass :mod:`.common` (or an op's kernel
+    module, whose launchers then run as they are) imported under ``TRITON_INTERPRET=1`` and CPU
+    tensors are accepted; ``fake=True`` accepts fake tensors only (:data:`SHAPES_ONLY`:
+    leanact.estimate). ``strict``: a failing kernel or self-check raises. ``verify``: self-check each
+    op before its first launch (as on CUDA; off by default, the tests compare the kernels
+    themselves)."""
     saved, broken, done = dict(_STATE), set(_BROKEN), set(_VERIFIED)
     _STATE.update(kernels=module, failed=False, cpu=not fake, strict=strict, fake=fake, verify=verify)
     _BROKEN.clear()
@@ -308,64 +318,3 @@ def _launch(name: str, t: torch.Tensor, fn, *args, check_key=None, **kwargs):
                       "uses its PyTorch path from now on (LEANACT_TRITON=strict raises instead)", RuntimeWarning,
                       stacklevel=3)
         return _FAILED
-
-
-# -- helpers of the row-wise kernels --------------------------------------------------------------
-
-
-_SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
-#: Programs per multiprocessor of LayerNorm's backward (each keeps one partial dγ, dβ row: more
-#: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them:
-#: 4 per SM fastest for LayerNorm on an H200, 2 for RMSNorm, whose rows are wider here).
-PROGRAMS_PER_SM = 4
-#: The same for RMSNorm's backward.
-RMS_PROGRAMS_PER_SM = 2
-#: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA),
-#: each taking an equal share of the rows; None: one program per row (on an H200 0.79-0.99x torch's
-#: kernel time, against 0.81-1.18x for 1,024 programs: benchmarks/norm_programs.py).
-PROGRAMS_WITHOUT_PARTIALS: int | None = None
-
-
-def _programs(rows: int, device: torch.device, per_sm: int | None = None) -> int:
-    """Backward programs sharing the rows: ``per_sm`` (default :data:`PROGRAMS_PER_SM`) per SM on
-    CUDA (each keeps one partial dγ, dβ row)."""
-    sms = 1
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        sms = _SMS.get(index)
-        if sms is None:
-            sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(rows, (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
-
-
-def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool,
-                  per_sm: int | None = None):
-    """dx (dy's dtype) and the float32 partial sums of dγ, dβ (uninitialized: every program writes
-    its whole row, zeros where it has no rows), each None where not needed; the partials of both
-    are rows of one buffer (one allocation), ``per_sm`` programs' (:func:`_programs`)."""
-    k = int(need_dw) + int(need_db)
-    p = _programs(t.numel() // n, t.device, per_sm) if k else 0
-    parts = torch.empty((k, p, n), dtype=torch.float32, device=t.device) if k else None
-    return (torch.empty_like(t, dtype=dy.dtype, memory_format=torch.contiguous_format) if need_dx else None,
-            parts[0] if need_dw else None, parts[k - 1] if need_db else None)
-
-
-# -- names that moved to their op's launchers -------------------------------------------------------
-
-#: name -> the module that holds it now (old imports from here keep working: it is loaded by name
-#: on first use, never when this module is imported).
-_MOVED = {**dict.fromkeys(("layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
-                           "MAX_N"), "leanact.ops.triton.norm"),
-          **dict.fromkeys(("gelu_forward", "gelu_backward"), "leanact.ops.triton.gelu")}
-#: The dropout launchers now take the keep threshold in place of p: a call written for the old ones
-#: would run with a wrong threshold, so these names raise and say where they went.
-_RETHRESHOLDED = ("dropout", "keep_mask_like", "keep_mask_rows")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    if name in _RETHRESHOLDED:
-        raise AttributeError(f"{__name__}.{name} moved to leanact.ops.triton.dropout.{name}, which takes the keep "
-                             "threshold (leanact.ops.random.keep_threshold(p)) in place of p")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

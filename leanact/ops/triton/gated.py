@@ -21,7 +21,7 @@ _MAX_COLS = 65535 * 1024  # the column blocks go on the grid's second axis (at m
 def _gated(k):
     """The launchers standing for ``k``: :mod:`.gated_kernels` for the kernels module (see
     :func:`.dispatch.launchers`)."""
-    return launchers(k, "gated_kernels", "glu_forward")
+    return launchers(k, "leanact.ops.triton.gated_kernels", "glu_forward")
 
 
 def _ok(kind: str, g: torch.Tensor, *ts) -> bool:

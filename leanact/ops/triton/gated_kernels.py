@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import UNFUSED, _store
+from .common import UNFUSED, _store
 from .math32 import exp as _exp, tanh as _tanh
 from .launch import cdiv, launch, next_power_of_2
 

@@ -1,6 +1,6 @@
 """Kernel or PyTorch path for GELU from its output (:mod:`leanact.ops.gelu`): the launchers of
-:mod:`.kernels`' GELU kernels, with the tables and thresholds of :mod:`leanact.ops.gelu` (which
-import nothing of this package).
+:mod:`leanact.ops.gelu.kernels16` (16-bit storage) and :mod:`.gelu32_kernels` (float32), with the
+tables and thresholds of :mod:`leanact.ops.gelu` (which import nothing of this package).
 
 Same contract as :mod:`.dispatch`: each function returns what
 :mod:`leanact.ops.gelu.function`'s PyTorch path returns, from one kernel, or ``None`` (the caller
@@ -54,7 +54,7 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
     if x.dtype == torch.float32:
-        k32 = launchers(k, "gelu32_kernels", "gelu32_forward")
+        k32 = launchers(k, "leanact.ops.triton.gelu32_kernels", "gelu32_forward")
         if k32 is None:
             return None
         thr, table = _args("forward", x, approximate)
@@ -62,7 +62,10 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
                     check_key=(x.dtype, approximate))
     else:
         table, u = _args("forward", x, approximate)
-        r = _launch("gelu", x, k.gelu_forward16, x.contiguous(), y, bits, table, u, check_key=(x.dtype, approximate))
+        k16 = launchers(k, "leanact.ops.gelu.kernels16", "gelu_forward16")
+        if k16 is None:
+            return None
+        r = _launch("gelu", x, k16.gelu_forward16, x.contiguous(), y, bits, table, u, check_key=(x.dtype, approximate))
     return None if r is _FAILED else (y, bits)
 
 
@@ -73,7 +76,7 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
         return None
     out = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y.dtype == torch.float32:
-        k32 = launchers(k, "gelu32_kernels", "gelu32_backward")
+        k32 = launchers(k, "leanact.ops.triton.gelu32_kernels", "gelu32_backward")
         if k32 is None:
             return None
         table, c32 = _args("backward", y, approximate)
@@ -81,6 +84,9 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
                     check_key=(y.dtype, approximate))
     else:
         table, = _args("backward", y, approximate)
-        r = _launch("gelu", y, k.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table,
+        k16 = launchers(k, "leanact.ops.gelu.kernels16", "gelu_backward16")
+        if k16 is None:
+            return None
+        r = _launch("gelu", y, k16.gelu_backward16, y.contiguous(), bits, dy.contiguous(), out, table,
                     check_key=(y.dtype, approximate))
     return None if r is _FAILED else out

@@ -59,7 +59,7 @@ from leanact.ops.gelu import mills32 as _mills
 from leanact.ops.gelu import slope32 as _slope
 
 from .dispatch import BLOCK
-from .kernels import UNFUSED, _grid, _pack8, _unpack1
+from .common import UNFUSED, _grid, _pack8, _unpack1
 from .math32 import exp_half_neg_parts, exp_parts, f32 as _f32, quotient, recip12_of_negated
 from .launch import launch
 

@@ -7,7 +7,6 @@ format, int8's uniforms) comes in as arguments: nothing here imports ``leanact.l
 """
 from __future__ import annotations
 
-import types
 from typing import Callable
 
 import torch
@@ -22,15 +21,10 @@ MAX_QBLOCK = 8192
 
 
 def _lossy_kernels(k):
-    """The launchers: :mod:`.lossy_kernels` in place of the dispatched :mod:`.kernels` module, else
-    ``k`` itself (:mod:`.lossy_kernels` given to ``use_kernels``, :data:`.dispatch.SHAPES_ONLY`)."""
-    if isinstance(k, types.ModuleType) and k.__name__.endswith(".kernels"):
-        try:
-            from . import lossy_kernels
-        except Exception:  # a Triton that cannot build these: the PyTorch path
-            return None
-        return lossy_kernels
-    return k
+    """The launchers standing for ``k``: :mod:`.lossy_kernels` for a kernel module without them
+    (see :func:`.dispatch.launchers`), else ``k`` itself (:mod:`.lossy_kernels` given to
+    ``use_kernels``, :data:`.dispatch.SHAPES_ONLY`)."""
+    return _d.launchers(k, "leanact.ops.triton.lossy_kernels", "fewbit_forward")
 
 
 def _usable(*tensors):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import BLOCK  # elements per program of the elementwise kernels
-from .kernels import UNFUSED, _grid, _pack8, _store, _unpack1
+from .common import UNFUSED, _grid, _pack8, _store, _unpack1
 from .launch import cdiv, launch, next_power_of_2
 
 _TILE = 4096  # elements per program of the quantize kernel (whole blocks)

@@ -17,7 +17,7 @@ __all__ = ["rotary_forward", "rotary_backward", "pair_ok"]
 
 
 def _module(k):
-    return launchers(k, "rotary_kernels", "rotary")
+    return launchers(k, "leanact.ops.triton.rotary_kernels", "rotary")
 
 
 def usable(*tensors):

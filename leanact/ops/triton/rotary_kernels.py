@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import UNFUSED, _KINDS, _load_f32, _round, _store
+from .common import UNFUSED, _KINDS, _load_f32, _round, _store
 from .launch import cdiv, launch, next_power_of_2
 
 __all__ = ["rotary"]

@@ -1,17 +1,8 @@
-"""LayerNorm whose backward needs only its output y and one rstd per row.
+"""The norms' verdict: whether a norm's output determines x̂, decided from γ and β and cached.
 
-The next Linear keeps y for its weight gradient anyway, so keeping y here costs no new storage
-(the meter and the allocator count one storage): the norm's net cost is one rstd per row, instead
-of torch's input + mean + rstd. Backward rebuilds the normalized input from the output:
-
-    x̂ = (y − β)/γ,  g = dy·γ,  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)),
-    dγ = Σ_rows dy·x̂,  dβ = Σ_rows dy        (means over the normalized dims).
-
-Implementation: x − μ = (y − β)/(γ·rstd) is rebuilt in the compute dtype (fp32 for 16-bit
-inputs, fp64 for fp64) and handed, with mean 0 and the saved rstd, to torch's fused
-``native_layer_norm_backward``, which then evaluates exactly the formulas above in one kernel
-(faster in eager than the same formulas as separate tensor ops; under torch.compile it is
-decomposed and fused). Only the backward's temporaries are full-size; nothing extra is kept.
+The from-output backward of LayerNorm and RMSNorm (:mod:`.layer_norm`, :mod:`.rms_norm`,
+:mod:`.dropout_add_norm`) rebuilds x̂ = (y − β)/γ from the output y it keeps: what is kept for
+backward is y and rstd only where this module says y determines x̂ accurately enough.
 
 When is x̂ = (y − β)/γ exact enough? y is rounded to its dtype (unit roundoff u), with absolute
 error ≤ u·(|y| + tiny) (tiny = smallest normal, the subnormal spacing), so x̂ recovered from y
@@ -32,11 +23,11 @@ tensor, keyed on (data_ptr, _version) of γ and β and on the number of optimize
 (a global ``torch.optim`` step post-hook counts every ``Optimizer.step()``, fused or not: a fused
 AdamW updates parameters without bumping ``_version``), so it runs once per optimizer step; the
 first norm to run after a step decides again, at once, for every norm of the previous step whose γ
-and β are parameters an optimizer updated in place (``leanact.ops.guard_batch``: one sync per step,
-not one per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Under
+and β are parameters an optimizer updated in place (:mod:`.batch_check`: one sync per step, not one
+per norm; norms on copies refreshed just before they run, as FSDP's, decide alone). Under
 Adam / AdamW a passing verdict stands without that check while the steps since it cannot have
-moved γ, β out of the rule (``leanact.ops.guard_drift``: no sync on most steps; only steps leanact
-watched end to end count, every other write ends the bound; :func:`use_step_bound` turns it off).
+moved γ, β out of the rule (:mod:`.step_bound`: no sync on most steps; only steps leanact watched
+end to end count, every other write ends the bound; :func:`use_step_bound` turns it off).
 Frozen γ and β (``requires_grad=False``: PEFT / LoRA) are decided once, while their storage and
 ``_version`` stay the same. A cached verdict trusts that nothing it cannot see (a write through
 ``.data``, a kernel that skips ``_version``) changed γ, β: so every forward that uses one launches,
@@ -50,10 +41,6 @@ transforms the op is torch's own layer_norm, and the check, when called there, r
 wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
 check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
 ``fullgraph=True`` when ``from_output`` is given.
-
-Caveats: the output is saved for backward, so modifying it in place before backward raises (torch's
-LayerNorm allows it); double backward raises, naming leanact (``once_differentiable``), on the
-from-output path.
 """
 from __future__ import annotations
 
@@ -62,28 +49,22 @@ import os
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .amp import no_autocast_backward, norm_inputs
-from .backward import once_differentiable
-from . import guard_drift
-from .guard_batch import check_many, check_many_later
-from ..saved import keeping_output
-from .transforms import functorch_active, is_wrapped, unwrap
-from .triton import norm as _triton
-from .triton.dispatch import register_check
+from ..transforms import is_wrapped, unwrap
+from . import step_bound
+from .batch_check import check_many, check_many_later
 
-__all__ = ["LayerNormFromOutput", "layer_norm", "from_output_ok", "clear_decision_cache", "DEFAULT_MAX_RATIO",
-           "backward_from_output", "offset_gamma", "confirm_verdicts", "use_step_bound"]
+__all__ = ["from_output_ok", "clear_decision_cache", "confirm_verdicts", "use_step_bound", "offset_gamma",
+           "DEFAULT_MAX_RATIO"]
 
 DEFAULT_MAX_RATIO = 8.0
 
 #: ref (γ, else β) -> [key, ok, args, stand]: the cached decision, what deciding it again needs, and
-#: for a passing verdict of the batched check its :class:`~leanact.ops.guard_drift.Stand` (None
+#: for a passing verdict of the batched check its :class:`~leanact.ops.norms.step_bound.Stand` (None
 #: otherwise): while the optimizer steps since stay within its slack, it stands unchecked
 _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: id(ref) -> (weak reference to ref, its _DECISIONS entry): the per-call lookup by id (a
@@ -127,7 +108,7 @@ def _optimized(t: torch.Tensor) -> bool:
 
 # Every torch.optim.Optimizer's step() runs the global post-hooks, fused kernels included: the
 # cached decisions are keyed on this count, so a step that skips _version still invalidates them.
-register_optimizer_step_post_hook(guard_drift.own_hook(_count_step))
+register_optimizer_step_post_hook(step_bound.own_hook(_count_step))
 
 
 def clear_decision_cache() -> None:
@@ -153,11 +134,6 @@ def _cached(ref: torch.Tensor) -> list | None:
     """``ref``'s cached decision entry, or None."""
     hit = _BY_ID.get(id(ref))
     return hit[1] if hit is not None and hit[0]() is ref else None
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64; everything else (fp32, bf16, fp16) is computed in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def offset_gamma(w: torch.Tensor) -> torch.Tensor:
@@ -284,14 +260,14 @@ def _intact(t: torch.Tensor) -> bool:
         return False
     if _identity(t) is None:
         return False
-    return t.untyped_storage().nbytes() >= guard_drift.storage_bytes(t)
+    return t.untyped_storage().nbytes() >= step_bound.storage_bytes(t)
 
 
 def _refresh_stale(device: torch.device) -> bool:
     """Decide again for every cached norm on ``device`` whose decision predates this optimizer step:
     a passing verdict whose γ, β only Adam/AdamW steps moved, by less than its slack, stands
-    (:class:`leanact.ops.guard_drift.Stand`: no device work, no sync); the others are decided in one
-    batch (:func:`leanact.ops.guard_batch.check_many`: one sync), which also gives their slack. False
+    (:class:`leanact.ops.norms.step_bound.Stand`: no device work, no sync); the others are decided in one
+    batch (:func:`leanact.ops.norms.batch_check.check_many`: one sync), which also gives their slack. False
     (nothing done) where that cannot help: no such norm, or a dispatch mode (fake tensors) active."""
     if _get_current_dispatch_mode() is not None:
         return False
@@ -323,7 +299,7 @@ def _refresh_stale(device: torch.device) -> bool:
             refs, items, check_many(items, slack=True)):
         stand = None
         if ok and slack > 0.0:
-            stand = guard_drift.Stand(slack, [(t, m) for t, m in ((w, w_max), (b, b_max)) if t is not None])
+            stand = step_bound.Stand(slack, [(t, m) for t, m in ((w, w_max), (b, b_max)) if t is not None])
         _remember(ref, [_key_of(w, b, n, dtype, max_ratio, offset), ok, _args(w, b, n, dtype, max_ratio, offset),
                         stand, 0])
     return True
@@ -342,7 +318,7 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: 
 def _arm() -> None:
     """At the first norm of a forward that uses a cached passing verdict: launch, without a sync, the
     check of every cached passing verdict whose γ, β are readable now (per device, one batch:
-    :func:`leanact.ops.guard_batch.check_many_later`); the norms' backward reads it
+    :func:`leanact.ops.norms.batch_check.check_many_later`); the norms' backward reads it
     (:func:`confirm_verdicts`). A cached verdict trusts that nothing changed γ, β unseen since it was
     read; this confirms it for every forward, at the cost of one batch of small launches."""
     _settle(raising=False)
@@ -375,7 +351,7 @@ def _armable() -> list:
             wr, br = entry[2][:2]
             w, b = (None if r is None else r() for r in (wr, br))
             if all(t is not None and _plain(t) for t in (w, b) if t is not None) and (w is not None or b is not None):
-                out.append((weakref.ref(ref), entry, entry[2], tuple(0 if t is None else guard_drift.storage_bytes(t)
+                out.append((weakref.ref(ref), entry, entry[2], tuple(0 if t is None else step_bound.storage_bytes(t)
                                                                     for t in (w, b))))
         _ARMABLE[:] = [_GENERATION[0], out]
     return _ARMABLE[1]
@@ -401,7 +377,7 @@ def _confirm_before_step(optimizer, args, kwargs) -> None:
     confirm_verdicts()
 
 
-register_optimizer_step_pre_hook(guard_drift.own_hook(_confirm_before_step))
+register_optimizer_step_pre_hook(step_bound.own_hook(_confirm_before_step))
 
 
 #: normalized sizes of norms whose contradicted verdict a forward used, read where no error could be
@@ -431,7 +407,7 @@ def _settle(raising: bool) -> None:
             "in a way leanact cannot see (a write through `.data`, or by a kernel that skips `_version`) and "
             "left the range where the backward from the norm's output is exact, so this backward would give "
             "inexact gradients. Write parameters under `torch.no_grad()` without `.data` (leanact sees those "
-            "writes), or call `leanact.ops.layer_norm.clear_decision_cache()` after such writes; these norms "
+            "writes), or call `leanact.ops.norms.clear_decision_cache()` after such writes; these norms "
             "decide again at their next call.")
 
 
@@ -442,118 +418,3 @@ def _key_of(w, b, n, dtype, max_ratio, offset) -> tuple:
 
 # reads values on the host: outside any compiled graph (the graph break names from_output_ok)
 _from_output_ok_eagerly = torch.compiler.disable(_from_output_ok_on_host)
-
-
-class LayerNormFromOutput(torch.autograd.Function):
-    """LayerNorm that saves (y, rstd) and recovers x̂ = (y − β)/γ in backward (see module doc)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, normalized_shape, eps):
-        # torch's own kernel: it returns what this op keeps (y and rstd; the mean is dropped). Only the
-        # backward, from the output, is leanact's (one Triton kernel on CUDA)
-        y, _mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        ctx.normalized_shape = normalized_shape
-        ctx.save_for_backward(y, rstd, weight, bias)
-        ctx.keeps_output = True  # (leanact.ops.amp.keeps_output)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    @no_autocast_backward
-    def backward(ctx, dy):
-        # Rebuild x − μ = (y − β)/(γ·rstd) in the compute dtype and hand it, with mean 0 and the
-        # saved rstd, to torch's fused LayerNorm backward: it then sees x̂ = (y − β)/γ and computes
-        # exactly dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dγ = Σ dy·x̂, dβ = Σ dy, in one kernel.
-        confirm_verdicts()
-        y, rstd, w, b = ctx.saved_tensors
-        fused = _triton.layer_norm_backward(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad)
-        if fused is not None:  # CUDA: one kernel (plus the sum of dγ, dβ partials)
-            return (*fused, None, None)
-        return (*backward_from_output(dy, y, rstd, w, b, ctx.normalized_shape, ctx.needs_input_grad[:3]), None, None)
-
-
-def backward_from_output(dy, y, rstd, w, b, normalized_shape, needs) -> tuple:
-    """``(dx, dγ, dβ)`` of LayerNorm from its output y and rstd, the PyTorch path (None where
-    ``needs`` says not needed, or where γ / β is None): x̂ rebuilt from y, then torch's fused backward."""
-    ct = compute_dtype(y.dtype)
-    r = rstd.to(ct)
-    wc = None if w is None else w.to(ct)
-    bc = None if b is None else b.to(ct)
-    xc = y.to(ct, copy=True) if bc is None else torch.sub(y, bc)  # a fresh buffer: y stays intact
-    if wc is not None:
-        xc.div_(wc)
-    xc.div_(r)
-    mask = [bool(needs[0]), w is not None and bool(needs[1]), b is not None and bool(needs[2])]
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy.to(ct), xc, normalized_shape, torch.zeros_like(r), r, wc, bc, mask)
-    return (None if dx is None else dx.to(dy.dtype), None if dw is None else dw.to(w.dtype),
-            None if db is None else db.to(b.dtype))
-
-
-def layer_norm(
-    x: torch.Tensor,
-    normalized_shape,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    *,
-    from_output: bool | None = None,
-    max_ratio: float = DEFAULT_MAX_RATIO,
-) -> torch.Tensor:
-    """``F.layer_norm`` (identical output) that keeps only y and rstd for backward.
-
-    from_output: True = recover x̂ from y (caller vouches for γ, β); False = torch's layer_norm,
-        which keeps the input; None (default) = decide from γ, β with :func:`from_output_ok`
-        (cached; graph-breaks under torch.compile).
-    max_ratio: largest |β|/|γ| accepted by the automatic decision (see module doc).
-    Without grad (no_grad, eval with frozen inputs) this is plain ``F.layer_norm``, saving nothing;
-    under ``torch.func`` transforms it is ``F.layer_norm`` too (:mod:`leanact.ops.transforms`).
-    """
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not needs_grad or functorch_active():  # torch.func: torch's own op (leanact.ops.transforms)
-        return F.layer_norm(x, shape, weight, bias, eps)
-    x, weight, bias = norm_inputs(x, weight, bias)  # autocast's policy for layer_norm (ops.amp)
-    if from_output is None:
-        from_output = from_output_ok(weight, bias, math.prod(shape), x.dtype, max_ratio)
-    if not from_output:
-        return F.layer_norm(x, shape, weight, bias, eps)
-    # its output is the source of autocast's casts (leanact.patching.amp)
-    return keeping_output(lambda: LayerNormFromOutput.apply(x, weight, bias, shape, eps))
-
-
-# -- the self-checks of the norm kernels ("layer_norm" here, "rms_norm" in leanact.ops.rms_norm) --
-
-
-def _norm_self_check(function, rms: bool):
-    """The check of the norm kernels run by ``function`` (:class:`LayerNormFromOutput`, or with
-    ``rms`` :class:`leanact.ops.rms_norm.RMSNormFunction`, from output and from input), its key a
-    dtype: y and the gradients through the kernels no further from the float64 PyTorch path than
-    4x the PyTorch path plus 2 ulp (see :mod:`leanact.ops.triton.selfcheck`)."""
-    def check(device: torch.device, key) -> None:
-        from .triton.selfcheck import both, forward_backward, generator, no_worse, randn
-
-        dtype, n = key, 600
-        gen = generator(device)
-        x = randn((2, 7, n), device, dtype, gen, 2.0)
-        w = (torch.rand(n, generator=gen, device=device) + 0.5).to(dtype)
-        b = randn(n, device, dtype, gen, 0.1)
-        dy = randn((2, 7, n), device, dtype, gen)
-        for from_output in ((True, False) if rms else (True,)):
-            def run(x=x, w=w, b=b, dy=dy):
-                if rms:
-                    y, grads = forward_backward(function, (x, w, (n,), None, from_output), dy,
-                                                (True, True, False, False, False))
-                else:
-                    y, grads = forward_backward(function, (x, w, b, (n,), 1e-5), dy, (True, True, True, False, False))
-                return [y, *grads[: 2 if rms else 3]]
-
-            got, ref = both(run)
-            truth = run(*(t.double() for t in (x, w, b, dy)))  # float64: the PyTorch path
-            name = "RMSNorm" if rms else "LayerNorm"
-            for what, a, r, t in zip(("y", "dx", "dweight", "dbias"), got, ref, truth):
-                no_worse(f"{name} (from output: {from_output}) {what}", a, r, t)
-    return check
-
-
-register_check("layer_norm", _norm_self_check(LayerNormFromOutput, rms=False))

@@ -1,4 +1,4 @@
-"""The norms' from-output rule (``leanact.ops.layer_norm``) for many (γ, β) at once: one pass, one sync.
+"""The norms' from-output rule (:mod:`leanact.ops.norms.verdict`) for many (γ, β) at once: one pass, one sync.
 
 Each norm decides once per optimizer step whether its output determines x̂ (a reduction over γ, β
 read on the host). Decided one norm at a time, that is ~20 small launches and a device-to-host
@@ -10,7 +10,7 @@ the one-at-a-time rule rounds them) repeated over each norm's channels, the fail
 counted per norm by a cumulative sum, one ``tolist()``. The verdicts are the one-at-a-time rule's,
 element for element. With ``slack=True`` the same sync also returns, per norm, how far every
 element of γ and β may move before the rule can fail, and the largest |w|, |β|
-(:mod:`leanact.ops.guard_drift`: what lets a verdict outlive Adam's steps without a check).
+(:mod:`leanact.ops.norms.step_bound`: what lets a verdict outlive Adam's steps without a check).
 :func:`check_many_later` evaluates the same rule without a sync: the verdicts reach the host when the
 device has computed them (a copy into pinned memory and an event), read when needed (:class:`Later`):
 what confirms, off the host's critical path, the verdicts that stood on the bound alone.
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .amp import autocast_off
+from ..amp import autocast_off
 
 __all__ = ["check_many", "check_many_later", "Later"]
 
@@ -70,7 +70,7 @@ def check_many(items: list[tuple], slack: bool = False) -> list:
 def _gamma(w: torch.Tensor | None, offset: bool, count: int, ct: torch.dtype, dev) -> torch.Tensor:
     if w is None:
         return torch.ones(count, dtype=ct, device=dev)
-    return _flat(1.0 + w.to(torch.float32)) if offset else _flat(w)  # (leanact.ops.layer_norm.offset_gamma)
+    return _flat(1.0 + w.to(torch.float32)) if offset else _flat(w)  # (leanact.ops.norms.verdict.offset_gamma)
 
 
 def _check_group(items: list[tuple], ct: torch.dtype, slack: bool = False, later: bool = False):

@@ -2,8 +2,8 @@
 step without a check (no device-to-host sync).
 
 The norms decide once per optimizer step whether their output determines x̂
-(:mod:`leanact.ops.layer_norm`): one batched check and one sync per step
-(:mod:`leanact.ops.guard_batch`). The sync makes the host wait for the GPU to finish the previous
+(:mod:`leanact.ops.norms.verdict`): one batched check and one sync per step
+(:mod:`leanact.ops.norms.batch_check`). The sync makes the host wait for the GPU to finish the previous
 step before it enqueues the next forward: in a host-bound step, time lost (BERT-Large b=32 on an
 H100: ~11 ms of a 185 ms step). For ``torch.optim.Adam`` and ``AdamW`` the check can be skipped
 for many steps, exactly:
@@ -40,7 +40,7 @@ the parameter was not tracked: its tensors' identity and ``_version`` differ fro
 watched step left) is verified once, at the next step (the largest ``|m|/sqrt(v)`` of the group,
 one sync), and the bound then uses that ratio as A where it is larger: the induction above holds
 from any state with a finite ratio. Writes no ``_version`` records (through ``.data``, by a kernel of
-one's own) are what this module cannot see: :func:`leanact.ops.layer_norm.confirm_verdicts` confirms
+one's own) are what this module cannot see: :func:`leanact.ops.norms.verdict.confirm_verdicts` confirms
 every cached verdict a forward used with a deferred check, so such a write raises there instead of
 giving an inexact gradient.
 """

@@ -1,12 +1,13 @@
-"""Kernel or PyTorch path for LayerNorm and RMSNorm (:mod:`leanact.ops.layer_norm`,
-:mod:`leanact.ops.rms_norm`): the launchers of :mod:`.kernels`' one-block-per-row norm kernels.
+"""Kernel or PyTorch path for LayerNorm and RMSNorm (:mod:`.layer_norm`, :mod:`.rms_norm`,
+:mod:`.dropout_add_norm`): the launchers of :mod:`.kernels`' one-block-per-row norm kernels.
 
-Same contract as :mod:`.dispatch`: each function returns what the op's PyTorch path returns, from
-one kernel, or ``None`` (the caller then runs its PyTorch path): float16/bfloat16/float32 with a
-normalized size up to :data:`MAX_N`. The backward's partial sums per program come from
-:func:`.dispatch._grad_outputs` (leanact.estimate sizes them for the CUDA device it models). The
-kernels launch under the names ``"layer_norm"`` and ``"rms_norm"``, whose self-checks
-:mod:`leanact.ops.layer_norm` and :mod:`leanact.ops.rms_norm` register.
+Same contract as :mod:`leanact.ops.triton.dispatch`: each function returns what the op's PyTorch
+path returns, from one kernel, or ``None`` (the caller then runs its PyTorch path):
+float16/bfloat16/float32 with a normalized size up to :data:`MAX_N`. The backward's float32 partial
+sums of dγ, dβ come from :func:`_grad_outputs`, one row per program (:func:`_programs`; on fake
+tensors leanact.estimate sizes them for the CUDA device it models). The kernels launch under the
+names ``"layer_norm"``, ``"rms_norm"`` and ``"dropout_add_layer_norm"``, whose self-checks
+:mod:`.layer_norm`, :mod:`.rms_norm` and :mod:`.dropout_add_norm` register.
 """
 from __future__ import annotations
 
@@ -14,13 +15,56 @@ import math
 
 import torch
 
-from . import dispatch as _d
+from ..triton import dispatch as _d
 
 __all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
            "dropout_add_layer_norm_forward", "dropout_add_layer_norm_backward"]
 
 #: Largest normalized size handled by the one-block-per-row norm kernels (larger: the PyTorch path).
 MAX_N = 32768
+
+
+_SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
+#: Programs per multiprocessor of LayerNorm's backward (each keeps one partial dγ, dβ row: more
+#: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them:
+#: 4 per SM fastest for LayerNorm on an H200, 2 for RMSNorm, whose rows are wider here).
+PROGRAMS_PER_SM = 4
+#: The same for RMSNorm's backward.
+RMS_PROGRAMS_PER_SM = 2
+#: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA),
+#: each taking an equal share of the rows; None: one program per row (on an H200 0.79-0.99x torch's
+#: kernel time, against 0.81-1.18x for 1,024 programs: benchmarks/norm_programs.py).
+PROGRAMS_WITHOUT_PARTIALS: int | None = None
+
+
+def _programs(rows: int, device: torch.device, per_sm: int | None = None) -> int:
+    """Backward programs sharing the rows: ``per_sm`` (default :data:`PROGRAMS_PER_SM`) per SM on
+    CUDA (each keeps one partial dγ, dβ row)."""
+    sms = 1
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        sms = _SMS.get(index)
+        if sms is None:
+            sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(rows, (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
+
+
+def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool,
+                  per_sm: int | None = None):
+    """dx (dy's dtype) and the float32 partial sums of dγ, dβ (uninitialized: every program writes
+    its whole row, zeros where it has no rows), each None where not needed; the partials of both
+    are rows of one buffer (one allocation), ``per_sm`` programs' (:func:`_programs`)."""
+    k = int(need_dw) + int(need_db)
+    p = _programs(t.numel() // n, t.device, per_sm) if k else 0
+    parts = torch.empty((k, p, n), dtype=torch.float32, device=t.device) if k else None
+    return (torch.empty_like(t, dtype=dy.dtype, memory_format=torch.contiguous_format) if need_dx else None,
+            parts[0] if need_dw else None, parts[k - 1] if need_db else None)
+
+
+def _kernels(k):
+    """The norm kernels' launchers standing for ``k`` (what :func:`~leanact.ops.triton.dispatch._usable`
+    returned; see :func:`~leanact.ops.triton.dispatch.launchers`)."""
+    return _d.launchers(k, "leanact.ops.norms.kernels", "norm_forward")
 
 
 def _norm_ok(k, x: torch.Tensor, n: int, *params) -> bool:
@@ -46,7 +90,7 @@ def _norm_outputs(x: torch.Tensor, n: int):
 def layer_norm_forward(x, shape, weight, bias, eps: float):
     """``(y, rstd)`` as ``torch.native_layer_norm`` returns them (rstd float32 on CUDA; torch's
     CPU op returns x's dtype, mirrored for the interpreter tests), or None."""
-    k = _d._usable(x, weight, bias)
+    k = _kernels(_d._usable(x, weight, bias))
     n = math.prod(shape)
     if not _norm_ok(k, x, n, weight, bias):
         return None
@@ -60,11 +104,11 @@ def layer_norm_forward(x, shape, weight, bias, eps: float):
 
 def layer_norm_backward(dy, y, rstd, weight, bias, shape, needs):
     """``(dx, dγ, dβ)`` of LayerNorm from its output (None where not needed), or None."""
-    k = _d._usable(dy, y, rstd, weight, bias)
+    k = _kernels(_d._usable(dy, y, rstd, weight, bias))
     n = math.prod(shape)
     if not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _d._DTYPES:
         return None
-    dx, pw, pb = _d._grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
+    dx, pw, pb = _grad_outputs(dy, y, n, needs[0], weight is not None and needs[1], bias is not None and needs[2])
     w, b = _flat(weight), _flat(bias)
     if _d._launch("layer_norm", y, k.norm_backward, dy.contiguous(), y.contiguous(), rstd.contiguous(), w, b,
                   dx, pw, pb, n, rms=False, from_output=True) is _d._FAILED:
@@ -78,7 +122,7 @@ def dropout_add_layer_norm_forward(h, residual, shape, weight, bias, eps: float,
     """``(y, rstd)`` of LayerNorm over z = dropout(h) + residual (z rounded to ``z_dtype``, then
     normalized in ``norm_dtype``, y's dtype; no dropout when ``seed`` is None), from one kernel that
     writes y and rstd only, or None. rstd as ``layer_norm_forward`` returns it."""
-    k = _d._usable(h, residual, weight, bias, seed)
+    k = _kernels(_d._usable(h, residual, weight, bias, seed))
     n = math.prod(shape)
     if (not _norm_ok(k, h, n, weight, bias) or residual.dtype not in _d._DTYPES or norm_dtype not in _d._DTYPES
             or residual.shape != h.shape or thr >= 1 << 32):
@@ -98,12 +142,12 @@ def dropout_add_layer_norm_backward(dy, y, rstd, weight, bias, shape, seed, thr:
                                     z_dtype: torch.dtype, h_dtype: torch.dtype, r_dtype: torch.dtype, needs):
     """``(dh, dresidual, dγ, dβ)`` of :func:`dropout_add_layer_norm_forward` from its output (None
     where ``needs`` says not needed), from the norm's backward kernel and its partial sums, or None."""
-    k = _d._usable(dy, y, rstd, weight, bias, seed)
+    k = _kernels(_d._usable(dy, y, rstd, weight, bias, seed))
     n = math.prod(shape)
     if (not _norm_ok(k, y, n, weight, bias) or dy.dtype not in _d._DTYPES or h_dtype not in _d._DTYPES
             or r_dtype not in _d._DTYPES):
         return None
-    _, pw, pb = _d._grad_outputs(dy, y, n, False, weight is not None and needs[2], bias is not None and needs[3])
+    _, pw, pb = _grad_outputs(dy, y, n, False, weight is not None and needs[2], bias is not None and needs[3])
     dr = torch.empty_like(y, dtype=r_dtype, memory_format=torch.contiguous_format) if needs[1] else None
     dh = torch.empty_like(y, dtype=h_dtype, memory_format=torch.contiguous_format) if needs[0] else None
     w, b = _flat(weight), _flat(bias)
@@ -131,7 +175,7 @@ def _param_grads(k, name: str, t, pw, pb, weight, bias, n: int, div_w: bool):
 
 def rms_norm_forward(x, shape, weight, eps):
     """``(y, rstd)`` as ``torch.ops.aten._fused_rms_norm`` returns them (rstd float32), or None."""
-    k = _d._usable(x, weight)
+    k = _kernels(_d._usable(x, weight))
     n = math.prod(shape)
     if not _norm_ok(k, x, n, weight):
         return None
@@ -146,10 +190,10 @@ def rms_norm_forward(x, shape, weight, eps):
 
 def rms_norm_backward(dy, t, rstd, weight, n: int, from_output: bool, need_dx: bool, need_dw: bool):
     """``(dx, dγ)`` of RMSNorm (``t`` = y when ``from_output`` else x), or None."""
-    k = _d._usable(dy, t, rstd, weight)
+    k = _kernels(_d._usable(dy, t, rstd, weight))
     if not _norm_ok(k, t, n, weight) or dy.dtype not in _d._DTYPES:
         return None
-    dx, pw, _ = _d._grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False, _d.RMS_PROGRAMS_PER_SM)
+    dx, pw, _ = _grad_outputs(dy, t, n, need_dx, weight is not None and need_dw, False, RMS_PROGRAMS_PER_SM)
     if _d._launch("rms_norm", t, k.norm_backward, dy.contiguous(), t.contiguous(), rstd.contiguous(), _flat(weight),
                   None, dx, pw, None, n, rms=True, from_output=from_output) is _d._FAILED:
         return None

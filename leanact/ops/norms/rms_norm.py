@@ -4,7 +4,7 @@ y = x̂·γ with x̂ = x·rstd, rstd = 1/sqrt(mean(x²) + eps) (fp32 for 16-bit 
 
     x̂ = y/γ,  g = dy·γ,  dx = rstd·(g − x̂·mean(g·x̂)),  dγ = Σ_rows dy·x̂ = (Σ_rows dy·y)/γ,
 
-with g·x̂ = dy·y (no division there). As for LayerNorm (see ``leanact.ops.layer_norm``), y's
+with g·x̂ = dy·y (no division there). As for LayerNorm (see :mod:`leanact.ops.norms.verdict`), y's
 rounding error is ≤ u·(|y| + tiny), so x̂ = y/γ is off by ≤ u·(|x̂| + tiny/|γ|): there is no β to
 amplify it, and the only conditions are |γ| ≥ tiny (y not subnormal, 1/γ finite), |γ|·sqrt(N) ≤
 max (y cannot overflow) and γ finite. So γ = 1e-30 in fp32 stays exact on the from-output path;
@@ -24,13 +24,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .amp import no_autocast_backward, norm_inputs
-from .backward import once_differentiable
-from .layer_norm import _norm_self_check, compute_dtype, confirm_verdicts, from_output_ok
-from ..saved import keeping_output
-from .transforms import functorch_active
-from .triton import norm as _triton
-from .triton.dispatch import register_check
+from ...saved import keeping_output
+from ..amp import no_autocast_backward, norm_inputs
+from ..backward import once_differentiable
+from ..transforms import functorch_active
+from ..triton.dispatch import register_check
+from . import launchers as _triton
+from .layer_norm import compute_dtype, norm_self_check
+from .verdict import confirm_verdicts, from_output_ok
 
 __all__ = ["RMSNormFunction", "rms_norm"]
 
@@ -124,4 +125,4 @@ def rms_norm(
     return keeping_output(lambda: RMSNormFunction.apply(x, weight, shape, eps, bool(from_output)), bool(from_output))
 
 
-register_check("rms_norm", _norm_self_check(RMSNormFunction, rms=True))  # from output and from input
+register_check("rms_norm", norm_self_check(RMSNormFunction, rms=True))  # from output and from input

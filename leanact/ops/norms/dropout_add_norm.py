@@ -8,7 +8,7 @@ and keeps it for backward. Here the three are one autograd Function:
     z = dropout(h; seed, p) + residual,   y = LayerNorm(z)
 
 What is kept for backward: y and one rstd per row (the norm's from-output backward,
-:mod:`leanact.ops.layer_norm`; the next Linear keeps y anyway, so its net cost is rstd), and the
+:mod:`leanact.ops.norms.layer_norm`; the next Linear keeps y anyway, so its net cost is rstd), and the
 8-byte seed (the mask is regenerated, :mod:`leanact.ops.dropout`). Neither h, the residual, z nor a
 mask is kept: the same bytes as leanact's dropout and LayerNorm run one after the other.
 
@@ -21,7 +21,7 @@ what leanact's dropout, ``+`` and LayerNorm compute one after the other: the sam
 seed, the same roundings, the norm's statistics to float32 rounding. The seed is drawn as
 :func:`leanact.ops.dropout.dropout` draws it, so the random stream advances as it would.
 
-Where the norm cannot recover x̂ from y (γ near zero, see :func:`~leanact.ops.layer_norm.from_output_ok`)
+Where the norm cannot recover x̂ from y (γ near zero, see :func:`~leanact.ops.norms.verdict.from_output_ok`)
 and wherever the fused Function does not apply (no autograd, ``torch.func`` transforms, compiling,
 broadcasting residuals, p = 1), the op is the composition of leanact's dropout, ``+`` and LayerNorm.
 """
@@ -31,15 +31,16 @@ import math
 
 import torch
 
-from .amp import autocast_dtype, no_autocast_backward
-from .backward import once_differentiable
-from .dropout import _apply as _dropout_apply, dropout
-from .layer_norm import DEFAULT_MAX_RATIO, backward_from_output, confirm_verdicts, from_output_ok, layer_norm
-from .random import draw_seed, keep_threshold
-from .transforms import functorch_active
-from ..saved import keeping_output
-from .triton import norm as _triton
-from .triton.dispatch import register_check
+from ...saved import keeping_output
+from ..amp import autocast_dtype, no_autocast_backward
+from ..backward import once_differentiable
+from ..dropout import _apply as _dropout_apply, dropout
+from ..random import draw_seed, keep_threshold
+from ..transforms import functorch_active
+from ..triton.dispatch import register_check
+from . import launchers as _triton
+from .layer_norm import backward_from_output, layer_norm
+from .verdict import DEFAULT_MAX_RATIO, confirm_verdicts, from_output_ok
 
 __all__ = ["DropoutAddLayerNorm", "dropout_add_layer_norm"]
 
@@ -117,7 +118,7 @@ def dropout_add_layer_norm(
 ) -> torch.Tensor:
     """``layer_norm(dropout(h, p, training) + residual, normalized_shape, weight, bias, eps)`` with
     leanact's :func:`~leanact.ops.dropout.dropout` (a seed, not a mask) and
-    :func:`~leanact.ops.layer_norm.layer_norm` (kept: y and rstd), as one op that keeps y, rstd and
+    :func:`~leanact.ops.norms.layer_norm.layer_norm` (kept: y and rstd), as one op that keeps y, rstd and
     the seed, never h, the residual, their sum or a mask (module doc). The same result, gradients
     and random stream as the three calls one after the other.
     """
@@ -146,9 +147,9 @@ def dropout_add_layer_norm(
 
 def _self_check(device: torch.device, key) -> None:
     """y and the four gradients through the kernels no further from the float64 PyTorch path than
-    4x the PyTorch path plus 2 ulp (see :mod:`.triton.selfcheck`): a mask other than the PyTorch
+    4x the PyTorch path plus 2 ulp (see :mod:`leanact.ops.triton.selfcheck`): a mask other than the PyTorch
     path's would put h's gradient far off."""
-    from .triton.selfcheck import both, forward_backward, generator, no_worse, randn
+    from ..triton.selfcheck import both, forward_backward, generator, no_worse, randn
 
     h_dtype, r_dtype, n_dtype = key
     z_dtype = torch.promote_types(h_dtype, r_dtype)
