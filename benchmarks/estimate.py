@@ -97,7 +97,7 @@ def main(argv=None) -> None:
                     lean = estimate(model, x).saved
                     try:
                         strategy = leanact.plan(model, x, lean // 2, time_model="flops")
-                    except leanact.plan.InfeasibleBudget as e:  # the smallest budget a plan meets
+                    except leanact.InfeasibleBudget as e:  # the smallest budget a plan meets
                         strategy = leanact.plan(model, x, e.smallest, time_model="flops")
                 t0 = time.perf_counter()
                 pred = estimate(model, x, strategy, autocast=args.autocast or False)

@@ -30,7 +30,7 @@ import time
 import torch
 
 import leanact
-import leanact.plan as lplan
+import leanact.planner as lplan
 from leanact import strategies as S
 from leanact.memory import SavedTensorMeter
 

@@ -3,7 +3,7 @@
     python benchmarks/tiled_mlp.py [--seq 2048] [--hidden 1024] [--inter 2816] [--chunk 1024] [--dtype fp32]
 
 A patched (``leanact.patch``) 2-layer LlamaForCausalLM of the given geometry, random weights; per
-strategy, the planner's own measurement (``leanact.plan.costs.measure_costs``): what the layer keeps
+strategy, the planner's own measurement (``leanact.planner.costs.measure_costs``): what the layer keeps
 (``SavedTensorMeter``) and the forward+backward time of the layer alone (best of ``--repeats``
 after a warm-up), all in one process.
 """
@@ -16,7 +16,7 @@ import torch
 import transformers as T
 
 import leanact
-from leanact.plan.costs import measure_costs
+from leanact.planner.costs import measure_costs
 from leanact.strategies import find_layers
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -1,8 +1,10 @@
 """leanact: train Transformers in far less activation memory, with exact gradients."""
-from . import functional, lossy, memory, nn, ops, plan, recompute, strategies
+from . import functional, lossy, memory, nn, ops, planner, recompute, strategies
 from .estimate import Estimate, estimate, estimate_config
 from ._version import __version__
 from .patching import keep_logits, patch, summary, unpatch
+from .planner import InfeasibleBudget, plan
 
-__all__ = ["Estimate", "estimate", "estimate_config", "functional", "keep_logits", "lossy", "memory", "nn", "ops",
-           "patch", "plan", "recompute", "strategies", "summary", "unpatch", "__version__"]
+__all__ = ["Estimate", "InfeasibleBudget", "estimate", "estimate_config", "functional", "keep_logits", "lossy",
+           "memory", "nn", "ops", "patch", "plan", "planner", "recompute", "strategies", "summary", "unpatch",
+           "__version__"]

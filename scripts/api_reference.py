@@ -30,7 +30,7 @@ MODULES = [
     ("leanact.memory", "measuring what autograd keeps"),
     ("leanact.estimate", "predicting a training step's memory"),
     ("leanact.strategies", "per-layer recompute and offload"),
-    ("leanact.plan", "choosing strategies under a budget"),
+    ("leanact.planner", "choosing strategies under a budget"),
     ("leanact.lossy", "opt-in approximate options"),
     ("leanact.recompute", "recipes instead of kept outputs"),
     ("leanact.parallel", "tensor + sequence parallelism"),

@@ -115,9 +115,9 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
 
 
 def test_budget_without_the_planner_says_so(bert_json, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "leanact.plan", None)  # import leanact.plan -> ImportError
+    monkeypatch.setitem(sys.modules, "leanact.planner", None)  # import leanact.planner -> ImportError
     out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1GiB"))
-    assert "leanact.plan is not available" in out["plan"]
+    assert "leanact.planner is not available" in out["plan"]
     assert all(m["max_batch"] > 0 for m in out["modes"])
 
 

@@ -96,7 +96,7 @@ def test_plan_counts_weight_copies_under_autocast():
     """leanact.plan measures the layers under autocast: with recast_weights=False each layer keeps
     2 bytes per Linear weight element more than with the default patch (down_proj aside: see
     above); without autocast, the same."""
-    from leanact import plan as lplan
+    from leanact import planner as lplan
 
     x = _inputs(2, 32)
     kept = {}

@@ -26,7 +26,7 @@ from leanact import saved as saved_mod  # noqa: E402
 from leanact import strategies as S  # noqa: E402
 from leanact.estimate import estimate, measure  # noqa: E402
 from leanact.strategies import offload as off  # noqa: E402
-from leanact.strategies.plan import _ATTR  # noqa: E402
+from leanact.strategies.layer_plan import _ATTR  # noqa: E402
 
 NEW = ["offload", "offload+recompute", "full+tiled_mlp", "offload+recompute+tiled_mlp"]
 

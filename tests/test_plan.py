@@ -12,12 +12,12 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import leanact  # noqa: E402
-import leanact.plan as lplan  # noqa: E402
+import leanact.planner as lplan  # noqa: E402
 from leanact import strategies as S  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
-from leanact.plan import InfeasibleBudget, parse_budget  # noqa: E402
-from leanact.plan.costs import LayerCosts, ModelCosts, StrategyCost  # noqa: E402
-from leanact.plan.dp import _unit, min_peak, predict, solve  # noqa: E402
+from leanact.planner import InfeasibleBudget, parse_budget  # noqa: E402
+from leanact.planner.costs import LayerCosts, ModelCosts, StrategyCost  # noqa: E402
+from leanact.planner.dp import _unit, min_peak, predict, solve  # noqa: E402
 
 from test_patch_families import _batch  # noqa: E402
 from test_patch_families import _build as _build_family  # noqa: E402
@@ -50,8 +50,8 @@ def test_parse_budget_is_strict(bad, error, message):
     assert "budget" in str(info.value) and "GiB" in str(info.value) and "\n" not in str(info.value)
 
 
-def test_module_is_callable():
-    assert callable(lplan) and lplan.plan is lplan.__dict__["plan"]
+def test_leanact_plan_is_the_planner_function():
+    assert leanact.plan is lplan.plan and leanact.InfeasibleBudget is lplan.InfeasibleBudget
 
 
 # ---- the DP on synthetic costs ------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import leanact  # noqa: E402
-import leanact.plan as lplan  # noqa: E402
+import leanact.planner as lplan  # noqa: E402
 from leanact import strategies as S  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
 
@@ -59,7 +59,7 @@ def _bert(hidden=128, seq=64):
 def test_allow_lossy_trades_recompute_for_fp8_storage():
     """At the all-fp8 plan's predicted peak exact plans must recompute; with allow_lossy the
     planner stores in fp8 instead (no recompute time), and the budget is met when measured."""
-    from leanact.plan.dp import predict
+    from leanact.planner.dp import predict
 
     m, batch = _bert()
     exact = ["lean", "selective:attention", "selective:pointwise", "selective:norms", "full"]

@@ -370,13 +370,13 @@ def longest_text(longest: dict, cfg: ProfileConfig) -> str:
 def planner_explanation(cfg: ProfileConfig):
     """The planner's ``Plan.explain()`` for the unpatched (sdpa) model under ``cfg.budget``.
 
-    Returns (renderable or None, note). leanact.plan is optional: without it the note says so.
+    Returns (renderable or None, note). leanact.planner is optional: without it the note says so.
     The planner's errors (an infeasible budget included) propagate: the CLI reports them and exits 1.
     """
     try:
-        from leanact.plan import plan
+        from leanact.planner import plan
     except ImportError:
-        return None, "planner not shown: leanact.plan is not available in this installation"
+        return None, "planner not shown: leanact.planner is not available in this installation"
     geo = resolve(cfg.model)
     cfg = cfg.resolved(geo)
     dtype = DTYPES[cfg.dtype]

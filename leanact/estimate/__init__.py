@@ -1,6 +1,6 @@
 """Predict the memory of one training step on fake tensors (``leanact.estimate``), and measure it
 on real ones with the same protocol (:func:`measure`) to check the prediction."""
-from leanact.plan import register_maximizer
+from leanact.planner import register_maximizer
 
 from .api import CUDA_NOTES, estimate, estimate_config
 from .maximize import Maximized, maximize

@@ -2,12 +2,12 @@
 
 ``Plan(layers, choices).apply(model)`` / ``uniform(model, "full")`` / ``remove(model)``; the
 layers are found by :func:`find_layers`. Strategy names: :data:`STRATEGIES`. The planner choosing
-them under a memory budget is :func:`leanact.plan.plan`.
+them under a memory budget is :func:`leanact.plan` (:mod:`leanact.planner`).
 """
 from .layers import find_layers
 from .offload import (DEFAULT_THRESHOLD, HostMemoryError, HostPool, KeptSplit, OffloadTransform, is_host_copy,
                       is_host_copy_key, split_kept)
-from .plan import LOSSY, STRATEGIES, Plan, applied_plan, describe, remove, uniform
+from .layer_plan import LOSSY, STRATEGIES, Plan, applied_plan, describe, remove, uniform
 from .recompute import PRESETS, policy
 
 __all__ = ["LOSSY", "DEFAULT_THRESHOLD", "HostMemoryError", "HostPool", "KeptSplit", "OffloadTransform", "PRESETS",

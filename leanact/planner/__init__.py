@@ -1,18 +1,14 @@
-"""``leanact.plan(model, sample_inputs, budget)``: per-layer strategies under a memory budget.
+"""The planner, ``leanact.plan(model, sample_inputs, budget)``: per-layer strategies under a memory budget.
 
 What the budget covers: activation memory on the compute device, i.e. the bytes autograd keeps
 for backward during one training step (what the layers keep, plus what the model keeps outside
 its layers: embeddings, head, loss), and the transient of one layer while its backward runs
 (its recomputed saves, or its offloaded tensors copied back). Not covered: parameters,
 gradients, optimizer state, the forward's temporaries, the allocator's fragmentation. See
-:mod:`leanact.plan.dp` for the memory model and :mod:`leanact.plan.costs` for the measurement.
-
-This module is callable: ``leanact.plan(...)`` is ``leanact.plan.plan(...)``.
+:mod:`leanact.planner.dp` for the memory model and :mod:`leanact.planner.costs` for the measurement.
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, Callable, Iterable
 
 import torch
@@ -22,11 +18,11 @@ from leanact._format import parse_size
 from leanact.ops.amp import autocast_arg
 from leanact.strategies.layers import find_layers
 from leanact.strategies.offload import DEFAULT_THRESHOLD
-from leanact.strategies.plan import LOSSY, STRATEGIES, Plan
+from leanact.strategies.layer_plan import LOSSY, STRATEGIES, Plan
 
 from .costs import LayerCosts, ModelCosts, StrategyCost, measure_costs
 from .dp import Solution, min_peak, predict, solve
-from .explain import fmt_bytes
+from .explain import explain_table, fmt_bytes
 
 __all__ = ["plan", "parse_budget", "InfeasibleBudget", "measure_costs", "predict", "ModelCosts", "LayerCosts",
            "StrategyCost", "Solution", "fmt_bytes", "register_maximizer"]
@@ -102,7 +98,7 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     always measured as the baseline. ``layers``: qualified names (default
     :func:`~leanact.strategies.find_layers`). ``costs``: reuse a previous measurement
     (``plan_obj.costs``). ``time_model``: "measure" (time each layer, best of ``reps``) or "flops"
-    (deterministic FLOP count; see :func:`~leanact.plan.costs.measure_costs`). ``loss_fn`` is
+    (deterministic FLOP count; see :func:`~leanact.planner.costs.measure_costs`). ``loss_fn`` is
     accepted for the estimator's signature; the measurement runs each layer's forward and backward
     alone, so no loss is needed.
     ``allow_lossy``: also consider the strategies of :data:`leanact.strategies.LOSSY` (saved
@@ -179,7 +175,8 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
             f"smallest feasible budget is {fmt_bytes(smallest)} ({smallest:,} bytes), with layers {best}. Fix: raise "
             "the budget, lower the batch size or sequence length, or patch the model first (leanact.patch).",
             budget_bytes, smallest, best)
-    return Plan(names, sol.choices, costs=costs, budget=budget_bytes, offload_threshold=offload_threshold)
+    return Plan(names, sol.choices, costs=costs, budget=budget_bytes, offload_threshold=offload_threshold,
+                explain=explain_table)
 
 
 def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, dtype, host_budget=None) -> Plan:
@@ -196,10 +193,3 @@ def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, d
     found.plan.maximized = found
     return found.plan
 
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

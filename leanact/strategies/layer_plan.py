@@ -52,7 +52,7 @@ class _Wrapped:
     """Replaces ``layer.forward`` (an instance attribute; the class and state_dict are untouched)."""
 
     def __init__(self, layer: nn.Module, strategy: str, transform: OffloadTransform | None,
-                 mlp_chunk: int | None = None):
+                 mlp_chunk: int | None = None, explain: Callable | None = None):
         self.layer, self.strategy, self.transform = layer, strategy, transform
         self.tiled = None
         if strategy.endswith("tiled_mlp"):
@@ -128,14 +128,14 @@ class Plan:
 
     ``apply(model)`` installs it in place (each layer's ``forward`` is wrapped; parameters, buffers
     and state_dict are unchanged; works on patched and unpatched models; applying again replaces
-    the previous plan); ``remove(model)`` restores. ``costs`` (measured costs, with a method
-    ``explain(plan, title)``) and ``budget``, both set by :func:`leanact.plan.plan`, feed
-    :meth:`explain`. Offloaded layers share one host pool.
+    the previous plan); ``remove(model)`` restores. ``costs`` (measured costs), ``budget`` and
+    ``explain`` (the function rendering :meth:`explain`'s table from them), all set by the planner
+    (:func:`leanact.plan`), feed :meth:`explain`. Offloaded layers share one host pool.
     """
 
     def __init__(self, layers: list[str], choices: list[str], *, costs: Any = None, budget: int | None = None,
                  offload_threshold: int = DEFAULT_THRESHOLD, pool: HostPool | None = None,
-                 mlp_chunk: int | None = None):
+                 mlp_chunk: int | None = None, explain: Callable | None = None):
         layers, choices = list(layers), list(choices)
         if len(layers) != len(choices):
             raise ValueError(f"Plan needs one strategy per layer: got {len(layers)} layers and {len(choices)} choices")
@@ -145,6 +145,7 @@ class Plan:
             _check_name(c)
         self.layers, self.choices = layers, choices
         self.costs, self.budget = costs, budget
+        self._explain = explain
         self.offload_threshold = offload_threshold
         self.mlp_chunk = mlp_chunk  # tokens per chunk of "tiled_mlp" (None: leanact.strategies.tiled.DEFAULT_MLP_CHUNK)
         self.pool = pool if pool is not None else HostPool()
@@ -182,11 +183,11 @@ class Plan:
 
     def explain(self, title: str | None = None):
         """A rich Table: per layer the strategy, estimated bytes kept and extra time (when the
-        plan comes from :func:`leanact.plan.plan`), with totals and the budget; ``print()`` shows it."""
+        plan comes from :func:`leanact.plan`), with totals and the budget; ``print()`` shows it."""
         from leanact._format import text_table
 
-        if self.costs is not None:  # leanact.plan's measured costs render their own table
-            return self.costs.explain(self, title)
+        if self.costs is not None and self._explain is not None:  # the planner's table of its measured costs
+            return self._explain(self, title)
         tab = text_table(title=title or "leanact plan")
         tab.add_column("layer")
         tab.add_column("strategy")

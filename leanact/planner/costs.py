@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from leanact.memory import SavedTensorMeter
 from leanact.strategies.cache import caches_off, strip_caches
 from leanact.strategies.offload import split_kept
-from leanact.strategies.plan import Plan, applied_plan, remove
+from leanact.strategies.layer_plan import Plan, applied_plan, remove
 
 FLOP_RATE = 1e11  # nominal FLOP/s of the "flops" time model
 COPY_RATE = 1e10  # nominal bytes/s of offload copies in the "flops" time model
@@ -57,12 +57,6 @@ class ModelCosts:
 
     def cost(self, i: int, s: str) -> StrategyCost:
         return self.layers[i].by_strategy[s]
-
-    def explain(self, plan: Plan, title: str | None = None):
-        """The table of ``plan.explain()`` for a plan over these costs (:mod:`leanact.plan.explain`)."""
-        from .explain import explain_table
-
-        return explain_table(plan, title)
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
