@@ -135,9 +135,8 @@ def test_config_in_a_dtype_equals_the_real_model_in_that_dtype(patched):
 @pytest.mark.parametrize("padded", [True, False])  # a 4-D mask; the causal triangle alone (blocks grow)
 def test_fewer_slices_on_fake_tensors_give_the_same_estimate(padded, monkeypatch):
     """The estimate runs two of the GELU's eager slices and the last three attention blocks on fake
-    tensors (leanact.estimate.compat.fewer_slices): the same numbers as every slice and block
+    tensors (leanact.ops.fake_rules.FakeRun.fewer_iterations): the same numbers as every slice and block
     (here 8 of each, the last block ragged), fp32 and float64 (whose slices allocate)."""
-    import contextlib
     import importlib
 
     api = importlib.import_module("leanact.estimate.api")
@@ -149,7 +148,7 @@ def test_fewer_slices_on_fake_tensors_give_the_same_estimate(padded, monkeypatch
         del x["attention_mask"]
     for dtype in (torch.float32, torch.float64):
         fast = estimate(model, x, dtype=dtype)
-        monkeypatch.setattr(api, "fewer_slices", lambda kind: contextlib.nullcontext())
+        monkeypatch.setattr(api, "_FEWER_ITERATIONS", False)
         full = estimate(model, x, dtype=dtype)
         monkeypatch.undo()
         assert fast.to_dict() == full.to_dict(), dtype
@@ -159,7 +158,6 @@ def test_fewer_slices_on_fake_tensors_give_the_same_estimate(padded, monkeypatch
 def test_fewer_loss_tiles_on_fake_tensors_give_the_same_estimate(grad_in_forward, monkeypatch):
     """The fused linear + cross-entropy runs the first two and the last of its token and vocabulary
     tiles on fake tensors: the same numbers as all of them (here 7 x 5 tiles, the last ones ragged)."""
-    import contextlib
     import importlib
 
     from leanact.ops.linear_cross_entropy import linear_cross_entropy
@@ -177,7 +175,7 @@ def test_fewer_loss_tiles_on_fake_tensors_give_the_same_estimate(grad_in_forward
 
     inputs = (torch.randn(100, 16), torch.randint(0, 90, (100,)))
     fast = estimate(Head(), inputs, loss_fn=lambda out, _: out)
-    monkeypatch.setattr(api, "fewer_slices", lambda kind: contextlib.nullcontext())
+    monkeypatch.setattr(api, "_FEWER_ITERATIONS", False)
     full = estimate(Head(), inputs, loss_fn=lambda out, _: out)
     assert fast.to_dict() == full.to_dict()
 

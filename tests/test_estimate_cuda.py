@@ -306,12 +306,12 @@ def test_norm_backward_partials_per_sm(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from leanact.estimate import cuda_runtime
-    from leanact.estimate.compat import triton_allocations
+    from leanact.ops import fake_rules
 
     from leanact.ops.norms import launchers as norms
 
     monkeypatch.setattr(cuda_runtime, "target", lambda: cuda_runtime.GPU((9, 0), 10))
-    with FakeTensorMode(), triton_allocations():
+    with FakeTensorMode(), fake_rules.rules(fake_rules.FakeRun("cuda", sms=cuda_runtime.target().sms)):
         y = torch.empty(4, 300, 64, dtype=torch.bfloat16)
         _, dw, db = norms._grad_outputs(y, y, 64, True, True, True)
         assert dw.shape == db.shape == (40, 64) and dw.dtype == db.dtype == torch.float32
@@ -321,7 +321,7 @@ def test_norm_backward_partials_per_sm(monkeypatch):
         assert norms._grad_outputs(y, y, 64, True, False, False)[1:] == (None, None)  # γ, β frozen: no partials
     assert norms._programs(4096, torch.device("cpu")) == 4  # real CPU tensors: untouched (4 programs per "SM")
     monkeypatch.setattr(norms, "PROGRAMS_PER_SM", 8)  # the count the backward and the estimate share
-    with FakeTensorMode(), triton_allocations():
+    with FakeTensorMode(), fake_rules.rules(fake_rules.FakeRun("cuda", sms=cuda_runtime.target().sms)):
         y = torch.empty(4, 300, 64, dtype=torch.bfloat16)
         assert norms._grad_outputs(y, y, 64, True, True, True)[1].shape == (80, 64)
     assert norms._programs(4096, torch.device("cpu")) == 8
@@ -334,7 +334,7 @@ def test_each_norm_backward_allocates_its_own_program_count(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from leanact.estimate import cuda_runtime
-    from leanact.estimate.compat import triton_allocations
+    from leanact.ops import fake_rules
     from leanact.ops.norms import launchers as norm
 
     monkeypatch.setattr(cuda_runtime, "target", lambda: cuda_runtime.GPU((9, 0), 10))
@@ -349,7 +349,7 @@ def test_each_norm_backward_allocates_its_own_program_count(monkeypatch):
         return out
 
     monkeypatch.setattr(norm, "_grad_outputs", recording)
-    with FakeTensorMode(), triton_allocations():
+    with FakeTensorMode(), fake_rules.rules(fake_rules.FakeRun("cuda", sms=cuda_runtime.target().sms)):
         y, w, b = torch.empty(300, 64), torch.empty(64), torch.empty(64)
         rstd = torch.empty(300, 1)
         assert norm.layer_norm_backward(y, y, rstd, w, b, (64,), (True, True, True)) is not None

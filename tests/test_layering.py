@@ -256,3 +256,32 @@ def test_importing_the_dispatch_layer_loads_nothing_else_of_leanact():
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == ["leanact", "leanact.ops", "leanact.ops.triton", "leanact.ops.triton.dispatch"], loaded
+
+
+def test_the_estimator_knows_no_op_inside():
+    """leanact.estimate imports no private name of leanact.ops and assigns no attribute of what it
+    imports from there: what an op does on fake tensors is the op's own rule, entered through
+    leanact.ops.fake_rules."""
+    wrong = []
+    for path in sorted((ROOT / "estimate").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        from_ops = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("leanact.ops"):
+                for a in node.names:
+                    if a.name.startswith("_"):
+                        wrong.append(f"{path.name}:{node.lineno} imports {node.module}.{a.name}")
+                    from_ops.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                from_ops.update(a.asname or a.name for a in node.names if a.name.startswith("leanact.ops"))
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id in from_ops:
+                        wrong.append(f"{path.name}:{node.lineno} assigns {el.value.id}.{el.attr}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in from_ops):
+                wrong.append(f"{path.name}:{node.lineno} setattr on {node.args[0].id}")
+    assert not wrong, "\n".join(wrong)

@@ -7,20 +7,23 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from leanact.ops import fake_rules
 from leanact.ops.amp import autocast_arg
 from leanact.strategies.cache import caches_off
 from leanact.strategies.offload import prefetch_as_cuda
 
-from .compat import (causal_skip_on_fake, cpu_dropout_allocations, device_matmuls, fewer_slices, triton_allocations,
-                     value_decisions, warm_lean_caches)
 from .cuda_kernels import cuda_kernels
-from .cuda_runtime import BlasUse, device_tables, runtime_bytes
-from .fake import build_fake, fake_copy, fake_inputs, new_mode
+from .cuda_runtime import BlasUse, runtime_bytes, target
+from .fake import build_fake, causal_skip_on_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
 from .step import CUDA_BLOCK, StepMemory, run_step
 
 __all__ = ["estimate", "estimate_config", "CUDA_NOTES"]
+
+#: loops of leanact's ops whose iterations allocate alike run only those that set the peak on fake
+#: tensors (:attr:`leanact.ops.fake_rules.FakeRun.fewer_iterations`); the tests compare with all
+_FEWER_ITERATIONS = True
 
 CUDA_NOTES = [
     "cuda predicted from a CPU trace: a CPU-only torch can create fake cuda tensors but aborts the process "
@@ -161,28 +164,27 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
          keep_output: bool = False) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
     fake_model.train()
-    warm_lean_caches(fake_model, dtype)
+    fake_rules.warm(fake_model, dtype)
     if autocast is not None and autocast != dtype:  # the lean ops then also see autocast's dtype
-        warm_lean_caches(fake_model, autocast)
+        fake_rules.warm(fake_model, autocast)
     if plan is not None:
         plan.apply(fake_model)
     cuda = kind == "cuda"
     blas = BlasUse() if cuda else None
+    run = fake_rules.FakeRun(kind, sms=target().sms if cuda else 0, real_of=real_of,
+                             fewer_iterations=_FEWER_ITERATIONS)
     try:
-        emulate = cpu_dropout_allocations() if kind == "cpu" else triton_allocations()
         kernels = cuda_kernels() if cuda else contextlib.nullcontext()
-        tables = device_tables() if cuda else contextlib.nullcontext({})
         prefetch = prefetch_as_cuda() if cuda else contextlib.nullcontext()
-        with prefetch, value_decisions(real_of), causal_skip_on_fake(), emulate, kernels, fewer_slices(kind), \
-                device_matmuls(kind), tables as used_tables, caches_off(fake_model, fake_in) as fake_in, mode, \
-                (blas if cuda else contextlib.nullcontext()):
+        with prefetch, fake_rules.rules(run), causal_skip_on_fake(), kernels, \
+                caches_off(fake_model, fake_in) as fake_in, mode, (blas if cuda else contextlib.nullcontext()):
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if cuda else 1, foreach=True if cuda else None,
                            autocast=autocast, keep_output=keep_output)
     finally:
         if plan is not None:
             plan.remove(fake_model)
-    runtime = runtime_bytes(blas, used_tables, CUDA_BLOCK).items if cuda else {}
+    runtime = runtime_bytes(blas, run.held, CUDA_BLOCK).items if cuda else {}
     _add_held(mem, sum(runtime.values()))
     return _result(mem, fake_model, kind, dtype, notes, autocast, runtime)
 

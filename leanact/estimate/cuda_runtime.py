@@ -18,13 +18,13 @@
 * **leanact's device tables.** leanact's GELU looks up its 16-bit forward and backward in tables
   built once per device and dtype (:mod:`leanact.ops.gelu.tables`): the trace reads the CPU copies
   (built beforehand, not part of the step); on a GPU they sit in device memory from the first step on.
+  The GELU's fake-tensor rule reports the tables it read (:attr:`leanact.ops.fake_rules.FakeRun.held`).
 
 The GPU modelled (:func:`target`): the current CUDA device where torch sees one, else a Hopper GPU
 (compute capability 9.0, 132 SMs: H100 SXM / H200), the GPUs the 80 GiB budgets are about.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["GPU", "target", "cublas_workspace_bytes", "cublaslt_workspace_bytes", "BlasUse", "device_tables",
+__all__ = ["GPU", "target", "cublas_workspace_bytes", "cublaslt_workspace_bytes", "BlasUse",
            "runtime_bytes"]
 
 MIB = 1 << 20
@@ -135,29 +135,6 @@ def _bias_epilogue(args, kwargs) -> bool:
             and b.dim() == 2 and a.shape[0] > 1 and a.shape[1] > 1 and b.shape[1] > 1 and beta == 1)
 
 
-@contextlib.contextmanager
-def device_tables():
-    """While active, records the lookup tables leanact's GELU reads (:mod:`leanact.ops.gelu.tables`):
-    yields a dict {(kind, dtype, approximate): bytes}, one entry per table (the device holds one
-    copy of each)."""
-    from leanact.ops.gelu import tables
-
-    used: dict[tuple[str, str, str], int] = {}
-    original = tables._table
-
-    def table(kind, dtype, approximate, device):
-        t = original(kind, dtype, approximate, device)
-        if isinstance(t, torch.Tensor):
-            used[kind, dtype, approximate] = t.untyped_storage().nbytes()
-        return t
-
-    tables._table = table
-    try:
-        yield used
-    finally:
-        tables._table = original
-
-
 @dataclass
 class Runtime:
     """Bytes the CUDA runtime holds across steps (module doc), by item."""
@@ -169,9 +146,10 @@ class Runtime:
         return sum(self.items.values())
 
 
-def runtime_bytes(blas: BlasUse, tables: dict, block: int = 512, gpu: GPU | None = None) -> Runtime:
-    """What :class:`BlasUse` and :func:`device_tables` saw, in bytes (each allocation rounded up to
-    ``block``, as the caching allocator does)."""
+def runtime_bytes(blas: BlasUse, held: dict, block: int = 512, gpu: GPU | None = None) -> Runtime:
+    """What :class:`BlasUse` saw and what leanact's ops hold on the device across steps (``held``:
+    :attr:`leanact.ops.fake_rules.FakeRun.held`), in bytes (each allocation rounded up to ``block``,
+    as the caching allocator does)."""
     gpu = gpu or target()
 
     def rounded(n: int) -> int:
@@ -184,6 +162,6 @@ def runtime_bytes(blas: BlasUse, tables: dict, block: int = 512, gpu: GPU | None
     for where in sorted(blas.lt):
         if lt:
             items[f"cuBLASLt workspace ({where} thread)"] = rounded(lt)
-    for (kind, dtype, approximate), n in sorted(tables.items()):
-        items[f"GELU table {kind} {dtype} {approximate}"] = rounded(n)
+    for what, n in sorted(held.items()):
+        items[what] = rounded(n)
     return Runtime(items)

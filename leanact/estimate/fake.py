@@ -5,10 +5,12 @@ maps every parameter, buffer and plain tensor attribute to a fake tensor of the 
 weights stay tied). A model can also be built from a config directly under the fake mode
 (:func:`build_fake`), so big geometries never allocate real weights.
 
-How leanact's own ops are made to run faithfully on fake tensors: :mod:`leanact.estimate.compat`.
+How leanact's own ops run on fake tensors is each op's rule (:mod:`leanact.ops.fake_rules`); how
+Hugging Face's mask builder does: :func:`causal_skip_on_fake`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-__all__ = ["new_mode", "fake_copy", "build_fake", "fake_inputs"]
+__all__ = ["new_mode", "fake_copy", "build_fake", "fake_inputs", "causal_skip_on_fake"]
 
 
 def new_mode() -> FakeTensorMode:
@@ -134,3 +136,32 @@ def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, 
         return f
 
     return torch.utils._pytree.tree_map(conv, inputs)
+
+
+@contextlib.contextmanager
+def causal_skip_on_fake():
+    """While active, Hugging Face's mask builder treats fake ``position_ids`` as one sequence per
+    row (not packed), as it finds for real ones: ``masking_utils.find_packed_sequence_indices``
+    cannot read fake values and reports packing, which makes it build and keep a (b, 1, s, s) mask
+    where the real step passes SDPA ``is_causal=True`` (no padding mask; on CUDA the flash
+    kernel). Packed sequences given as ``position_ids`` are therefore not modelled."""
+    try:
+        from transformers import masking_utils as mu
+    except ImportError:  # pragma: no cover - transformers is optional
+        yield
+        return
+    original = getattr(mu, "find_packed_sequence_indices", None)
+    if original is None:  # pragma: no cover - other transformers versions
+        yield
+        return
+
+    def packed(position_ids, *args, **kwargs):
+        if isinstance(position_ids, torch.Tensor) and is_fake(position_ids):
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    mu.find_packed_sequence_indices = packed
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original

@@ -25,13 +25,12 @@ def measure(model: nn.Module, inputs: Any, strategy_or_plan: Any = None, *, opti
     counted in the step. ``autocast``: as for :func:`leanact.estimate` (the forward under
     ``torch.autocast`` of the model's device). ``keep_output``: as in :func:`leanact.estimate` (default:
     the output is released before backward)."""
+    from leanact.ops import fake_rules
     from leanact.ops.amp import autocast_arg
 
     from .api import _resolve_plan, _result
-    from .step import _call, default_loss, run_step
-
-    from .compat import warm_cpu_dropout
     from .fake import _copy_attention_state
+    from .step import _call, default_loss, run_step
 
     autocast = autocast_arg(autocast, "measure")
     m = model
@@ -39,7 +38,7 @@ def measure(model: nn.Module, inputs: Any, strategy_or_plan: Any = None, *, opti
         m = copy.deepcopy(model)
         _copy_attention_state(model, m)
     m.train()
-    warm_cpu_dropout()
+    fake_rules.prepare()
     plan = _resolve_plan(m, strategy_or_plan)
     if plan is not None:
         plan.apply(m)

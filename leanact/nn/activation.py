@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import fake_rules
 from ..ops.gelu import gelu
+from ..ops.gelu.function import warm_tables
 
 __all__ = ["GELU"]
 
@@ -41,3 +43,11 @@ class GELU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+def _warm(model: nn.Module, dtype: torch.dtype) -> None:
+    """leanact.estimate: the tables of the GELUs in ``model`` built before its step on fake tensors."""
+    warm_tables(dtype, {m.approximate for m in model.modules() if isinstance(m, GELU)})
+
+
+fake_rules.register("GELU modules", warm=_warm)

@@ -15,11 +15,14 @@ to the small (rows x d) products, not to the score blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from . import fake_rules
 from .amp import no_autocast_backward
 from .backward import once_differentiable
 from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
@@ -324,3 +327,48 @@ class TempoAttention(torch.autograd.Function):
         dq = torch.bmm(ds, _kv(k, c)).mul_(scale * inv).view(q.shape).to(q.dtype)
         dk = torch.bmm(ds.transpose(1, 2), _rows(q, 0, s_q, c, bk)).mul_(scale * inv).view(k.shape).to(k.dtype)
         return dq, dk, ddv.view(v.shape).to(v.dtype), dmask, None, None, None, None
+
+
+# -- on fake tensors (leanact.estimate) ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fake_rule(run):
+    """On fake tensors: the loops over query blocks run their last three blocks only (the largest:
+    causal blocks grow, the last one may be ragged; outputs are allocated before the loops, so the
+    allocations and the peak are the full loop's); modelling the CPU, the dropout blocks of fake
+    CPU tensors allocate what the eager CPU path allocates (the bool block, the start indices, one
+    block of int32 words and a slice of the per-process arange), not the generic path's int64 words
+    (the eager path reads the seed as Python ints, which a fake seed does not have)."""
+    starts, call = _block_starts, _Dropper.__call__
+
+    def last_blocks(s_q: int, block: int):
+        return starts(s_q, block)[-3:] if fake_rules.faking() else starts(s_q, block)
+
+    def dropper_call(self, i0, i1, kend):
+        bh, s_q, s_k = self.dims
+        if self.fast or not is_fake(self.seed) or self.device.type != "cpu" or bh * s_q * s_k >= 1 << 31:
+            return call(self, i0, i1, kend)
+        rows = i1 - i0
+        n, length = (bh, rows * s_k) if kend == s_k else (bh * rows, kend)
+        out = torch.empty((n, length), dtype=torch.bool)
+        # the (bh, rows) start indices, then per block the column indices and the hash words
+        tmp = [torch.empty((bh, rows), dtype=torch.int64), torch.empty((bh, rows), dtype=torch.int32),
+               torch.empty(min(n * length, CHUNK), dtype=torch.int32),
+               torch.empty(min(n * length, CHUNK), dtype=torch.int32)]
+        del tmp
+        fake_rules.hold_slice(run, lambda: _arange(min(length, CHUNK)))
+        return out.view(torch.uint8).view(-1, rows, kend)
+
+    with fake_rules.swapped(sys.modules[__name__], _block_starts=last_blocks if run.fewer_iterations else None), \
+            fake_rules.swapped(_Dropper, __call__=dropper_call if run.kind == "cpu" else None):
+        yield
+
+
+def _prepare() -> None:
+    """The per-process CPU cache of the dropout blocks' hash (an arange of CHUNK elements), created
+    before a measured step."""
+    _arange(CHUNK)
+
+
+fake_rules.register("attention core", rule=_fake_rule, prepare=_prepare)

@@ -9,8 +9,14 @@ the gradient (neither is kept).
 """
 from __future__ import annotations
 
-import torch
+import contextlib
+import sys
 
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from . import fake_rules
+from . import random as _random
 from .random import (
     CHUNK,
     _as_seed,
@@ -176,3 +182,43 @@ def _self_check(device: torch.device, key) -> None:
 
 
 register_check("dropout", _self_check)
+
+
+# -- on fake tensors (leanact.estimate) ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fake_rule(run):
+    """Modelling the CPU: on fake CPU tensors larger than one block, :func:`_apply` allocates what its
+    eager CPU path allocates (the output, one block's bool mask, int32 indices and hash words, and a
+    slice of the per-process arange) instead of the per-element int64 words of its generic path, the
+    one fake tensors would take (as CUDA's does): the eager path reads the seed as Python ints,
+    which a fake seed does not have."""
+    real = _apply
+
+    def apply(x, seed, p, inplace):
+        if not is_fake(x) or x.device.type != "cpu" or x.numel() <= CHUNK:
+            return real(x, seed, p, inplace)
+        out = x if inplace and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
+        # per block: the bool mask, the int32 indices and one int32 temporary of the hash rounds
+        block = [torch.empty(CHUNK, dtype=torch.bool), torch.empty(CHUNK, dtype=torch.int32),
+                 torch.empty(CHUNK, dtype=torch.int32)]
+        del block
+        key = (CHUNK, torch.int32)
+        fake_rules.hold_slice(run, lambda: _random._BASE.get(key) if key in _random._BASE
+                              else _random._BASE.setdefault(key, torch.arange(CHUNK, dtype=torch.int32)))
+        if out is not x and inplace:
+            return x.copy_(out)
+        return out
+
+    with fake_rules.swapped(sys.modules[__name__], _apply=apply if run.kind == "cpu" else None):
+        yield
+
+
+def _prepare() -> None:
+    """The per-process CPU cache of the hash (an arange of CHUNK elements), created before a
+    measured step."""
+    dropout(torch.ones(CHUNK + 1), 0.5)
+
+
+fake_rules.register("dropout", rule=_fake_rule, prepare=_prepare)

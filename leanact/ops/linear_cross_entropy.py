@@ -64,10 +64,14 @@ the ways out, when differentiated. Under ``torch.func`` transforms the composite
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from . import fake_rules
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
 from .backward import _raising
 from .cpu_gemm import native_16bit_gemm as _native_16bit_gemm
@@ -591,3 +595,59 @@ def linear_cross_entropy(
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss / num_items_in_batch
     return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+# -- on fake tensors (leanact.estimate) ----------------------------------------------------------
+
+_CPU_FP32_ADDMM: list[bool] = []  # whether this torch's CPU addmm takes out_dtype (probed once)
+
+
+def _cpu_fp32_addmm() -> bool:
+    if not _CPU_FP32_ADDMM:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            a = torch.ones(2, 2, dtype=torch.bfloat16)
+            try:
+                torch.addmm(torch.zeros(2, 2), a, a, out_dtype=torch.float32, out=torch.zeros(2, 2))
+                _CPU_FP32_ADDMM.append(True)
+            except (RuntimeError, NotImplementedError, TypeError):
+                _CPU_FP32_ADDMM.append(False)
+    return _CPU_FP32_ADDMM[0]
+
+
+@contextlib.contextmanager
+def _fake_rule(run):
+    """On fake tensors: the token and vocabulary loops run their first two and last tiles (every
+    full tile allocates alike, the last may be ragged: the same peak); and the matmuls are chosen
+    as on the modelled device, not the fake tensors' CPU: the tiles' matmul dtype ("cuda": the
+    compute dtype, whatever the host CPU; "cpu": this CPU's choice), and the fp32 accumulation of
+    16-bit products (``addmm`` with ``out_dtype`` into the fp32 sum where the device has it -- CUDA;
+    this CPU if it does -- else fp32 products of upcast copies, one chunk at a time). (The op
+    remembers a failed ``out_dtype`` call per device type, which would make the estimate depend on
+    what ran before it in the process.)"""
+    starts, matmul, accumulate = _starts, _matmul_dtype, _accumulate_mm_
+
+    def some_tiles(n: int, step: int):
+        every = starts(n, step)
+        return sorted({*every[:2], every[-1]}) if fake_rules.faking() and len(every) > 3 else every
+
+    def matmul_dtype(cdtype, device):
+        return cdtype if fake_rules.faking() and run.kind == "cuda" else matmul(cdtype, device)
+
+    def accumulate_mm_(out, a, b, step=None):
+        if not (fake_rules.faking() and is_fake(out)) or a.dtype == out.dtype:
+            return accumulate(out, a, b, step)
+        if run.kind == "cuda":
+            return  # cuBLAS accumulates the 16-bit product into the fp32 sum itself: nothing allocated
+            # (and fake addmm with out_dtype fails in some torch versions: 2.11 decomposes it as
+            # addmm(self, mat1, mat2, beta, alpha), taking out_dtype for beta)
+        if _cpu_fp32_addmm():
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            _upcast_accumulate_mm_(out, a, b, step)
+
+    with fake_rules.swapped(sys.modules[__name__], _starts=some_tiles if run.fewer_iterations else None,
+                            _matmul_dtype=matmul_dtype, _accumulate_mm_=accumulate_mm_):
+        yield
+
+
+fake_rules.register("linear cross-entropy", rule=_fake_rule)

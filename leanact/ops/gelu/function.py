@@ -4,11 +4,14 @@ to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.triton.gelu`
 is registered here."""
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 
 import torch
 
 from ...saved import keeping_output
+from .. import fake_rules
 from ..bitpack import pack_bits, unpack_bits
 from ..transforms import functorch_active
 from ..triton import gelu as _triton
@@ -17,6 +20,7 @@ from .buffers import _pack, _slices
 from .minimum import _CONSTS, _check, _work_dtype
 from .rebuild32 import _backward32, _forward32
 from .rebuild64 import _forward_w, _grad_from_output
+from . import tables as _tables
 from .tables import _backward16, _forward16
 
 __all__ = ["gelu", "GeluFunction", "gelu_grad_from_output"]
@@ -195,3 +199,43 @@ def _within_rebuild_width(what: str, dx, dx0, dy, x, c) -> None:
 
 
 register_check("gelu", _self_check)
+
+
+# -- on fake tensors (leanact.estimate) ----------------------------------------------------------
+
+
+def warm_tables(dtype: torch.dtype, approximations) -> None:
+    """Build, on real tensors, the lookup tables the backward creates lazily on its first call for
+    ``dtype`` and each approximation: building them is value-dependent (boolean-mask indexing,
+    ``aten.nonzero``), which ``FakeTensorMode`` cannot run. Cached per process (a few seconds once
+    per dtype and approximation)."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        for approximate in sorted(approximations):
+            x = torch.linspace(-3, 3, 8, dtype=dtype).requires_grad_(True)
+            gelu(x, approximate=approximate).sum().backward()
+
+
+@contextlib.contextmanager
+def _fake_rule(run):
+    """On fake tensors: the eager slices are sized for the modelled device and only the first two
+    run (the outputs and packed bits are allocated whole before the loop and the workspace once
+    per call: the allocations and the peak are the full loop's). Modelling CUDA, every table read
+    is recorded in ``run.held`` (the device holds one copy of each: workspaces across steps)."""
+    slices, table = _slices, _tables._table
+    device = torch.device(run.kind)
+
+    def first_slices(n: int, dev: torch.device):
+        return slices(n, device)[:2] if fake_rules.faking() else slices(n, dev)
+
+    def recorded(kind, dtype, approximate, dev):
+        t = table(kind, dtype, approximate, dev)
+        if isinstance(t, torch.Tensor):
+            run.held[f"GELU table {kind} {dtype} {approximate}"] = t.untyped_storage().nbytes()
+        return t
+
+    with fake_rules.swapped(sys.modules[__name__], _slices=first_slices if run.fewer_iterations else None), \
+            fake_rules.swapped(_tables, _table=recorded if run.kind == "cuda" else None):
+        yield
+
+
+fake_rules.register("gelu", rule=_fake_rule)

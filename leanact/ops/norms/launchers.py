@@ -11,10 +11,12 @@ names ``"layer_norm"``, ``"rms_norm"`` and ``"dropout_add_layer_norm"``, whose s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
+from .. import fake_rules
 from ..triton import dispatch as _d
 
 __all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
@@ -37,6 +39,11 @@ RMS_PROGRAMS_PER_SM = 2
 PROGRAMS_WITHOUT_PARTIALS: int | None = None
 
 
+#: multiprocessors of the GPU leanact.estimate models, while its rules are in force (fake tensors
+#: sit on the CPU: their backward shares its rows as on that GPU)
+_MODELLED_SMS: list = [None]
+
+
 def _programs(rows: int, device: torch.device, per_sm: int | None = None) -> int:
     """Backward programs sharing the rows: ``per_sm`` (default :data:`PROGRAMS_PER_SM`) per SM on
     CUDA (each keeps one partial dγ, dβ row)."""
@@ -46,7 +53,24 @@ def _programs(rows: int, device: torch.device, per_sm: int | None = None) -> int
         sms = _SMS.get(index)
         if sms is None:
             sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    elif _MODELLED_SMS[0] is not None and fake_rules.faking():
+        sms = _MODELLED_SMS[0]
     return max(1, min(rows, (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms))
+
+
+@contextlib.contextmanager
+def _fake_rule(run):
+    """On fake tensors modelling CUDA, the partials of as many programs as the modelled GPU runs."""
+    saved = _MODELLED_SMS[0]
+    if run.kind == "cuda":
+        _MODELLED_SMS[0] = run.sms
+    try:
+        yield
+    finally:
+        _MODELLED_SMS[0] = saved
+
+
+fake_rules.register("norm kernels' partial sums", rule=_fake_rule)
 
 
 def _grad_outputs(dy: torch.Tensor, t: torch.Tensor, n: int, need_dx, need_dw: bool, need_db: bool,

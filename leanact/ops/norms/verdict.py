@@ -44,6 +44,7 @@ check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -54,6 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import fake_rules
 from ..transforms import is_wrapped, unwrap
 from . import step_bound
 from .batch_check import check_many, check_many_later
@@ -199,9 +201,40 @@ def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = 
     count; functorch-wrapped γ, β (``torch.func``) are checked by value (under ``vmap``: every batch
     entry must pass), uncached. Under torch.compile it graph-breaks.
     """
+    if _FAKE_RUN[0] is not None and any(t is not None and is_fake(t) for t in (weight, bias)):
+        return _fake_decision(_FAKE_RUN[0].real_of, weight, bias, n, dtype, max_ratio, offset)
     if torch.compiler.is_compiling():
         return _from_output_ok_eagerly(weight, bias, n, dtype, max_ratio, offset)
     return _from_output_ok_on_host(weight, bias, n, dtype, max_ratio, offset)  # eager: no compiler.disable wrapper
+
+
+# -- on fake tensors (leanact.estimate) ----------------------------------------------------------
+
+_FAKE_RUN: list = [None]  # the leanact.ops.fake_rules.FakeRun while the estimate's rules are in force
+
+
+def _fake_decision(real_of: dict, weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool) -> bool:
+    """The decision for fake γ, β, whose values a fake tensor does not have: the real weights' when
+    the estimate knows them, else True (a model built from a config, or meta weights: the default
+    initialisation γ = 1, β = 0)."""
+    real = [None if t is None else real_of.get(id(t)) for t in (weight, bias)]
+    if any(t is not None and (r is None or r.device.type == "meta") for t, r in zip((weight, bias), real)):
+        return True
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return from_output_ok(real[0], real[1], n, dtype, max_ratio, offset)
+
+
+@contextlib.contextmanager
+def _fake_rule(run):
+    saved = _FAKE_RUN[0]
+    _FAKE_RUN[0] = run
+    try:
+        yield
+    finally:
+        _FAKE_RUN[0] = saved
+
+
+fake_rules.register("norm verdicts", rule=_fake_rule)
 
 
 def _from_output_ok_on_host(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
