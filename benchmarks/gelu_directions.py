@@ -63,8 +63,8 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         args.rows, args.cols, args.rounds = min(args.rows, 4), min(args.cols, 256), min(args.rounds, 2)
     from leanact.ops.triton import dispatch
-    from leanact.ops.triton import gelu as G
-    from leanact.ops.triton import gelu32_kernels as G32
+    from leanact.ops.gelu import launchers as G
+    from leanact.ops.gelu import kernels32 as G32
     from leanact.ops.triton import common as K
 
     dev = "cuda" if cuda else "cpu"

@@ -33,7 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from leanact.ops.triton import gelu32_kernels as G32  # noqa: E402
+from leanact.ops.gelu import kernels32 as G32  # noqa: E402
 from leanact.ops.gelu import kernels16 as K  # noqa: E402
 from gelu_directions import SHAPES  # noqa: E402  (this script's folder is first on sys.path)
 

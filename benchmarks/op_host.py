@@ -130,7 +130,8 @@ def launch_us(calls: int) -> list[tuple[str, str]] | None:
     import triton.language as tl
 
     from leanact.ops.gelu import minimum, tables
-    from leanact.ops.triton import gelu as gelu_launchers, kernels
+    from leanact.ops.gelu import launchers as gelu_launchers
+    from leanact.ops.triton import common as kernels
 
     @triton.jit
     def _nop(a, b, c, d, e, f, g, h, n, m, eps, BLOCK: tl.constexpr):

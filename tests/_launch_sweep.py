@@ -10,13 +10,14 @@ import contextlib
 import torch
 
 from leanact.ops.triton import dispatch
-from leanact.ops.triton import cross_entropy as tce, dropout as td, gated as tgd, gelu as tg, lossy as tlo
+from leanact.ops.triton import cross_entropy as tce, dropout as td, gated as tgd, lossy as tlo
+from leanact.ops.gelu import launchers as tg
 from leanact.ops.norms import launchers as tn
 from leanact.ops.triton import rotary as tr
 
 #: The modules holding the kernels (each launches through its module-level name ``launch``).
 MODULES = ("leanact.ops.triton.dropout_kernels", "leanact.ops.norms.kernels", "leanact.ops.gelu.kernels16",
-           "leanact.ops.triton.gelu32_kernels", "leanact.ops.triton.gated_kernels", "leanact.ops.triton.lossy_kernels",
+           "leanact.ops.gelu.kernels32", "leanact.ops.triton.gated_kernels", "leanact.ops.triton.lossy_kernels",
            "leanact.ops.triton.rotary_kernels", "leanact.ops.triton.cross_entropy_kernels")
 
 

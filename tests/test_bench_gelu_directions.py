@@ -43,7 +43,7 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, {bench!r})
 import gelu_directions as GD
-from leanact.ops.triton import gelu32_kernels as G32
+from leanact.ops.gelu import kernels32 as G32
 
 real = G32.gelu32_backward
 

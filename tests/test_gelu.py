@@ -25,9 +25,9 @@ from leanact.ops.bitpack import pack_bits, packed_nbytes, unpack_bits
 from leanact.ops.gelu import GeluFunction, gelu, gelu_grad_from_output, gelu_minimum
 
 # the package's files (leanact.ops.gelu re-exports only the public names)
-buffers, function, mills32, minimum, rebuild32, rebuild64, slope32, tables = (
+buffers, function, erfcx32, minimum, rebuild32, rebuild64, slope32, tables = (
     importlib.import_module(f"leanact.ops.gelu.{name}")
-    for name in ("buffers", "function", "mills32", "minimum", "rebuild32", "rebuild64", "slope32", "tables"))
+    for name in ("buffers", "function", "erfcx32", "minimum", "rebuild32", "rebuild64", "slope32", "tables"))
 
 MODES = ["none", "tanh"]
 K1, A = 2.0 * math.sqrt(2.0 / math.pi), 0.044715
@@ -560,7 +560,7 @@ def test_float32_table_guess(mode):
 
 
 def _slope_eval(y, right, mode, table):
-    """The CUDA kernel's float32 backward (:mod:`leanact.ops.triton.gelu32_kernels`) in PyTorch: the
+    """The CUDA kernel's float32 backward (:mod:`leanact.ops.gelu.kernels32`) in PyTorch: the
     float32 path's key, its cell's cubic; the cubic evaluated from the float32 coefficients in
     float64 (so what remains is the table's own error)."""
     n = y.numel()
@@ -606,13 +606,13 @@ def _mills_eval(a, table):
     """The CUDA float32 erf forward's ``Phi(-a) exp(a^2/2)`` from the Mills table (float32 ``a``):
     its cell's cubic in float64 from the float32 coefficients."""
     ab = a.view(torch.int32)
-    c = table[ab >> mills32.SHIFT].double()
-    s = (ab & ((1 << mills32.SHIFT) - 1)).double() * 2.0 ** -mills32.SHIFT
+    c = table[ab >> erfcx32.SHIFT].double()
+    s = (ab & ((1 << erfcx32.SHIFT) - 1)).double() * 2.0 ** -erfcx32.SHIFT
     return c[:, 0] + s * (c[:, 1] + s * (c[:, 2] + s * c[:, 3]))
 
 
 def test_float32_mills_table():
-    """The CUDA float32 erf forward's table (:mod:`leanact.ops.gelu.mills32`): each cell's cubic is
+    """The CUDA float32 erf forward's table (:mod:`leanact.ops.gelu.erfcx32`): each cell's cubic is
     ``erfcx(a/sqrt 2)/2`` within 1.25 ulps (float32, relative) for ``0 <= a <= 20``, float32
     subnormals included (mpmath: 30 digits): the cubic itself is within 0.09 ulps (float64
     coefficients), the float32 coefficients' rounding adds half an ulp of their binade, a whole one
@@ -624,8 +624,8 @@ def test_float32_mills_table():
     mp.mp.dps = 30
     truth = torch.tensor([float(mp.erfc(mp.mpf(float(v)) / mp.sqrt(2)) * mp.exp(mp.mpf(float(v)) ** 2 / 2) / 2)
                           for v in a], dtype=torch.float64)
-    table = mills32.mills_table()
-    assert table.shape == (mills32.NCELL, 4) and table.dtype == torch.float32
+    table = erfcx32.mills_table()
+    assert table.shape == (erfcx32.NCELL, 4) and table.dtype == torch.float32
 
     def ulps(r):
         return ((r - truth).abs() / ulp(truth, torch.float32)).max()
@@ -642,14 +642,14 @@ def test_cuda_float32_tables_build_for_real_under_fake_tensors(monkeypatch):
     (no fake one cached for later real use), equal to a build outside it."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    ref = slope32.slope_table("tanh"), mills32.mills_table()
+    ref = slope32.slope_table("tanh"), erfcx32.mills_table()
     monkeypatch.setattr(slope32, "_SLOPE_CPU", {})
-    monkeypatch.setattr(mills32, "_MILLS_CPU", None)
+    monkeypatch.setattr(erfcx32, "_MILLS_CPU", None)
     with FakeTensorMode():
-        built = slope32.slope_table("tanh"), mills32.mills_table()
+        built = slope32.slope_table("tanh"), erfcx32.mills_table()
     for b, r in zip(built, ref):
         assert not isinstance(b, FakeTensor) and torch.equal(b, r)
-    assert slope32.slope_table("tanh") is built[0] and mills32.mills_table() is built[1]
+    assert slope32.slope_table("tanh") is built[0] and erfcx32.mills_table() is built[1]
 
 
 def test_bit_packing_layout():

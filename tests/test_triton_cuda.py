@@ -121,7 +121,7 @@ def test_gelu32_variants_compute_the_same_on_this_gpu(mode):
     launch shape, the backward's fma quotient and the unmasked kernels of whole blocks give the
     default's y and bits bitwise and its dx
     (values; a zero's sign may differ with the fma quotient), on the hardest inputs as above."""
-    from leanact.ops.triton import gelu as TG, gelu32_kernels as K32
+    from leanact.ops.gelu import launchers as TG, kernels32 as K32
 
     torch.manual_seed(4)
     xs = G._CONSTS[mode].xs

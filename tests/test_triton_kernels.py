@@ -27,7 +27,8 @@ from leanact.ops.gelu import gelu  # noqa: E402
 from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask, keep_mask_like, keep_threshold  # noqa: E402
 from leanact.ops.norms.rms_norm import rms_norm  # noqa: E402
-from leanact.ops.triton import dispatch, gelu as TG  # noqa: E402
+from leanact.ops.triton import dispatch  # noqa: E402
+from leanact.ops.gelu import launchers as TG  # noqa: E402
 from leanact.ops.norms import launchers as TN  # noqa: E402
 from leanact.ops.triton import dropout as TD  # noqa: E402
 
@@ -186,7 +187,7 @@ _BWD_ULPS = {"none": 2.5, "tanh": 2.5}
 @interp
 @pytest.mark.parametrize("mode", ["none", "tanh"])
 def test_gelu32(K, mode):
-    """float32 storage: the kernels compute in float32 only (:mod:`leanact.ops.triton.gelu32_kernels`).
+    """float32 storage: the kernels compute in float32 only (:mod:`leanact.ops.gelu.kernels32`).
     Forward within _FWD_ULPS of the float64 truth, the branch bits bitwise; backward (for the
     PyTorch path's y, the correctly rounded one) within the interval B(y) of what the stored output
     allows plus _BWD_ULPS of the gradient; special values as the PyTorch path."""
@@ -236,12 +237,12 @@ def test_gelu32_forward_rounded_to_16_bits_is_the_table(dtype, mode):
     """The float32 kernel's GELU of every 16-bit value, rounded to 16 bits, is the 16-bit path's
     lookup table, all 65,536 patterns: a 16-bit forward could compute instead of gathering and keep
     every bit (float16, tanh form: one pattern differs, so not there)."""
-    from leanact.ops.gelu import mills32, tables as GT
-    from leanact.ops.triton import gelu32_kernels as K32
+    from leanact.ops.gelu import erfcx32, tables as GT
+    from leanact.ops.gelu import kernels32 as K32
 
     x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
     y = torch.empty(x.shape)
-    K32.gelu32_forward(x.float(), y, None, mills32.mills_table() if mode == "none" else None, 0.0)
+    K32.gelu32_forward(x.float(), y, None, erfcx32.mills_table() if mode == "none" else None, 0.0)
     assert _same(y.to(dtype), GT._ACCESSORS["y16", str(dtype)[6:], mode]("cpu").view(dtype))
 
 
@@ -252,15 +253,15 @@ def test_gelu32_row_reads_agree(mode):
     registers (their ``wide`` 0 / 1; 2, inline PTX, has no interpreter: the SASS test and the GPU's
     benchmarks/gelu_directions.py check it): the same y, bits and dx bitwise, over inputs from
     -20 to 20 (every cell of the tables' busy range) and the tails."""
-    from leanact.ops.gelu import mills32, rebuild32, slope32
-    from leanact.ops.triton import gelu32_kernels as K32
+    from leanact.ops.gelu import erfcx32, rebuild32, slope32
+    from leanact.ops.gelu import kernels32 as K32
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.linspace(-20, 20, 3001), torch.randn(2000, generator=g) * 3,
                    torch.tensor([-30.0, -1e-30, 0.0, 1e-30, 30.0])])
     dy = torch.randn(x.shape, generator=g)
     thr = TG._args("forward", x, mode)[0]
-    mills = mills32.mills_table() if mode == "none" else None
+    mills = erfcx32.mills_table() if mode == "none" else None
     slope, c32 = slope32.slope_table(mode), rebuild32._C32[mode]
     outs = []
     for wide in (0, 1):
@@ -276,15 +277,15 @@ def test_gelu32_row_reads_agree(mode):
 def test_gelu32_unmasked_blocks_agree(mode):
     """Where BLOCK divides n the float32 kernels run without masks (their ``EVEN``): the same y, bits
     and dx bitwise as the masked kernels give on the same elements with one more after them."""
-    from leanact.ops.gelu import mills32, rebuild32, slope32
-    from leanact.ops.triton import gelu32_kernels as K32
+    from leanact.ops.gelu import erfcx32, rebuild32, slope32
+    from leanact.ops.gelu import kernels32 as K32
 
     g = torch.Generator().manual_seed(1)
     x = torch.cat([torch.linspace(-20, 20, 1024), torch.randn(1019, generator=g) * 3,
                    torch.tensor([-30.0, -1e-30, 0.0, float("nan"), 30.0])])  # 2048: two whole blocks
     dy = torch.randn(x.numel() + 1, generator=g)
     thr = TG._args("forward", x, mode)[0]
-    mills = mills32.mills_table() if mode == "none" else None
+    mills = erfcx32.mills_table() if mode == "none" else None
     slope, c32 = slope32.slope_table(mode), rebuild32._C32[mode]
     outs = []
     for xs in (x, torch.cat([x, torch.tensor([0.5])])):  # unmasked (EVEN), masked
@@ -303,7 +304,7 @@ def test_gelu32_backward_fma_quotient_agrees(mode):
     outputs, y next to the minimum (c32 and its neighbours, where the key's divisor is subnormal or
     tiny), random bit patterns of y with both branch bits, and specials."""
     from leanact.ops.gelu import rebuild32, slope32
-    from leanact.ops.triton import gelu32_kernels as K32
+    from leanact.ops.gelu import kernels32 as K32
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.linspace(-20, 20, 4001), torch.randn(4000, generator=g) * 3,
@@ -670,7 +671,7 @@ build(NK._partials_sum_kernel, {"pw_ptr": "*fp32", "pb_ptr": "*fp32", "w_ptr": "
       "BLOCK_N": 64}, **K.FUSED)
 build(K16._gelu16_fwd_kernel, {"x_ptr": "*i16", "y_ptr": "*i16", "bits_ptr": "*u8", "tab_ptr": "*i16", "n": "i32",
       "u": "i32"}, {"WITH_BITS": True, "BLOCK": 1024}, **K.FUSED)
-from leanact.ops.triton import gelu32_kernels as G32
+from leanact.ops.gelu import kernels32 as G32
 for fma_div, even in ((False, False), (True, False), (False, True)):
     build(G32._gelu32f_bwd_kernel, {"y_ptr": "*fp32", "bits_ptr": "*u8", "dy_ptr": "*fp32", "out_ptr": "*fp32",
           "tab_ptr": "*i64", "n": "i32", "c32": "fp32"}, {"WIDE": 0, "FMA_DIV": fma_div, "EVEN": even, "BLOCK": 1024},

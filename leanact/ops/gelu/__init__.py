@@ -21,7 +21,7 @@ derivative:
 - float64 storage: safeguarded Halley steps from asymptotic initial guesses, with compensated
   arithmetic (below).
 
-On CUDA the 16-bit and float32 paths run Triton kernels (:mod:`leanact.ops.triton.gelu`): the
+On CUDA the 16-bit and float32 paths run Triton kernels (:mod:`leanact.ops.gelu.launchers`): the
 16-bit ones read the same tables (bitwise); the float32 ones do the float32 path's work in float32
 arithmetic from two 64-128 KiB tables of cubics, within a few ulps of it (``docs/gelu_bound.md``,
 section 8).
@@ -62,10 +62,12 @@ and ``nan`` is nan and at ``+-0`` 0.5, as torch's.
 Files: :mod:`.minimum` (x*, y*, the Taylor expansion about them, the forward's branch thresholds),
 :mod:`.rebuild64` (the exact rebuild: float64 storage, and the builder of the 16-bit tables),
 :mod:`.tables` (the table cache; 16-bit storage by lookup), :mod:`.rebuild32` (float32 storage:
-table guess + one float64 step), :mod:`.slope32` and :mod:`.mills32` (the CUDA float32 kernels'
+table guess + one float64 step), :mod:`.slope32` and :mod:`.erfcx32` (the CUDA float32 kernels'
 tables: the derivative per cell of the backward's key, the erf forward's ``erfcx``), :mod:`.buffers`
-(eager slices, bit packing, workspaces),
-:mod:`.function` (the autograd Function and :func:`gelu`).
+(eager slices, bit packing, workspaces), :mod:`.function` (the autograd Function, :func:`gelu`,
+the registration of the kernels' self-check and the op's fake-tensor rule); on CUDA
+:mod:`.launchers` (kernel or PyTorch path) with the Triton kernels of :mod:`.kernels16` (16-bit
+storage) and :mod:`.kernels32` (float32 storage).
 """
 from .function import GeluFunction, gelu, gelu_grad_from_output
 from .minimum import gelu_minimum

@@ -1,6 +1,6 @@
 """The autograd Function: forward keeps ``y`` and the packed branch bits; backward dispatches by
 storage dtype (16-bit: :mod:`.tables`; float32: :mod:`.rebuild32`; float64: :mod:`.rebuild64`), or
-to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.triton.gelu`), whose self-check
+to the fused Triton kernels on CUDA when enabled (:mod:`leanact.ops.gelu.launchers`), whose self-check
 is registered here."""
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from ...saved import keeping_output
 from .. import fake_rules
 from ..bitpack import pack_bits, unpack_bits
 from ..transforms import functorch_active
-from ..triton import gelu as _triton
 from ..triton.dispatch import register_check
 from .buffers import _pack, _slices
 from .minimum import _CONSTS, _check, _work_dtype
 from .rebuild32 import _backward32, _forward32
 from .rebuild64 import _forward_w, _grad_from_output
+from . import launchers as _triton
 from . import tables as _tables
 from .tables import _backward16, _forward16
 
@@ -152,7 +152,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 def _self_check(device: torch.device, key) -> None:
     """:func:`_forward` and :func:`_backward` through the kernels and the PyTorch path for ``key``
     (dtype, approximation): bitwise in 16 bits (the same tables); in float32 the kernels compute
-    in float32 what the PyTorch path rounds once from float64 (:mod:`leanact.ops.triton.gelu32_kernels`),
+    in float32 what the PyTorch path rounds once from float64 (:mod:`leanact.ops.gelu.kernels32`),
     so ``y`` may differ by a few ulps and the gradient by a few ulps of itself plus, next to the
     minimum, the width of what the stored output allows (``docs/gelu_bound.md``, section 3)."""
     from ..triton.selfcheck import both, generator, randn, same, ulps_apart

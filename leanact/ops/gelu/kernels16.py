@@ -1,7 +1,7 @@
 """Triton kernels of GELU with 16-bit storage, and their launchers (called by
-:mod:`leanact.ops.triton.gelu`): y and the packed branch bit from the lookup tables of
+:mod:`.launchers`): y and the packed branch bit from the lookup tables of
 :mod:`.tables` (built by the PyTorch path, read here), bitwise the PyTorch path. (float32
-storage: :mod:`leanact.ops.triton.gelu32_kernels`.)
+storage: :mod:`.kernels32`.)
 """
 from __future__ import annotations
 

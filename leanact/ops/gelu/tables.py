@@ -97,7 +97,7 @@ def real_cpu():
         yield
 
 
-#: Chebyshev nodes in [0, 1] of the cubics of the CUDA float32 kernels' tables (:mod:`.slope32`, :mod:`.mills32`)
+#: Chebyshev nodes in [0, 1] of the cubics of the CUDA float32 kernels' tables (:mod:`.slope32`, :mod:`.erfcx32`)
 CUBIC_NODES = tuple((1 - math.cos(math.pi * (2 * j + 1) / 8)) / 2 for j in range(4))
 
 

@@ -8,7 +8,7 @@ cubic's exact argument):
 
 - forward, erf form: ``y = x Phi(x)``, ``Phi(-a) = R(a) exp(-a^2/2)`` for ``a = |x|`` (``1 -
   Phi(-a)`` above 0), ``R = erfcx(a/sqrt 2)/2`` from its cell's cubic
-  (:mod:`leanact.ops.gelu.mills32`) and ``exp`` of ``-a^2/2`` split exactly into two floats
+  (:mod:`leanact.ops.gelu.erfcx32`) and ``exp`` of ``-a^2/2`` split exactly into two floats
   (``fma``) and reduced by ``ln 2`` in two parts, so the tails keep their relative accuracy (a
   plain float32 ``exp(-x*x/2)`` is off by ``x^2`` ulps). Tanh form: ``x sigmoid(v)`` with ``v = K1
   x (1 + A x^2)`` carried as a two-float sum for the same reason (no table). ``exp``'s power of two
@@ -53,15 +53,15 @@ import torch
 import triton
 import triton.language as tl
 
-from leanact.ops.gelu import minimum as _gm
-from leanact.ops.gelu import rebuild32 as _g32
-from leanact.ops.gelu import mills32 as _mills
-from leanact.ops.gelu import slope32 as _slope
+from ..triton.common import UNFUSED, _grid, _pack8, _unpack1
+from ..triton.dispatch import BLOCK
+from ..triton.launch import launch
+from ..triton.math32 import exp_half_neg_parts, exp_parts, f32 as _f32, quotient, recip12_of_negated
+from . import erfcx32 as _mills
+from . import minimum as _gm
+from . import rebuild32 as _g32
+from . import slope32 as _slope
 
-from .dispatch import BLOCK
-from .common import UNFUSED, _grid, _pack8, _unpack1
-from .math32 import exp_half_neg_parts, exp_parts, f32 as _f32, quotient, recip12_of_negated
-from .launch import launch
 
 __all__ = ["gelu32_forward", "gelu32_backward"]
 
@@ -130,7 +130,7 @@ def _row(tab_ptr, cell, WIDE: tl.constexpr):
 def _gelu_erf(x, xc, tab_ptr, WIDE: tl.constexpr):
     """``x Phi(x)`` (``xc``: x clamped to [-15, 15]), within a few ulps (relative, subnormal y
     rounded once): ``Phi(-a) = R(a) exp(-a^2/2)``, ``a = |x|``, ``R`` from its cell's cubic
-    (:mod:`leanact.ops.gelu.mills32`), ``exp``'s powers of two multiplied in last
+    (:mod:`leanact.ops.gelu.erfcx32`), ``exp``'s powers of two multiplied in last
     (:func:`~leanact.ops.triton.math32.exp_half_neg_parts`): ``1 - Phi(-a)`` above 0, ``x R e^r`` below."""
     p = xc * xc
     e = tl.fma(xc, xc, -p)  # x^2 = p + e exactly
@@ -229,7 +229,7 @@ def _gelu32f_bwd_kernel(y_ptr, bits_ptr, dy_ptr, out_ptr, tab_ptr, n, c32, WIDE:
 def gelu32_forward(x: torch.Tensor, y: torch.Tensor, bits, table, thr: float, block: int = BLOCK, wide: int = 0,
                    num_warps: int = 4):
     """``y = GELU(x)``, ``bits``: x > thr packed (or None); ``table``: the erf form's Mills table
-    (:mod:`leanact.ops.gelu.mills32`), None for the tanh form. ``block / (32 num_warps)`` elements
+    (:mod:`leanact.ops.gelu.erfcx32`), None for the tanh form. ``block / (32 num_warps)`` elements
     per thread (8 by default)."""
     n = x.numel()
     if n:

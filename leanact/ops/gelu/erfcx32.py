@@ -10,7 +10,8 @@ The cubic goes through ``R`` at the cell's four Chebyshev nodes (float64 ``erfcx
 read and three ``fma`` replace an ``erfc`` series, a division and a second ``exp``.
 
 The table: ``2**(8 + KEY_BITS)`` rows of 4 float32 (128 KiB); the rows of ``a`` above 32 (never
-read: the kernel clamps ``|x|`` to 20) hold zeros.
+read: the kernel clamps ``|x|`` to 20) hold zeros. It is registered as the table ``"mills32"`` (the
+name leanact.estimate reports for it).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Kernel or PyTorch path for GELU from its output (:mod:`leanact.ops.gelu`): the launchers of
-:mod:`leanact.ops.gelu.kernels16` (16-bit storage) and :mod:`.gelu32_kernels` (float32), with the
+:mod:`.kernels16` (16-bit storage) and :mod:`.kernels32` (float32), with the
 tables and thresholds of :mod:`leanact.ops.gelu` (which import nothing of this package).
 
-Same contract as :mod:`.dispatch`: each function returns what
+Same contract as :mod:`leanact.ops.triton.dispatch`: each function returns what
 :mod:`leanact.ops.gelu.function`'s PyTorch path returns, from one kernel, or ``None`` (the caller
 then runs its PyTorch path): bitwise for 16-bit storage (the same tables); for float32 storage
-within the few ulps of :mod:`.gelu32_kernels` (float32 arithmetic where the PyTorch path rounds
+within the few ulps of :mod:`.kernels32` (float32 arithmetic where the PyTorch path rounds
 once from float64). The kernels launch under the name ``"gelu"`` (checked per dtype and
 approximation), whose self-check :mod:`leanact.ops.gelu.function` registers.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _STATE, _launch, _usable, launchers
+from ..triton.dispatch import _DTYPES, _FAILED, _STATE, _launch, _usable, launchers
 
 __all__ = ["gelu_forward", "gelu_backward"]
 
@@ -28,7 +28,7 @@ def _args(kind: str, t: torch.Tensor, approximate: str) -> tuple:
     key = (kind, t.dtype, approximate, t.device)
     hit = None if _STATE["fake"] else _ARGS.get(key)
     if hit is None:
-        from ..gelu import mills32, minimum, rebuild32, slope32, tables  # noqa: F401 (they register tables)
+        from . import erfcx32, minimum, rebuild32, slope32, tables  # noqa: F401 (they register tables)
 
         dev, dn = str(t.device), tables._dtype_name(t.dtype)
         if kind == "forward":
@@ -54,7 +54,7 @@ def gelu_forward(x: torch.Tensor, approximate: str, with_bits: bool):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device) if with_bits else None
     if x.dtype == torch.float32:
-        k32 = launchers(k, "leanact.ops.triton.gelu32_kernels", "gelu32_forward")
+        k32 = launchers(k, "leanact.ops.gelu.kernels32", "gelu32_forward")
         if k32 is None:
             return None
         thr, table = _args("forward", x, approximate)
@@ -76,7 +76,7 @@ def gelu_backward(y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, approxi
         return None
     out = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y.dtype == torch.float32:
-        k32 = launchers(k, "leanact.ops.triton.gelu32_kernels", "gelu32_backward")
+        k32 = launchers(k, "leanact.ops.gelu.kernels32", "gelu32_backward")
         if k32 is None:
             return None
         table, c32 = _args("backward", y, approximate)
