@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_suite import ms_per_call  # noqa: E402  (this script's folder is first on sys.path)
+from gpu_suite.common import ms_per_call  # noqa: E402  (this script's folder is on sys.path)
 
 
 #: (BLOCK, warps per program) the second table tries; the first is the kernels' default

@@ -2,7 +2,7 @@
 
     python benchmarks/norm_sync_ab.py sync|drift     # on a CUDA machine; prints the steps part's rows
 
-Runs the steps part of ``benchmarks/gpu_suite.py`` (Llama-3.2-1B geometry and BERT-Large MLM
+Runs the steps part of ``benchmarks/gpu_suite`` (Llama-3.2-1B geometry and BERT-Large MLM
 steps, HF sdpa next to leanact, interleaved, medians) in this process, either as leanact runs
 (``drift``: a passing from-output verdict stands while AdamW's steps since its check stay within its
 slack, :mod:`leanact.ops.norms.step_bound`) or with every verdict checked again after each optimizer
@@ -12,7 +12,6 @@ more than with this change. Prints the rows and the last notes as JSON.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -25,10 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1 or argv[0] not in ("sync", "drift"):
         sys.exit("usage: python benchmarks/norm_sync_ab.py sync|drift")
     sys.path.insert(0, str(HERE.parent))
-    spec = importlib.util.spec_from_file_location("gpu_suite", HERE / "gpu_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = suite  # (its dataclasses look their module up)
-    spec.loader.exec_module(suite)
+    import gpu_suite.common as suite  # (benchmarks/, this script's folder, is on sys.path)
     from leanact.ops.norms import step_bound
 
     if argv[0] == "sync":

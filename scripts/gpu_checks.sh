@@ -7,7 +7,7 @@
 #   SUITE_PARTS="ops steps bert" SUITE_S=260 LAUNCH_S=0 bash scripts/gpu_checks.sh   # other suite parts;
 #                                         # a part's limit of 0 skips it
 #
-# 1. benchmarks/gpu_suite.py --parts $SUITE_PARTS (default: tests ops steps profile): CUDA tests
+# 1. benchmarks/gpu_suite --parts $SUITE_PARTS (default: tests ops steps profile): CUDA tests
 #    (self-checks, strict kernels), per-op times against torch and Liger, whole training steps
 #    against HF sdpa and Liger, where a step's device time goes (the suite's markdown: suite.md)
 # 2. benchmarks/launch_host.py: the host µs of one launch, Triton's kernel[grid] against
@@ -43,7 +43,7 @@ part() {
   fi
 }
 # shellcheck disable=SC2086  # $parts: one word per part
-part gpu_suite "${SUITE_S:-330}" python3 benchmarks/gpu_suite.py --parts $parts --out "$out/suite.md" \
+part gpu_suite "${SUITE_S:-330}" python3 benchmarks/gpu_suite --parts $parts --out "$out/suite.md" \
   >"$out/suite.log" 2>&1
 part launch_host "${LAUNCH_S:-40}" python3 benchmarks/launch_host.py >"$out/launch_host.md" 2>&1
 part op_host "${OPHOST_S:-50}" python3 benchmarks/op_host.py --out "$out/op_host.md" >"$out/op_host.log" 2>&1

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_suite.py without a GPU: its parts' machinery (processes, limits, failures, the
+"""benchmarks/gpu_suite without a GPU: its parts' machinery (processes, limits, failures, the
 markdown) and the pure helpers. The GPU parts themselves run only on a CUDA machine."""
 import importlib.machinery
 import importlib.metadata
@@ -12,11 +12,13 @@ import types
 import pytest
 import torch
 
-_PATH = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_suite.py"
-_spec = importlib.util.spec_from_file_location("gpu_suite", _PATH)
-suite = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = suite
-_spec.loader.exec_module(suite)
+_BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
+_PKG = _BENCH / "gpu_suite"  # the package, loaded by its name without benchmarks/ on sys.path
+_spec = importlib.util.spec_from_file_location("gpu_suite", _PKG / "__init__.py",
+                                               submodule_search_locations=[str(_PKG)])
+sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sys.modules[_spec.name])
+suite = importlib.import_module("gpu_suite.common")
 
 
 def test_limits_fit_in_nine_minutes():
@@ -316,8 +318,8 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
 
     out = tmp_path / "smoke.md"
     parts = ["tests", "bert", "llama", "estimate", "offload", "ops", "head", "steps", "long", "profile"]
-    env = dict(os.environ, PYTHONPATH=str(_PATH.parent.parent), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--parts", *parts, "--out", str(out)],
+    env = dict(os.environ, PYTHONPATH=str(_BENCH.parent), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(_PKG), "--smoke", "--parts", *parts, "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = out.read_text()
@@ -354,7 +356,7 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
 
 
 def test_smoke_needs_an_out_file_other_than_results_md():
-    for argv in (["--smoke"], ["--smoke", "--out", str(_PATH.parent / "RESULTS.md")]):
+    for argv in (["--smoke"], ["--smoke", "--out", str(_BENCH / "RESULTS.md")]):
         with pytest.raises(SystemExit) as exc:
             suite.main(argv)
         assert exc.value.code == 2
@@ -658,7 +660,7 @@ def test_norm_sync_ab_runs_the_steps_part_with_and_without_the_per_step_check(mo
     import re
     import subprocess
 
-    script = _PATH.parent / "norm_sync_ab.py"
+    script = _BENCH / "norm_sync_ab.py"
     env = dict(os.environ, LEANACT_GPU_SUITE_SMOKE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -673,7 +675,7 @@ def test_norm_sync_ab_runs_the_steps_part_with_and_without_the_per_step_check(mo
 def test_op_host_smoke_reports_every_op(tmp_path, capsys):
     """benchmarks/op_host.py --smoke (CPU, kernels stubbed): a row of positive times per op, the
     launch line and the profile; --out gets the same report."""
-    spec = importlib.util.spec_from_file_location("op_host", _PATH.parent / "op_host.py")
+    spec = importlib.util.spec_from_file_location("op_host", _BENCH / "op_host.py")
     op_host = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(op_host)
     out = tmp_path / "op_host.md"

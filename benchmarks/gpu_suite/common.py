@@ -1,6 +1,6 @@
 """One command for a CUDA machine: tests, kernel timings, memory and speed, appended to RESULTS.md.
 
-    python benchmarks/gpu_suite.py [--out benchmarks/RESULTS.md]
+    python benchmarks/gpu_suite [--out benchmarks/RESULTS.md]
         [--parts tests ops bert llama estimate offload head steps long profile]
 
 Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
@@ -90,7 +90,8 @@ import tempfile
 import time
 import traceback
 
-HERE = pathlib.Path(__file__).resolve().parent
+PACKAGE = pathlib.Path(__file__).resolve().parent  # benchmarks/gpu_suite, run as ``python benchmarks/gpu_suite``
+HERE = PACKAGE.parent  # benchmarks/
 ROOT = HERE.parent
 PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload", "head", "steps"]
 OPTIONAL = ["long", "profile"]  # run only when named in --parts (the default run stays under 9.5 minutes)
@@ -276,7 +277,7 @@ def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env:
     fd, path = tempfile.mkstemp(suffix=f"-{name}.json")
     os.close(fd)
     os.unlink(path)
-    cmd = [python, str(pathlib.Path(__file__).resolve()), "--worker", name, "--json", path]
+    cmd = [python, str(PACKAGE), "--worker", name, "--json", path]
     t0 = time.perf_counter()
     env = dict(os.environ, **(extra_env or {}))
     try:
@@ -1814,7 +1815,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--smoke needs --out, not benchmarks/RESULTS.md (its rows are no GPU results)")
         device = "CPU (smoke run, tiny sizes)"
     elif not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu_suite.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing written.")
+        sys.exit("benchmarks/gpu_suite needs a CUDA GPU (torch.cuda.is_available() is False); nothing written.")
     else:
         device = torch.cuda.get_device_name(0)
     args.out = args.out or str(HERE / "RESULTS.md")
@@ -1831,8 +1832,3 @@ def main(argv: list[str] | None = None) -> int:
         f.write("\n" + md)
     print(f"[gpu_suite] appended to {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))  # this checkout's leanact, also in the --worker processes
-    sys.exit(main())
