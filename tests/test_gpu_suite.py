@@ -16,59 +16,63 @@ _BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
 _PKG = _BENCH / "gpu_suite"  # the package, loaded by its name without benchmarks/ on sys.path
 _spec = importlib.util.spec_from_file_location("gpu_suite", _PKG / "__init__.py",
                                                submodule_search_locations=[str(_PKG)])
-sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sys.modules[_spec.name])
-suite = importlib.import_module("gpu_suite.common")
+package = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(package)
+common, cli, side_by_side = (importlib.import_module(f"gpu_suite.{m}") for m in ("common", "__main__", "side_by_side"))
+bert_part, ops_part, head_part, steps_part, tests_part, liger_part = (
+    importlib.import_module(f"gpu_suite.{m}") for m in ("bert", "ops", "head", "steps", "tests", "liger"))
 
 
 def test_limits_fit_in_nine_minutes():
-    assert set(suite.LIMITS) == set(suite.PARTS + suite.OPTIONAL) == set(suite.COLUMNS) and suite.TOTAL_S < 9.5 * 60
+    assert set(common.LIMITS) == set(common.PARTS + common.OPTIONAL) == set(common.COLUMNS)
+    assert common.TOTAL_S < 9.5 * 60
 
 
 def test_parse_pytest_summary():
     out = "....F.s\nFAILED tests/x.py::t - boom\n3 passed, 1 failed, 2 skipped, 1 error in 4.5s\n"
-    assert suite.parse_pytest(out) == {"passed": 3, "failed": 1, "skipped": 2, "error": 1}
-    assert suite.parse_pytest("") == {}
-    assert suite.parse_pytest("no tests ran in 0.01s") == {}
+    assert tests_part.parse_pytest(out) == {"passed": 3, "failed": 1, "skipped": 2, "error": 1}
+    assert tests_part.parse_pytest("") == {}
+    assert tests_part.parse_pytest("no tests ran in 0.01s") == {}
 
 
 def test_a_part_that_works_fails_or_hangs_is_reported_and_the_next_still_runs():
-    ok = suite.run_part("_selftest_ok", 60)
+    ok = common.run_part("_selftest_ok", 60)
     assert ok["status"] == "ok" and ok["rows"] == [["first", "1.5"], ["second", "2"]]
-    failed = suite.run_part("_selftest_fail", 60)
+    failed = common.run_part("_selftest_fail", 60)
     assert failed["status"] == "failed" and failed["rows"] == [["first", "1.5"]]
     assert any("RuntimeError: boom" in n for n in failed["notes"])
-    hung = suite.run_part("_selftest_hang", 3)
+    hung = common.run_part("_selftest_hang", 3)
     assert hung["status"] == "timeout" and hung["rows"] == [["first", "1.5"]]  # what it finished is kept
     assert any("limit of 3 s" in n for n in hung["notes"])
-    md = suite.markdown({"device": "GPU X", "date": "2030-01-01", "torch": "9.9"},
-                        {"_selftest_ok": ok, "_selftest_fail": failed, "_selftest_hang": hung})
+    md = common.markdown({"device": "GPU X", "date": "2030-01-01", "torch": "9.9"},
+                         {"_selftest_ok": ok, "_selftest_fail": failed, "_selftest_hang": hung})
     assert md.startswith("## GPU suite — GPU X, 2030-01-01") and "torch 9.9" in md
     assert "### _selftest_ok — ok" in md and "| first | 1.5 |" in md and "| second | 2 |" in md
     assert "### _selftest_fail — failed" in md and "### _selftest_hang — timeout" in md
 
 
 def test_a_worker_that_dies_without_results():
-    res = suite.run_part("_no_such_part", 60)
+    res = common.run_part("_no_such_part", 60)
     assert res["status"] == "failed" and res["notes"]
 
 
 def test_markdown_of_an_empty_failed_part():
-    md = suite.markdown({"device": "d", "date": "x"}, {"ops": {"status": "failed", "notes": ["no CUDA"]}})
+    md = common.markdown({"device": "d", "date": "x"}, {"ops": {"status": "failed", "notes": ["no CUDA"]}})
     assert "### Per-op forward+backward time (ms, median) — failed" in md and "(no rows)" in md and "- no CUDA" in md
 
 
 def test_ratios_against_hf_sdpa():
     rows = [("HF sdpa", 20, 100.0), ("leanact", 36, 120.0), ("HF eager", 0, 0.0)]
-    r = {m: (rb, rs) for m, rb, rs in suite.bert_ratios(rows)}
+    r = {m: (rb, rs) for m, rb, rs in bert_part.bert_ratios(rows)}
     assert r["leanact"] == (1.8, 1.2) and r["HF sdpa"] == (1.0, 1.0) and r["HF eager"] == (0.0, 0.0)
-    nan = suite.bert_ratios([("leanact", 3, 1.0)])[0]
+    nan = bert_part.bert_ratios([("leanact", 3, 1.0)])[0]
     assert nan[1] != nan[1] and nan[2] != nan[2]
-    assert suite._cell(float("nan")) == "n/a" and suite._cell(1234.5) == "1234.5" and suite._cell(0.0123456) == "0.0123"
+    cell = common._cell
+    assert cell(float("nan")) == "n/a" and cell(1234.5) == "1234.5" and cell(0.0123456) == "0.0123"
 
 
 def test_versions_never_raise():
-    v = suite.versions()
+    v = common.versions()
     assert v["torch"] == torch.__version__ and {"triton", "transformers", "liger-kernel", "commit"} <= set(v)
 
 
@@ -78,16 +82,16 @@ def test_liger_version_comes_from_its_distribution(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))  # no __version__
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.8.5" if d == "liger-kernel" else real(d))
-    v = suite.versions()
+    v = common.versions()
     assert v["liger-kernel"] == "0.8.5"
-    assert "liger-kernel 0.8.5" in suite.markdown({"device": "d", "date": "x", **v}, {})
+    assert "liger-kernel 0.8.5" in common.markdown({"device": "d", "date": "x", **v}, {})
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails
 
     def missing(d):
         raise importlib.metadata.PackageNotFoundError(d)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    assert suite.versions()["liger-kernel"] == "not installed"
+    assert common.versions()["liger-kernel"] == "not installed"
 
 
 def _git(cwd, *args):
@@ -108,34 +112,34 @@ def test_commit_is_the_leanact_packages_checkout(tmp_path, monkeypatch):
     assert _git(other, "commit", "-q", "--allow-empty", "-m", "x").returncode == 0
     monkeypatch.chdir(other)  # another repository as the working directory
     if _git(pkg, "ls-files", "--error-unmatch", "__init__.py").returncode == 0:
-        assert suite.versions()["commit"].split(" ")[0] == _git(pkg, "rev-parse", "--short", "HEAD").stdout.strip()
+        assert common.versions()["commit"].split(" ")[0] == _git(pkg, "rev-parse", "--short", "HEAD").stdout.strip()
     repo = tmp_path / "repo"  # a checkout whose tracked files differ from its commit says so
     (repo / "leanact").mkdir(parents=True)
     (repo / "leanact" / "__init__.py").write_text("x = 1\n")
     assert _git(repo, "init", "-q").returncode == 0 and _git(repo, "add", ".").returncode == 0
     assert _git(repo, "commit", "-q", "-m", "x").returncode == 0
     head = _git(repo, "rev-parse", "--short", "HEAD").stdout.strip()
-    assert suite.commit_of(repo / "leanact") == head
+    assert common.commit_of(repo / "leanact") == head
     (repo / "leanact" / "__init__.py").write_text("x = 2\n")
-    assert suite.commit_of(repo / "leanact") == head + " + uncommitted changes"
+    assert common.commit_of(repo / "leanact") == head + " + uncommitted changes"
     for copy in (tmp_path / "copy" / "leanact", other / "leanact"):  # no checkout; untracked in one
         copy.mkdir(parents=True)
         (copy / "__init__.py").write_text("")
-        assert suite.commit_of(copy) == "unknown"
+        assert common.commit_of(copy) == "unknown"
     spec = importlib.machinery.ModuleSpec("leanact", None, origin=str(other / "leanact" / "__init__.py"))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "leanact" else None)
-    assert suite.versions()["commit"] == "unknown"
+    assert common.versions()["commit"] == "unknown"
 
 
 def test_check_pytest_fails_on_failures_and_keeps_the_counts():
-    rec = suite.Recorder(None, suite.COLUMNS["tests"])
-    suite.check_pytest(rec, "..s\n2 passed, 1 skipped in 1.0s\n", 0)
-    suite.check_pytest(rec, "no tests ran in 0.01s\n", 5)  # nothing collected: not a failure
+    rec = common.Recorder(None, common.COLUMNS["tests"])
+    tests_part.check_pytest(rec, "..s\n2 passed, 1 skipped in 1.0s\n", 0)
+    tests_part.check_pytest(rec, "no tests ran in 0.01s\n", 5)  # nothing collected: not a failure
     for out, code in (("F.\nFAILED t.py::a - x\n1 failed, 1 passed in 1s\n", 1), ("E\n1 error in 1s\n", 1),
                       ("interrupted\n", 2)):
-        rec = suite.Recorder(None, suite.COLUMNS["tests"])
+        rec = common.Recorder(None, common.COLUMNS["tests"])
         with pytest.raises(RuntimeError, match="FAILED"):
-            suite.check_pytest(rec, out, code)
+            tests_part.check_pytest(rec, out, code)
         assert [r[0] for r in rec.data["rows"]] == ["passed", "failed", "error", "skipped"]
 
 
@@ -144,14 +148,14 @@ def test_the_tests_part_is_failed_when_pytest_has_failures(tmp_path, monkeypatch
     part "failed", with its counts and the failing tests kept."""
     f = tmp_path / "test_fake.py"
     f.write_text("def test_ok():\n    pass\n\n\ndef test_bad():\n    assert False\n")
-    monkeypatch.setattr(suite, "_pytest_command", lambda: [sys.executable, "-m", "pytest", "-q", "-p",
-                                                           "no:cacheprovider", str(f)])
+    monkeypatch.setattr(tests_part, "_pytest_command", lambda: [sys.executable, "-m", "pytest", "-q", "-p",
+                                                                "no:cacheprovider", str(f)])
     out = tmp_path / "tests.json"
-    assert suite.worker("tests", str(out)) == 1
+    assert cli.worker("tests", str(out)) == 1
     res = json.loads(out.read_text())
     assert res["status"] == "failed" and ["passed", "1"] in res["rows"] and ["failed", "1"] in res["rows"]
     assert any("test_bad" in n for n in res["notes"]) and any("FAILED 1 test(s)" in n for n in res["notes"])
-    md = suite.markdown({"device": "d", "date": "x"}, {"tests": res})
+    md = common.markdown({"device": "d", "date": "x"}, {"tests": res})
     assert "### CUDA tests — failed" in md and "| failed | 1 |" in md
 
 
@@ -162,7 +166,7 @@ def _oom():
 def test_an_oom_in_the_bert_part_is_a_row_and_the_part_goes_on(monkeypatch):
     """The H200 run's bert part died on an OutOfMemoryError outside its batch search (no rows): now
     the mode's row says OOM and the next modes run. Other errors still fail the part."""
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
 
     def mode(gb, attn, how):
         if how == "patch":
@@ -171,30 +175,30 @@ def test_an_oom_in_the_bert_part_is_a_row_and_the_part_goes_on(monkeypatch):
             raise RuntimeError("CUDA error: out of memory")  # the older spelling
         return 4, 10.0, float("nan")
 
-    monkeypatch.setattr(suite, "_bert_mode", mode)
-    rec = suite.Recorder(None, suite.COLUMNS["bert"])
-    suite.part_bert(rec, 60)
+    monkeypatch.setattr(bert_part, "_bert_mode", mode)
+    rec = common.Recorder(None, common.COLUMNS["bert"])
+    bert_part.part_bert(rec, 60)
     rows = {(r[0], r[1]): r for r in rec.data["rows"]}
     assert list(rows) == [("8", "HF sdpa"), ("8", "leanact"), ("16", "HF sdpa"), ("16", "leanact"), ("16", "HF eager"),
                           ("16", "HF sdpa + checkpointing")]
     for key in (("8", "leanact"), ("16", "leanact"), ("16", "HF sdpa + checkpointing")):
-        assert rows[key][2] == "OOM" and len(rows[key]) == len(suite.COLUMNS["bert"])
+        assert rows[key][2] == "OOM" and len(rows[key]) == len(common.COLUMNS["bert"])
         assert any(n.startswith(" ".join(key) + ": out of memory") for n in rec.data["notes"])
     assert rows[("16", "HF eager")][2:4] == ["4", "1.00x"]
 
     def broken(gb, attn, how):
         raise ValueError("not an OOM")
 
-    monkeypatch.setattr(suite, "_bert_mode", broken)
+    monkeypatch.setattr(bert_part, "_bert_mode", broken)
     with pytest.raises(ValueError):
-        suite.part_bert(suite.Recorder(None, suite.COLUMNS["bert"]), 60)
+        bert_part.part_bert(common.Recorder(None, common.COLUMNS["bert"]), 60)
 
 
 def test_bert_part_runs_tempos_comparison_under_each_cap_and_checks_its_targets(monkeypatch):
     """Tempo's comparison: HF sdpa and leanact at their own largest batches under 8 and 16 GiB (the
     others under 16 GiB only, last), each cap set before its modes, ratios to HF sdpa under the same
     cap, leanact's targets (8 GiB: batch ≥ 1.6x, throughput ≥ 1.16x; 16 GiB: ≥ 1.6x, ≥ 1.0x)."""
-    monkeypatch.setenv(suite.SMOKE_ENV, "0")
+    monkeypatch.setenv(common.SMOKE_ENV, "0")
     caps, measured = [], {("sdpa", None): [(2, 10.0, 7.9), (5, 11.0, 15.9)], ("sdpa", "patch"): [(4, 12.0, 7.5),
                                                                                                (8, 10.5, 15.0)],
                           ("eager", None): [(3, 9.0, 15.0)], ("sdpa", "checkpointing"): [(9, 7.0, 14.0)]}
@@ -204,42 +208,42 @@ def test_bert_part_runs_tempos_comparison_under_each_cap_and_checks_its_targets(
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f: caps.append(f * 64))
-    monkeypatch.setattr(suite, "_bert_mode", lambda gb, attn, how: measured[attn, how].pop(0))
-    monkeypatch.setattr(suite, "_bert_module", lambda: type("GB", (), {"_free": staticmethod(lambda: None)}))
-    rec = suite.Recorder(None, suite.COLUMNS["bert"])
-    suite.part_bert(rec, 60)
+    monkeypatch.setattr(bert_part, "_bert_mode", lambda gb, attn, how: measured[attn, how].pop(0))
+    monkeypatch.setattr(bert_part, "bert_module", lambda: type("GB", (), {"_free": staticmethod(lambda: None)}))
+    rec = common.Recorder(None, common.COLUMNS["bert"])
+    bert_part.part_bert(rec, 60)
     rows = {(r[0], r[1]): r for r in rec.data["rows"]}
     assert caps == [8, 8, 16, 16, 16, 16]
     assert rows[("8", "leanact")][2:4] == ["4", "2.00x"] and rows[("8", "leanact")][5] == "1.20x"
     assert rows[("8", "leanact")][7] == "batch ok (≥ 1.6x), throughput ok (≥ 1.16x)"
     assert rows[("16", "leanact")][7] == "batch ok (≥ 1.6x), throughput no (≥ 1x)"  # 10.5 / 11 seq/s
     assert rows[("16", "HF eager")][3] == "0.60x" and rows[("16", "HF eager")][7] == ""
-    assert len(rows) == 6 and all(len(r) == len(suite.COLUMNS["bert"]) for r in rows.values())
+    assert len(rows) == 6 and all(len(r) == len(common.COLUMNS["bert"]) for r in rows.values())
 
 
 def test_ops_part_gives_the_bytes_moved_and_the_peak_bandwidth():
     """GB/s = the bytes leanact's kernels must move (docs/triton.md) / its time; the peak from the memory
     clock and bus width where torch reports them, else the datasheet value by name."""
     n = 16384 * 4096
-    assert suite.moved_bytes("GELU none", "bfloat16", (16384, 4096)) == (5 * 2 + 0.25) * n
-    assert suite.moved_bytes("dropout p=0.1", "float32", (16384, 4096)) == 16 * n
-    assert suite.moved_bytes("RMSNorm", "bfloat16", (16384, 2048)) == 10 * 16384 * 2048
-    assert suite.moved_bytes("SwiGLU + down", "bfloat16", (4096, 16384)) is None
+    assert ops_part.moved_bytes("GELU none", "bfloat16", (16384, 4096)) == (5 * 2 + 0.25) * n
+    assert ops_part.moved_bytes("dropout p=0.1", "float32", (16384, 4096)) == 16 * n
+    assert ops_part.moved_bytes("RMSNorm", "bfloat16", (16384, 2048)) == 10 * 16384 * 2048
+    assert ops_part.moved_bytes("SwiGLU + down", "bfloat16", (4096, 16384)) is None
 
     class Props:
         name, memory_clock_rate, memory_bus_width = "NVIDIA H100 80GB HBM3", 2_619_000, 5120
 
-    assert round(suite.peak_gbs(Props())[0]) == 3352
+    assert round(ops_part.peak_gbs(Props())[0]) == 3352
     Props.memory_clock_rate = None
-    assert suite.peak_gbs(Props()) == (3350, "datasheet value for H100")
+    assert ops_part.peak_gbs(Props()) == (3350, "datasheet value for H100")
     Props.name = "NVIDIA H100 NVL"
-    assert suite.peak_gbs(Props())[0] == 3900
+    assert ops_part.peak_gbs(Props())[0] == 3900
     Props.name = "Some GPU"
-    assert suite.peak_gbs(Props())[0] is None
+    assert ops_part.peak_gbs(Props())[0] is None
 
 
 def test_an_oom_in_the_ops_part_is_a_row_not_a_failure(monkeypatch):
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
     ok = lambda x: x * 2  # noqa: E731
 
     def oom(x):
@@ -247,17 +251,18 @@ def test_an_oom_in_the_ops_part_is_a_row_not_a_failure(monkeypatch):
 
     cases = [("A", "float32", (2, 3), ok, ok, None), ("B", "float32", (2, 3), oom, ok, None),
              ("C", "float32", (2, 3), ok, ok, None)]
-    monkeypatch.setattr(suite, "op_cases", lambda device, tokens: cases)
-    rec = suite.Recorder(None, suite.COLUMNS["ops"])
-    suite.part_ops(rec, 60)
+    monkeypatch.setattr(ops_part, "op_cases", lambda device, tokens: cases)
+    rec = common.Recorder(None, common.COLUMNS["ops"])
+    ops_part.part_ops(rec, 60)
     rows = rec.data["rows"]
-    assert [r[0] for r in rows] == ["A", "B", "C"] and rows[1][3] == "OOM" and len(rows[1]) == len(suite.COLUMNS["ops"])
+    assert [r[0] for r in rows] == ["A", "B", "C"] and rows[1][3] == "OOM"
+    assert len(rows[1]) == len(common.COLUMNS["ops"])
 
 
 def test_measure_step_lowers_the_batch_when_the_timed_steps_run_out_of_memory():
     """A batch that fit once in the search and not when repeated (fragmentation, optimizer state):
     the timed steps run at a lower batch instead of the OOM escaping (the H200 bert part's death)."""
-    gb = suite._bert_module()
+    gb = bert_part.bert_module()
     calls = []
 
     def step(b):
@@ -276,14 +281,14 @@ def test_measure_step_lowers_the_batch_when_the_timed_steps_run_out_of_memory():
 def test_without_cuda_it_says_so_and_writes_nothing(tmp_path):
     out = tmp_path / "RESULTS.md"
     with pytest.raises(SystemExit) as exc:
-        suite.main(["--out", str(out)])
+        cli.main(["--out", str(out)])
     assert "needs a CUDA GPU" in str(exc.value.code) and not out.exists()
 
 
 def test_op_cases_run_forward_and_backward_on_cpu():
     """The ops part's cases (leanact op, torch op) take the same input and give the same outputs
     (elementwise ops: of the input's shape; the MLP case: the down projection's; RoPE: q's view)."""
-    for name, dt, shape, lean, ref, liger in suite.op_cases("cpu", tokens=4):
+    for name, dt, shape, lean, ref, liger in ops_part.op_cases("cpu", tokens=4):
         if dt == "float32" and name.startswith("GELU"):
             continue  # the same calls as bfloat16's; its CPU tables take seconds to build
         torch.manual_seed(0)
@@ -327,9 +332,9 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     sections = md.split("\n### ")[1:]
     assert len(sections) == len(parts)
     for name, section in zip(parts, sections):
-        assert section.startswith(suite.TITLES[name] + " — ok"), section[:300]
+        assert section.startswith(common.TITLES[name] + " — ok"), section[:300]
         rows = [ln for ln in section.splitlines()
-                if ln.startswith("| ") and not ln.startswith("| " + suite.COLUMNS[name][0])]
+                if ln.startswith("| ") and not ln.startswith("| " + common.COLUMNS[name][0])]
         assert rows, section
     estimate = sections[parts.index("estimate")]
     assert estimate.count("| ok |") == 2, estimate  # estimate(device="cpu") within 5% of the measured step
@@ -358,7 +363,7 @@ def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
 def test_smoke_needs_an_out_file_other_than_results_md():
     for argv in (["--smoke"], ["--smoke", "--out", str(_BENCH / "RESULTS.md")]):
         with pytest.raises(SystemExit) as exc:
-            suite.main(argv)
+            cli.main(argv)
         assert exc.value.code == 2
 
 
@@ -369,9 +374,9 @@ def _rows(section: str) -> list[list[str]]:
 
 
 def test_the_docstring_lists_every_part_in_order():
-    listed = __import__("re").findall(r"^\d+\. ``(\w+)``", suite.__doc__, flags=__import__("re").M)
-    assert listed == suite.PARTS + suite.OPTIONAL and set(suite.TITLES) == set(suite.PARTS + suite.OPTIONAL)
-    assert set(suite.SIZES["smoke"]) == set(suite.SIZES["gpu"])
+    listed = __import__("re").findall(r"^\d+\. ``(\w+)``", package.__doc__, flags=__import__("re").M)
+    assert listed == common.PARTS + common.OPTIONAL and set(common.TITLES) == set(common.PARTS + common.OPTIONAL)
+    assert set(common.SIZES["smoke"]) == set(common.SIZES["gpu"])
 
 
 def _fake_modes(calls, fail=None):
@@ -386,27 +391,27 @@ def _fake_modes(calls, fail=None):
                 raise exc
         return run
 
-    return [suite.Mode(label, step(label)) for label in "ABC"]
+    return [side_by_side.Mode(label, step(label)) for label in "ABC"]
 
 
 def test_interleave_runs_the_modes_in_turns(monkeypatch):
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
     calls = []
     modes = _fake_modes(calls)
-    suite.interleave(modes, rounds=3, warmup=1)
+    side_by_side.interleave(modes, rounds=3, warmup=1)
     assert calls == list("ABC") * 4  # one untimed round, then three timed ones, A, B, C, A, B, C, ...
     assert all(len(m.times) == 3 and m.ms > 0 and m.peak != m.peak and m.failed is None for m in modes)
     calls.clear()
-    past = suite.Mode("late", lambda: calls.append("late"))
-    suite.interleave([past], rounds=5, warmup=1, deadline=0.0)  # past the deadline: one timed round still
+    past = side_by_side.Mode("late", lambda: calls.append("late"))
+    side_by_side.interleave([past], rounds=5, warmup=1, deadline=0.0)  # past the deadline: one timed round still
     assert calls == ["late", "late"] and len(past.times) == 1
 
 
 def test_interleave_drops_a_mode_that_fails_and_goes_on(monkeypatch):
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
     calls = []
     modes = _fake_modes(calls, {"B": (2, _oom()), "C": (3, ValueError("bug"))})
-    suite.interleave(modes, rounds=3, warmup=1)
+    side_by_side.interleave(modes, rounds=3, warmup=1)
     assert calls == list("ABC") + list("ABC") + list("AC") + list("A")
     a, b, c = modes
     assert len(a.times) == 3 and a.failed is None
@@ -415,7 +420,7 @@ def test_interleave_drops_a_mode_that_fails_and_goes_on(monkeypatch):
 
 
 def test_compare_builds_each_mode_then_interleaves_and_survives_a_failed_build(monkeypatch):
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
     calls = []
 
     def builder(label):
@@ -426,8 +431,8 @@ def test_compare_builds_each_mode_then_interleaves_and_survives_a_failed_build(m
             return lambda: calls.append(label)
         return label, build
 
-    rec = suite.Recorder(None, suite.COLUMNS["steps"])
-    modes = suite.compare(rec, "fake", [builder(x) for x in "ABC"], rounds=2)
+    rec = common.Recorder(None, common.COLUMNS["steps"])
+    modes = side_by_side.compare(rec, "fake", [builder(x) for x in "ABC"], rounds=2)
     # each built mode steps once after its build, then one untimed and two timed rounds in turns
     assert calls == ["build A", "A", "build B", "build C", "C"] + list("AC") * 3
     assert [m.failed and m.failed[0] for m in modes] == [None, "OOM", None]
@@ -440,8 +445,8 @@ def test_modes_that_do_not_fit_together_run_one_after_another_each_freed_first(m
     import gc
     import weakref
 
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
-    monkeypatch.setattr(suite, "_total_memory", lambda: 1.0)  # (NaN peaks on the CPU never fit)
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
+    monkeypatch.setattr(side_by_side, "_total_memory", lambda: 1.0)  # (NaN peaks on the CPU never fit)
     calls, models = [], []
 
     class Model:  # (weakly referenced: a SimpleNamespace cannot be)
@@ -457,8 +462,8 @@ def test_modes_that_do_not_fit_together_run_one_after_another_each_freed_first(m
             return lambda: calls.append(model.name)
         return label, build
 
-    rec = suite.Recorder(None, suite.COLUMNS["steps"])
-    modes = suite.compare(rec, "fake", [builder(x) for x in "ABC"], rounds=2)
+    rec = common.Recorder(None, common.COLUMNS["steps"])
+    modes = side_by_side.compare(rec, "fake", [builder(x) for x in "ABC"], rounds=2)
     # A: a step after its build, one more to measure its peak; then each mode alone: 1 untimed + 2 timed
     assert calls == [("build A", []), "A", "A", "A", "A", "A", ("build B", [False]), "B", "B", "B", "B",
                      ("build C", [False, False]), "C", "C", "C", "C"]
@@ -469,19 +474,20 @@ def test_modes_that_do_not_fit_together_run_one_after_another_each_freed_first(m
 def test_modes_stay_allocated_together_only_when_they_fit():
     gib = 2**30
     # Llama-1B fp32 + AdamW: ~13.8 GiB kept per model, HF's step peaks at ~43.8 GiB
-    assert suite.fits_together(3, 13.8 * gib, 43.8 * gib, 139.8 * gib)  # H200
-    assert not suite.fits_together(3, 13.8 * gib, 43.8 * gib, 79.2 * gib)  # H100: one after another
-    assert suite.fits_together(1, 70 * gib, 79 * gib, 100 * gib) and not suite.fits_together(1, 0, 91 * gib, 100 * gib)
+    assert side_by_side.fits_together(3, 13.8 * gib, 43.8 * gib, 139.8 * gib)  # H200
+    assert not side_by_side.fits_together(3, 13.8 * gib, 43.8 * gib, 79.2 * gib)  # H100: one after another
+    assert side_by_side.fits_together(1, 70 * gib, 79 * gib, 100 * gib)
+    assert not side_by_side.fits_together(1, 0, 91 * gib, 100 * gib)
 
 
 def _head_case(monkeypatch, modes):
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
-    monkeypatch.setattr(suite, "head_modes", lambda rec: modes)
-    return suite.Recorder(None, suite.COLUMNS["head"])
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
+    monkeypatch.setattr(head_part, "head_modes", lambda rec: modes)
+    return common.Recorder(None, common.COLUMNS["head"])
 
 
 def test_an_oom_in_the_head_part_is_a_row_and_the_other_modes_keep_theirs(monkeypatch):
-    hm = suite._bench_module("head")
+    hm = common.bench_module("head")
 
     def oom(x, w, labels):
         raise _oom()
@@ -491,18 +497,18 @@ def test_an_oom_in_the_head_part_is_a_row_and_the_other_modes_keep_theirs(monkey
 
     rec = _head_case(monkeypatch, [("HF ForCausalLMLoss", hm.hf_loss), ("leanact", hm.lean_loss(True)),
                                    ("torch F.linear_cross_entropy", oom), ("Liger X", liger_bug)])
-    suite.part_head(rec, 60)  # Liger's (or torch's) errors are rows, not the part's failure
+    head_part.part_head(rec, 60)  # Liger's (or torch's) errors are rows, not the part's failure
     rows = {r[0]: r for r in rec.data["rows"]}
     assert list(rows) == ["HF ForCausalLMLoss", "leanact", "torch F.linear_cross_entropy", "Liger X"]
     assert rows["torch F.linear_cross_entropy"][1] == "OOM" and rows["Liger X"][1] == "error"
-    assert all(len(r) == len(suite.COLUMNS["head"]) for r in rows.values())
+    assert all(len(r) == len(common.COLUMNS["head"]) for r in rows.values())
     assert rows["HF ForCausalLMLoss"][2] == "1.000x" and float(rows["leanact"][1]) > 0
     assert float(rows["leanact"][6]) < 1e-2 and rows["leanact"][7] == "2"  # matches HF; two timed runs
     assert any(n.startswith("torch F.linear_cross_entropy: out of memory") for n in rec.data["notes"])
 
     rec = _head_case(monkeypatch, [("HF ForCausalLMLoss", hm.hf_loss), ("leanact", liger_bug)])
     with pytest.raises(RuntimeError, match="leanact"):  # leanact's own error fails the part, rows kept
-        suite.part_head(rec, 60)
+        head_part.part_head(rec, 60)
     assert [r[1] for r in rec.data["rows"]][1] == "error"
 
 
@@ -519,16 +525,16 @@ def test_liger_head_row_takes_the_weight_first_and_shifted_labels(monkeypatch):
     fake.LigerFusedLinearCrossEntropyLoss = FakeLoss
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
-    rec = suite.Recorder(None, suite.COLUMNS["head"])
-    suite.part_head(rec, 60)
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
+    rec = common.Recorder(None, common.COLUMNS["head"])
+    head_part.part_head(rec, 60)
     liger = next(r for r in rec.data["rows"] if r[0].startswith("Liger"))
     assert float(liger[1]) > 0 and float(liger[6]) < 1e-2, liger
     assert any("time vs Liger" in n for n in rec.data["notes"])
 
 
 def test_an_oom_in_the_steps_part_is_a_row_and_the_other_modes_keep_theirs(monkeypatch):
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
 
     def ok():
         return lambda: None
@@ -536,24 +542,25 @@ def test_an_oom_in_the_steps_part_is_a_row_and_the_other_modes_keep_theirs(monke
     def oom():
         raise _oom()
 
-    monkeypatch.setattr(suite, "llama_builders", lambda rec, b, s: [("HF sdpa", ok), ("Liger", oom), ("leanact", ok)])
-    monkeypatch.setattr(suite, "bert_builders", lambda rec, b, s: [("HF sdpa", oom), ("leanact", ok)])
-    rec = suite.Recorder(None, suite.COLUMNS["steps"])
-    suite.part_steps(rec, 60)
+    monkeypatch.setattr(steps_part, "llama_builders",
+                        lambda rec, b, s: [("HF sdpa", ok), ("Liger", oom), ("leanact", ok)])
+    monkeypatch.setattr(steps_part, "bert_builders", lambda rec, b, s: [("HF sdpa", oom), ("leanact", ok)])
+    rec = common.Recorder(None, common.COLUMNS["steps"])
+    steps_part.part_steps(rec, 60)
     rows = [r[:4] for r in rec.data["rows"]]
     llama, bert = "Llama-3.2-1B geometry", "BERT-Large MLM"
     assert [r[:3] for r in rows] == [[llama, "HF sdpa", "1x16"], [llama, "Liger", "OOM"], [llama, "leanact", "1x16"],
                                      [bert, "HF sdpa", "OOM"], [bert, "leanact", "2x16"]]
-    assert all(len(r) == len(suite.COLUMNS["steps"]) for r in rec.data["rows"])
+    assert all(len(r) == len(common.COLUMNS["steps"]) for r in rec.data["rows"])
     assert rec.data["rows"][4][4] == "n/a"  # no ratio without HF's row
     assert any(n.startswith(f"{llama} Liger: out of memory") for n in rec.data["notes"])
 
     def bug():
         raise ValueError("bug")
 
-    monkeypatch.setattr(suite, "bert_builders", lambda rec, b, s: [("HF sdpa", ok), ("leanact", bug)])
+    monkeypatch.setattr(steps_part, "bert_builders", lambda rec, b, s: [("HF sdpa", ok), ("leanact", bug)])
     with pytest.raises(RuntimeError, match="BERT-Large MLM leanact"):
-        suite.part_steps(suite.Recorder(None, suite.COLUMNS["steps"]), 60)
+        steps_part.part_steps(common.Recorder(None, common.COLUMNS["steps"]), 60)
 
 
 def test_attribute_swap_keeps_a_global_patch_to_its_own_mode():
@@ -575,7 +582,7 @@ def test_attribute_swap_keeps_a_global_patch_to_its_own_mode():
         mod.Model.forward = lambda self: "liger"
         mod.Extra = 1
 
-    swap = suite.AttributeSwap(mod)
+    swap = liger_part.AttributeSwap(mod)
     swap.capture(patch)
     assert mod.rope is rope and Model().forward() == "hf" and not hasattr(mod, "Extra")
     with swap.active():
@@ -600,13 +607,13 @@ def test_liger_llama_patch_passes_only_the_options_its_version_takes(monkeypatch
         seen.update(rope=rope, rms_norm=rms_norm, swiglu=swiglu)
 
     _fake_liger(monkeypatch, apply)
-    (how, fn), what = suite.liger_llama_patch()
+    (how, fn), what = liger_part.liger_llama_patch()
     fn()
     assert how == "before" and seen == dict(rope=True, rms_norm=True, swiglu=True)
     assert "takes no fused_linear_cross_entropy" in what
     monkeypatch.setitem(sys.modules, "liger_kernel", None)
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
-    patch, why = suite.liger_llama_patch()
+    patch, why = liger_part.liger_llama_patch()
     assert patch is None and "does not import" in why
 
 
@@ -632,18 +639,18 @@ def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
         modeling_llama.apply_rotary_pos_emb = liger_rope
 
     _fake_liger(monkeypatch, apply)
-    monkeypatch.setenv(suite.SMOKE_ENV, "1")
-    monkeypatch.setattr(suite, "bert_builders", lambda rec, b, s: [("HF sdpa", lambda: lambda: None),
-                                                                   ("leanact", lambda: lambda: None)])
-    rec = suite.Recorder(None, suite.COLUMNS["steps"])
-    suite.part_steps(rec, 60)
+    monkeypatch.setenv(common.SMOKE_ENV, "1")
+    monkeypatch.setattr(steps_part, "bert_builders", lambda rec, b, s: [("HF sdpa", lambda: lambda: None),
+                                                                        ("leanact", lambda: lambda: None)])
+    rec = common.Recorder(None, common.COLUMNS["steps"])
+    steps_part.part_steps(rec, 60)
     def hf(rope):  # HF's function, or leanact's replacement routing to it
         return getattr(rope, "_leanact_original", rope)
 
     assert modeling_llama.LlamaRMSNorm is original_norm and hf(modeling_llama.apply_rotary_pos_emb) is hf(original_rope)
     rows = {r[1]: r for r in rec.data["rows"] if r[0].startswith("Llama")}
     assert list(rows) == ["HF sdpa", "Liger", "leanact"] and float(rows["Liger"][3]) > 0
-    layers = suite.SIZES["smoke"]["llama"]["num_hidden_layers"]
+    layers = common.SIZES["smoke"]["llama"]["num_hidden_layers"]
     liger_steps = 1 + 1 + int(rows["Liger"][7])  # after its build, the untimed round, the timed ones
     assert len(calls) == liger_steps * layers  # Liger's RoPE ran in Liger's forwards only
     note = next(n for n in rec.data["notes"] if n.startswith("Liger: apply_liger_kernel_to_llama("))
