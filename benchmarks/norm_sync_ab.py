@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv[0] == "sync":
         step_bound.Stand.holds = lambda self: False  # every verdict checked again after each step (one sync)
+    common.freeze_imports()  # as a worker of the suite does
     rec = common.Recorder(None, common.COLUMNS["steps"])
     steps.part_steps(rec, common.LIMITS["steps"])
     print(argv[0], json.dumps(rec.data["rows"]), json.dumps(rec.data["notes"][-6:]))

@@ -313,6 +313,7 @@ def test_op_cases_run_forward_and_backward_on_cpu():
         assert liger is None
 
 
+@pytest.mark.slow
 def test_smoke_run_of_every_gpu_part_on_the_cpu(tmp_path):
     """``--smoke``: the GPU parts' code (a passing pytest run, leanact.patch, the offload plan,
     leanact.estimate, the batch search, the op timings) runs end to end on the CPU at tiny sizes;

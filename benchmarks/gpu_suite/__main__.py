@@ -21,7 +21,7 @@ if __name__ == "__main__":
 import gpu_suite  # noqa: E402
 from gpu_suite.bert import part_bert  # noqa: E402
 from gpu_suite.common import (BENCHMARKS, COLUMNS, LIMITS, OPTIONAL, PARTS, SMOKE_ENV, Recorder,  # noqa: E402
-                              markdown, run_part, versions)
+                              freeze_imports, markdown, run_part, versions)
 from gpu_suite.estimate import part_estimate  # noqa: E402
 from gpu_suite.head import part_head  # noqa: E402
 from gpu_suite.llama import part_llama  # noqa: E402
@@ -62,6 +62,8 @@ WORKERS = {"tests": part_tests, "ops": part_ops, "bert": part_bert, "llama": par
 def worker(name: str, json_path: str | None) -> int:
     rec = Recorder(json_path, COLUMNS.get(name, ["item", "value"]))
     try:
+        if name in PARTS + OPTIONAL and name != "tests":  # (the tests part runs pytest in a process of its own)
+            freeze_imports()
         WORKERS[name](rec, LIMITS.get(name, 60))
     except Exception as e:
         rec.note(f"{type(e).__name__}: {str(e)[:300]} (at {_frames(e)})")

@@ -156,6 +156,17 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def freeze_imports() -> None:
+    """Import what the parts build on (torch, transformers' BERT and Llama models) and move every
+    object alive then out of the garbage collector's reach (``gc.freeze``): a module's objects are
+    never garbage, and each ``gc.collect`` a part runs to free memory (after an op case, a model, a
+    mode) then walks only what the part made since instead of all of them again."""
+    import torch  # noqa: F401
+    from transformers import BertForMaskedLM, LlamaForCausalLM  # noqa: F401
+
+    gc.freeze()
+
+
 def is_oom(e: BaseException) -> bool:
     """Whether ``e`` is the GPU running out of memory (``torch.cuda.OutOfMemoryError``, or a
     RuntimeError saying "out of memory": cuBLAS / cuDNN workspaces, older torch)."""
