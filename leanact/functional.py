@@ -1,7 +1,7 @@
 """Functional API of leanact's memory-lean ops (mirrors ``torch.nn.functional``)."""
 from .ops.attention import attention
 from .ops.bitpack import pack_bits, packed_nbytes, unpack_bits
-from .ops.dropout import dropout, dropout_seeded
+from .ops.dropout.function import dropout, dropout_seeded
 from .ops.norms.dropout_add_norm import dropout_add_layer_norm
 from .ops.gelu import gelu, gelu_minimum
 from .ops.norms.layer_norm import layer_norm

@@ -16,7 +16,7 @@ from leanact.ops.norms import launchers as tn
 from leanact.ops.triton import rotary as tr
 
 #: The modules holding the kernels (each launches through its module-level name ``launch``).
-MODULES = ("leanact.ops.triton.dropout_kernels", "leanact.ops.norms.kernels", "leanact.ops.gelu.kernels16",
+MODULES = ("leanact.ops.dropout.kernels", "leanact.ops.norms.kernels", "leanact.ops.gelu.kernels16",
            "leanact.ops.gelu.kernels32", "leanact.ops.triton.gated_kernels", "leanact.ops.triton.lossy_kernels",
            "leanact.ops.triton.rotary_kernels", "leanact.ops.triton.cross_entropy_kernels")
 

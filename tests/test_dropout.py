@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-import leanact.ops.dropout as D
+import leanact.ops.dropout.function as D
 from leanact.memory import SavedTensorMeter, saved_bytes
 from leanact.nn.dropout import Dropout
-from leanact.ops.dropout import dropout, dropout_seeded
+from leanact.ops.dropout.function import dropout, dropout_seeded
 from leanact.ops.random import CHUNK, keep_mask_like
 
 TOL = {torch.float64: dict(rtol=1e-12, atol=0), torch.float32: dict(rtol=1e-6, atol=0),

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from leanact.memory.meter import saved_bytes
-from leanact.ops.dropout import dropout
+from leanact.ops.dropout.function import dropout
 from leanact.ops.norms.dropout_add_norm import DropoutAddLayerNorm, dropout_add_layer_norm
 from leanact.ops.norms.layer_norm import layer_norm
 from leanact.ops.random import keep_mask_like

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from leanact.ops.dropout import dropout_seeded
+from leanact.ops.dropout.function import dropout_seeded
 from leanact.parallel.dropout import _ShardDropoutFn
 
 pytestmark = pytest.mark.timeout(60)

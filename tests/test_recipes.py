@@ -17,8 +17,8 @@ from torch import nn
 
 from leanact.memory import SavedTensorMeter, saved_bytes
 from leanact.nn.fused import LayerNormLinears, LeanMLP, RecipeDropout, RecipeGELU, RecipeLayerNorm
-from leanact.ops.dropout import dropout as seeded_dropout
-from leanact.ops.dropout import dropout_seeded
+from leanact.ops.dropout.function import dropout as seeded_dropout
+from leanact.ops.dropout.function import dropout_seeded
 from leanact.recompute import (RecipeTransform, cached_bytes, counters, live_recipes, producers as P, reset_counters,
                                scope)
 

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.triton,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONSTS)
-from leanact.ops.dropout import dropout_seeded  # noqa: E402
+from leanact.ops.dropout.function import dropout_seeded  # noqa: E402
 from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask_like  # noqa: E402
 from leanact.ops.norms.rms_norm import rms_norm  # noqa: E402

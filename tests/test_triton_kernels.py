@@ -22,7 +22,7 @@ triton, INTERPRETED = interpreter_setup()
 
 import leanact.ops.gelu.function as G  # noqa: E402  (_forward, _backward, _CONSTS)
 import leanact.ops.gelu.minimum as GM  # noqa: E402
-from leanact.ops.dropout import dropout_seeded  # noqa: E402
+from leanact.ops.dropout.function import dropout_seeded  # noqa: E402
 from leanact.ops.gelu import gelu  # noqa: E402
 from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask, keep_mask_like, keep_threshold  # noqa: E402
@@ -30,7 +30,7 @@ from leanact.ops.norms.rms_norm import rms_norm  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 from leanact.ops.gelu import launchers as TG  # noqa: E402
 from leanact.ops.norms import launchers as TN  # noqa: E402
-from leanact.ops.triton import dropout as TD  # noqa: E402
+from leanact.ops.dropout import launchers as TD  # noqa: E402
 
 from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 
@@ -53,7 +53,7 @@ def K():
 
 @pytest.fixture(scope="module")
 def DK():
-    from leanact.ops.triton import dropout_kernels
+    from leanact.ops.dropout import kernels as dropout_kernels
 
     return dropout_kernels
 
@@ -639,7 +639,8 @@ def test_in_subprocess():
 _COMPILE = r'''
 from leanact.ops.gelu import kernels16 as K16
 from leanact.ops.norms import kernels as NK
-from leanact.ops.triton import common as K, dropout_kernels as DK
+from leanact.ops.dropout import kernels as DK
+from leanact.ops.triton import common as K
 
 build(DK._dropout_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "n": "i64", "offset": "i64",
       "thr": "i64", "scale": "fp32"}, {"APPLY": True, "BLOCK": 1024}, **K.FUSED)

@@ -27,7 +27,8 @@ _SCAN = r'''
 import re
 from leanact.ops.gelu import kernels16 as K16
 from leanact.ops.norms import kernels as NK
-from leanact.ops.triton import common as K, dropout_kernels as DK, gated_kernels as GK
+from leanact.ops.dropout import kernels as DK
+from leanact.ops.triton import common as K, gated_kernels as GK
 from leanact.ops.gelu import kernels32 as G32
 from leanact.ops.triton import lossy_kernels as LK
 from leanact.ops.triton import rotary_kernels as RK

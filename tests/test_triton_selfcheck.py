@@ -16,7 +16,7 @@ triton, INTERPRETED = interpreter_setup()
 
 import leanact.ops.gelu.function as G  # noqa: E402
 from leanact.lossy.compress import compress, decompress  # noqa: E402
-from leanact.ops.dropout import dropout_seeded  # noqa: E402
+from leanact.ops.dropout.function import dropout_seeded  # noqa: E402
 from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
 from leanact.ops.fewbit import fewbit_activation  # noqa: E402
 from leanact.ops.gated_mlp import gated_down  # noqa: E402
@@ -157,7 +157,7 @@ def _layer_norm_dx():
 
 
 _CASES = {  # op: (kernel module, launcher, output argument, perturbation, call)
-    "dropout": ("leanact.ops.triton.dropout_kernels", "dropout_apply", 1, lambda v: -v + 1,
+    "dropout": ("leanact.ops.dropout.kernels", "dropout_apply", 1, lambda v: -v + 1,
                 lambda: dropout_seeded(torch.randn(2000), torch.tensor(9), 0.3)),
     # dx (the forward is torch's kernel)
     "layer_norm": ("leanact.ops.norms.kernels", "norm_backward", 5, lambda v: v * 1.01 + 0.01,
@@ -255,7 +255,7 @@ def test_each_op_registers_its_own_check():
     """Every kernel name has its self-check, registered where the op's PyTorch path lives (the dispatch
     layer and selfcheck.py import no op); importing any part of leanact imports them all."""
     where = {name: check.__module__ for name, check in dispatch._CHECKS.items()}
-    assert where == {"dropout": "leanact.ops.dropout", "gelu": "leanact.ops.gelu.function",
+    assert where == {"dropout": "leanact.ops.dropout.function", "gelu": "leanact.ops.gelu.function",
                      # (the norms' check, made in layer_norm for both)
                      "layer_norm": "leanact.ops.norms.layer_norm", "rms_norm": "leanact.ops.norms.layer_norm",
                      "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.dropout import dropout
+from ..ops.dropout.function import dropout
 
 __all__ = ["Dropout"]
 

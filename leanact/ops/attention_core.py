@@ -26,7 +26,7 @@ from . import fake_rules
 from .amp import no_autocast_backward
 from .backward import once_differentiable
 from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
-from .triton import dropout as _triton
+from .dropout import launchers as _dropout_launchers
 
 _INF = math.inf
 _COL: list[torch.Tensor] = []  # cached int32 arange for the eager CPU mask chunks
@@ -119,7 +119,7 @@ class _Dropper:
         else:
             starts, length = starts.view(-1), kend
         if not self.fast:
-            keep = _triton.keep_mask_rows(self.seed, starts, length, self.thr)  # CUDA: one kernel
+            keep = _dropout_launchers.keep_mask_rows(self.seed, starts, length, self.thr)  # CUDA: one kernel
             if keep is None:
                 keep = keep_mask(self.seed, starts.unsqueeze(1) + torch.arange(length, device=dev), self.p)
             return keep.view(torch.uint8).view(-1, rows, kend)

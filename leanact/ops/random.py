@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .triton import dropout as _triton
+from .dropout import launchers as _dropout_launchers
 
 __all__ = ["CHUNK", "draw_seed", "keep_mask", "keep_mask_like", "keep_threshold", "random_bits", "seed_keys"]
 
@@ -240,7 +240,7 @@ def keep_mask_like(
     for d in shape:
         n *= int(d)
     if not _eager_chunks(device, n, seed):
-        out = _triton.keep_mask_like(seed, shape, thr, device, offset)  # CUDA: one kernel (None: below)
+        out = _dropout_launchers.keep_mask_like(seed, shape, thr, device, offset)  # CUDA: one kernel (None: below)
         if out is not None:
             return out
         return _at_least(_range_words(*seed_keys(seed), offset, offset + n, device), thr).view(shape)

@@ -5,7 +5,7 @@ states in their layers' forward; torch keeps a mask of the input's size for each
 is no module to swap, so :func:`install` wraps the forward of every module whose own forward calls
 it (:class:`~leanact.recompute.context_forward.ContextForward`: a ``with`` block in one frame, so
 the override is left even on ``KeyboardInterrupt``) in :class:`_Scope`, which enters a thread-local
-``TorchFunctionMode`` sending those calls to :func:`leanact.ops.dropout.dropout` (keeps one 8-byte
+``TorchFunctionMode`` sending those calls to :func:`leanact.ops.dropout.function.dropout` (keeps one 8-byte
 seed; the mask is regenerated from it in backward). Only training calls with ``0 < p``, grad enabled
 and an input that requires grad are redirected; eval, ``no_grad``, ``p == 0``, inputs without grad
 and calls under someone else's saved-tensor hooks (a checkpointed region, whose recompute runs
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..ops.dropout import dropout as lean_dropout
+from ..ops.dropout.function import dropout as lean_dropout
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from ..recompute.recipes import foreign_hooks
 from .hf_head import remove_mode

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from leanact.ops.amp import norm_inputs
-from leanact.ops.dropout import dropout_seeded
+from leanact.ops.dropout.function import dropout_seeded
 from leanact.ops.random import draw_seed
 from leanact.ops.transforms import functorch_active
 from leanact.ops.triton import gated as _gated
@@ -285,7 +285,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
 @_in_ambient
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, seed: torch.Tensor | int | None = None,
             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Seeded dropout (``leanact.ops.dropout.dropout_seeded``: keeps only the seed); the output's
+    """Seeded dropout (``leanact.ops.dropout.function.dropout_seeded``: keeps only the seed); the output's
     recipe is (x, seed), where x is referenced through its own recipe when it has one.
 
     ``seed=None`` draws one from ``generator`` (default generator of x's device). Identity when

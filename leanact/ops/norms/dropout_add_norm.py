@@ -19,7 +19,7 @@ reads dy and y and writes the two gradients. The dropout output and z are rounde
 torch's dropout and add would give them (z: ``torch.result_type(h, residual)``), so the op computes
 what leanact's dropout, ``+`` and LayerNorm compute one after the other: the same mask for the same
 seed, the same roundings, the norm's statistics to float32 rounding. The seed is drawn as
-:func:`leanact.ops.dropout.dropout` draws it, so the random stream advances as it would.
+:func:`leanact.ops.dropout.function.dropout` draws it, so the random stream advances as it would.
 
 Where the norm cannot recover x̂ from y (γ near zero, see :func:`~leanact.ops.norms.verdict.from_output_ok`)
 and wherever the fused Function does not apply (no autograd, ``torch.func`` transforms, compiling,
@@ -34,7 +34,7 @@ import torch
 from ...saved import keeping_output
 from ..amp import autocast_dtype, no_autocast_backward
 from ..backward import once_differentiable
-from ..dropout import _apply as _dropout_apply, dropout
+from ..dropout.function import apply_dropout, dropout
 from ..random import draw_seed, keep_threshold
 from ..transforms import functorch_active
 from ..triton.dispatch import register_check
@@ -60,7 +60,7 @@ class DropoutAddLayerNorm(torch.autograd.Function):
         if fused is not None:
             y, rstd = fused
         else:
-            d = h if seed is None else _dropout_apply(h, seed, p, False)
+            d = h if seed is None else apply_dropout(h, seed, p, False)
             z = torch.add(d, residual)  # (result_type(h, residual): z_dtype)
             y, _mean, rstd = torch.native_layer_norm(z.to(norm_dtype), normalized_shape, weight, bias, eps)
         ctx.save_for_backward(y, rstd, weight, bias, seed)
@@ -89,7 +89,7 @@ class DropoutAddLayerNorm(torch.autograd.Function):
             if needs[0]:
                 dh = dz.to(h_dtype)
                 if seed is not None:
-                    dh = _dropout_apply(dh, seed, p, False)
+                    dh = apply_dropout(dh, seed, p, False)
         return (dh, dr, dw, db, *none)
 
 
@@ -117,7 +117,7 @@ def dropout_add_layer_norm(
     max_ratio: float = DEFAULT_MAX_RATIO,
 ) -> torch.Tensor:
     """``layer_norm(dropout(h, p, training) + residual, normalized_shape, weight, bias, eps)`` with
-    leanact's :func:`~leanact.ops.dropout.dropout` (a seed, not a mask) and
+    leanact's :func:`~leanact.ops.dropout.function.dropout` (a seed, not a mask) and
     :func:`~leanact.ops.norms.layer_norm.layer_norm` (kept: y and rstd), as one op that keeps y, rstd and
     the seed, never h, the residual, their sum or a mask (module doc). The same result, gradients
     and random stream as the three calls one after the other.

@@ -1,7 +1,8 @@
 """Triton kernels for the lean ops on CUDA tensors (one fused kernel per op and direction).
 
 The ops ask their launchers first and fall back to their PyTorch path: :mod:`leanact.ops.dropout`,
-:func:`leanact.ops.random.keep_mask_like` and attention's dropout through :mod:`.dropout`, the norms
+:func:`leanact.ops.random.keep_mask_like` and attention's dropout through
+:mod:`leanact.ops.dropout.launchers`, the norms
 through :mod:`leanact.ops.norms.launchers`, GELU through :mod:`leanact.ops.gelu.launchers`,
 ``.gated_mlp`` through :mod:`.gated`, ``.fewbit`` and the 8-bit compression of :mod:`leanact.lossy`
 through :mod:`.lossy`, ``.linear_cross_entropy`` through :mod:`.cross_entropy`, ``.rotary`` through

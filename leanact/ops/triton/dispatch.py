@@ -1,10 +1,10 @@
 """Kernel or PyTorch path: the dispatch layer under every op's launchers.
 
-Each op's launchers (one function per op and direction, in the op's own module:
-:mod:`leanact.ops.norms.launchers`, :mod:`leanact.ops.gelu.launchers`, :mod:`.dropout`, :mod:`.gated`, :mod:`.lossy`,
-:mod:`.cross_entropy`, :mod:`.rotary`) return what the op's PyTorch path would return (same
-dtypes, shapes and, where the op keeps tensors for backward, the same tensors to keep), computed
-by a Triton kernel, or ``None``: the caller then runs its PyTorch path. They ask :func:`_usable`
+Each op's launchers (one function per op and direction, in the op's own folder:
+``leanact.ops.<op>.launchers``, e.g. :mod:`leanact.ops.norms.launchers`) return what the op's
+PyTorch path would return (same dtypes, shapes and, where the op keeps tensors for backward, the
+same tensors to keep), computed by a Triton kernel, or ``None``: the caller then runs its PyTorch
+path. They ask :func:`_usable`
 and launch through :func:`_launch`. The kernels run when
 
 - ``LEANACT_TRITON`` is unset, ``1`` or ``strict`` (read at every call; ``0`` turns them off),

@@ -1,6 +1,6 @@
 """The counter-based hash of :mod:`leanact.ops.random` in Triton, on uint32 lanes (products wrap mod
 2^32, shifts of unsigned values are logical): the keep decisions of leanact's dropout, bit for bit
-the PyTorch path's, for the kernels that drop out (:mod:`.dropout_kernels`,
+the PyTorch path's, for the kernels that drop out (:mod:`leanact.ops.dropout.kernels`,
 :mod:`leanact.ops.norms.kernels`' dropout + add + LayerNorm).
 """
 from __future__ import annotations

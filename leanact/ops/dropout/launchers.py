@@ -1,26 +1,26 @@
-"""Kernel or PyTorch path for the seeded dropout and its keep-masks (:mod:`leanact.ops.dropout`,
+"""Kernel or PyTorch path for the seeded dropout and its keep-masks (:mod:`.function`,
 :func:`leanact.ops.random.keep_mask_like`, attention's dropout blocks in
-:mod:`leanact.ops.attention_core`): the launchers of :mod:`.dropout_kernels`.
+:mod:`leanact.ops.attention_core`): the launchers of :mod:`.kernels`.
 
-Same contract as :mod:`.dispatch`: each function returns what the caller's PyTorch path returns,
+Same contract as :mod:`leanact.ops.triton.dispatch`: each function returns what the caller's PyTorch path returns,
 from one kernel, or ``None`` (the caller then runs its PyTorch path). The keep threshold
 (``leanact.ops.random.keep_threshold(p)``: a word ``>= thr`` is kept) comes in from the caller, so
 nothing here imports :mod:`leanact.ops.random`, which calls these. The kernels launch under the
-name ``"dropout"``, whose self-check :mod:`leanact.ops.dropout` registers.
+name ``"dropout"``, whose self-check :mod:`.function` registers.
 """
 from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, BLOCK, _launch, _usable as _dispatch_usable, launchers
+from ..triton.dispatch import _DTYPES, _FAILED, BLOCK, _launch, _usable as _dispatch_usable, launchers
 
 __all__ = ["dropout", "keep_mask_like", "keep_mask_rows"]
 
 
 def _usable(*tensors):
-    """The dropout kernels' launchers (:mod:`.dropout_kernels`) when every tensor may run a kernel
-    (:func:`.dispatch._usable`), else None."""
-    return launchers(_dispatch_usable(*tensors), "leanact.ops.triton.dropout_kernels", "dropout_apply")
+    """The dropout kernels' launchers (:mod:`.kernels`) when every tensor may run a kernel
+    (:func:`leanact.ops.triton.dispatch._usable`), else None."""
+    return launchers(_dispatch_usable(*tensors), "leanact.ops.dropout.kernels", "dropout_apply")
 
 
 def dropout(x: torch.Tensor, seed: torch.Tensor, thr: int, scale: float, inplace: bool):

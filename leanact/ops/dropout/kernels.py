@@ -1,8 +1,8 @@
 """Triton kernels of leanact's seeded dropout and its keep-masks, and their launchers (called by
-:mod:`.dropout`).
+:mod:`.launchers`).
 
-The mask is the counter-based hash of :mod:`leanact.ops.random` (:mod:`.hash`), bit for bit the
-PyTorch path's; ``x * keep * scale`` is computed in float32 and rounded once, as torch does it.
+The mask is the counter-based hash of :mod:`leanact.ops.random` (:mod:`leanact.ops.triton.hash`),
+bit for bit the PyTorch path's; ``x * keep * scale`` is computed in float32 and rounded once, as torch does it.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FUSED, _grid, _store
-from .dispatch import BLOCK  # elements per program of the elementwise kernels
-from .hash import _keep, _seed_keys
-from .launch import cdiv, launch
+from ..triton.common import FUSED, _grid, _store
+from ..triton.dispatch import BLOCK  # elements per program of the elementwise kernels
+from ..triton.hash import _keep, _seed_keys
+from ..triton.launch import cdiv, launch
 
 
 @triton.jit(do_not_specialize=["offset", "thr"])  # n specialized: a mask of 16-element runs lets loads vectorize

@@ -15,9 +15,8 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import fake_rules
-from . import random as _random
-from .random import (
+from .. import fake_rules, random as _random
+from ..random import (
     CHUNK,
     _as_seed,
     _at_least,
@@ -30,11 +29,11 @@ from .random import (
     keep_threshold,
     seed_keys,
 )
-from .transforms import functorch_active, unwrap
-from .triton import dropout as _triton
-from .triton.dispatch import register_check
+from ..transforms import functorch_active, unwrap
+from ..triton.dispatch import register_check
+from . import launchers as _launchers
 
-__all__ = ["dropout", "dropout_seeded"]
+__all__ = ["dropout", "dropout_seeded", "apply_dropout"]
 
 
 def _check_p(p: float) -> None:
@@ -42,10 +41,11 @@ def _check_p(p: float) -> None:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
 
 
-def _apply(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
-    """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into ``x`` when ``inplace``)."""
+def apply_dropout(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+    """``x * keep_mask_like(seed, x.shape, p) / (1 - p)`` (into ``x`` when ``inplace``), no graph: the
+    forward and backward of this op, and the dropout inside :mod:`leanact.ops.norms.dropout_add_norm`."""
     thr, scale = keep_threshold(p), 1.0 / (1.0 - p)
-    out = _triton.dropout(x, seed, thr, scale, inplace)  # CUDA: one Triton kernel (None: this path)
+    out = _launchers.dropout(x, seed, thr, scale, inplace)  # CUDA: one Triton kernel (None: this path)
     if out is not None:
         return out
     n = x.numel()
@@ -84,7 +84,7 @@ class _SeededDropout(torch.autograd.Function):
         ctx.save_for_backward(seed)
         if inplace:
             ctx.mark_dirty(x)
-        return _apply(x, seed, p, inplace)
+        return apply_dropout(x, seed, p, inplace)
 
     @staticmethod
     def backward(ctx, dy):
@@ -106,7 +106,7 @@ def _run(x: torch.Tensor, seed: torch.Tensor, p: float, inplace: bool) -> torch.
         return _under_functorch(x, seed, p, inplace)
     if torch.is_grad_enabled() and x.requires_grad:
         return _SeededDropout.apply(x, seed, p, inplace)
-    return _apply(x, seed, p, inplace)  # no graph: nothing to save
+    return apply_dropout(x, seed, p, inplace)  # no graph: nothing to save
 
 
 def dropout_seeded(x: torch.Tensor, seed: torch.Tensor | int, p: float = 0.5, inplace: bool = False) -> torch.Tensor:
@@ -153,9 +153,10 @@ def dropout(
 
 def _self_check(device: torch.device, key) -> None:
     """Bitwise: this op's forward and backward (``key`` a float dtype), else :func:`keep_mask_like`
-    and attention's mask rows, through the kernels and the PyTorch path (see :mod:`.triton.selfcheck`)."""
-    from .triton.dispatch import forced
-    from .triton.selfcheck import FLOATS, both, forward_backward, generator, randn, same
+    and attention's mask rows, through the kernels and the PyTorch path (see
+    :mod:`leanact.ops.triton.selfcheck`)."""
+    from ..triton.dispatch import forced
+    from ..triton.selfcheck import FLOATS, both, forward_backward, generator, randn, same
 
     gen = generator(device)
     seed = torch.tensor(-4242424242, device=device)
@@ -175,7 +176,7 @@ def _self_check(device: torch.device, key) -> None:
         same(f"dropout keep-mask (p={p})", got, ref)
     starts = torch.tensor([0, 97, 5000, (1 << 33) + 3], device=device)
     with forced("on"):
-        rows = _triton.keep_mask_rows(seed, starts, 1100, keep_threshold(0.2))
+        rows = _launchers.keep_mask_rows(seed, starts, 1100, keep_threshold(0.2))
     assert rows is not None, "dropout keep-mask rows: the kernel did not run"
     index = starts[:, None] + torch.arange(1100, device=device)
     same("dropout keep-mask rows", rows, keep_mask(seed, index, 0.2))
@@ -189,12 +190,12 @@ register_check("dropout", _self_check)
 
 @contextlib.contextmanager
 def _fake_rule(run):
-    """Modelling the CPU: on fake CPU tensors larger than one block, :func:`_apply` allocates what its
-    eager CPU path allocates (the output, one block's bool mask, int32 indices and hash words, and a
-    slice of the per-process arange) instead of the per-element int64 words of its generic path, the
-    one fake tensors would take (as CUDA's does): the eager path reads the seed as Python ints,
-    which a fake seed does not have."""
-    real = _apply
+    """Modelling the CPU: on fake CPU tensors larger than one block, :func:`apply_dropout` allocates
+    what its eager CPU path allocates (the output, one block's bool mask, int32 indices and hash
+    words, and a slice of the per-process arange) instead of the per-element int64 words of its
+    generic path, the one fake tensors would take (as CUDA's does): the eager path reads the seed as
+    Python ints, which a fake seed does not have."""
+    real = apply_dropout
 
     def apply(x, seed, p, inplace):
         if not is_fake(x) or x.device.type != "cpu" or x.numel() <= CHUNK:
@@ -211,7 +212,7 @@ def _fake_rule(run):
             return x.copy_(out)
         return out
 
-    with fake_rules.swapped(sys.modules[__name__], _apply=apply if run.kind == "cpu" else None):
+    with fake_rules.swapped(sys.modules[__name__], apply_dropout=apply if run.kind == "cpu" else None):
         yield
 
 
