@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 
-from leanact.ops import rotary as R
+from leanact.ops.rotary import function as R
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama as ML  # noqa: E402

@@ -31,7 +31,7 @@ from leanact.ops.dropout import kernels as DK
 from leanact.ops.triton import common as K, gated_kernels as GK
 from leanact.ops.gelu import kernels32 as G32
 from leanact.ops.triton import lossy_kernels as LK
-from leanact.ops.triton import rotary_kernels as RK
+from leanact.ops.rotary import kernels as RK
 
 APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.approx\.\w+|rsqrt\.approx\.\w+"
                     r"|ex2\.approx\.\w+|lg2\.approx\.\w+|tanh\.approx\.\w+|sin\.approx\.\w+|cos\.approx\.\w+)")

@@ -1,4 +1,4 @@
-"""The RoPE kernel (leanact/ops/triton/rotary_kernels.py) on CPU under Triton's interpreter (setup as
+"""The RoPE kernel (leanact/ops/rotary/kernels.py) on CPU under Triton's interpreter (setup as
 in test_triton_cross_entropy.py; :func:`test_in_subprocess` when this process cannot).
 
 * outputs and gradients bitwise Hugging Face's ``apply_rotary_pos_emb`` and autograd through it
@@ -19,7 +19,7 @@ from _triton_run import compile_for_sm90, interpreter_marks, interpreter_setup, 
 
 triton, INTERPRETED = interpreter_setup()
 
-from leanact.ops import rotary as R  # noqa: E402
+from leanact.ops.rotary import function as R  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +32,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture
 def KM(monkeypatch):
     monkeypatch.setenv("LEANACT_TRITON", "1")
-    from leanact.ops.triton import common as kernels, rotary_kernels
+    from leanact.ops.rotary import kernels as rotary_kernels
+    from leanact.ops.triton import common as kernels
 
     return kernels, rotary_kernels
 
@@ -71,7 +72,7 @@ def test_gradients_of_any_layout_and_checks_once_per_call(KM, monkeypatch):
     gradients, whose shapes and dtype autograd fixes, both in one launch): a gradient whose last
     dimension is not unit-stride takes the PyTorch path (both gradients then), bitwise autograd's
     still; with unit strides, the kernel."""
-    from leanact.ops.triton import rotary as TR
+    from leanact.ops.rotary import launchers as TR
 
     g = torch.Generator().manual_seed(0)
     q = (torch.randn(2, 9, 3, 8, generator=g) * 3).to(torch.bfloat16).transpose(1, 2).requires_grad_()
@@ -181,7 +182,7 @@ def test_in_subprocess():
 
 
 _COMPILE = r'''
-from leanact.ops.triton import rotary_kernels as K
+from leanact.ops.rotary import kernels as K
 
 for x, p in (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")):
     for backward in (False, True):

@@ -260,7 +260,8 @@ def test_each_op_registers_its_own_check():
                      "layer_norm": "leanact.ops.norms.layer_norm", "rms_norm": "leanact.ops.norms.layer_norm",
                      "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
                      "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy",
-                     "dropout_add_layer_norm": "leanact.ops.norms.dropout_add_norm", "rotary": "leanact.ops.rotary"}
+                     "dropout_add_layer_norm": "leanact.ops.norms.dropout_add_norm",
+                     "rotary": "leanact.ops.rotary.function"}
 
 
 def test_setting(monkeypatch):

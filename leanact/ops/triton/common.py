@@ -3,7 +3,7 @@ rounding to a 16-bit dtype, the launch options and the elementwise grid.
 
 The kernel modules (each op's ``kernels`` module: :mod:`leanact.ops.norms.kernels`,
 :mod:`leanact.ops.dropout.kernels`, :mod:`leanact.ops.gelu.kernels16`, :mod:`leanact.ops.gelu.kernels32`,
-:mod:`.gated_kernels`, :mod:`.lossy_kernels`, :mod:`.rotary_kernels`, :mod:`.cross_entropy_kernels`)
+:mod:`.gated_kernels`, :mod:`.lossy_kernels`, :mod:`leanact.ops.rotary.kernels`, :mod:`.cross_entropy_kernels`)
 import these; :mod:`.dispatch` loads this module by name on the first kernel call, so whether it
 imports is whether Triton works here.
 

@@ -1,27 +1,28 @@
-"""Kernel or PyTorch path for the rotary position embedding (:mod:`leanact.ops.rotary`).
+"""Kernel or PyTorch path for the rotary position embedding (:mod:`.function`).
 
-Same contract as :mod:`.dispatch`: :func:`rotary_forward` / :func:`rotary_backward` return what
-the op's PyTorch path returns, from one kernel of :mod:`.rotary_kernels` (q and k in one launch,
+Same contract as :mod:`leanact.ops.triton.dispatch`: :func:`rotary_forward` / :func:`rotary_backward`
+return what the op's PyTorch path returns, from one kernel of :mod:`.kernels` (q and k in one launch,
 bitwise: the same roundings), or ``None`` (the caller then runs its PyTorch path): CUDA plain tensors,
 ``LEANACT_TRITON`` on, float16/bfloat16/float32, (B, H, S, D) tensors and (B or 1, S, D) tables
 with unit stride along an even D. The kernels launch under the name ``"rotary"`` (checked per
-tensor dtype and promoted dtype), whose self-check :mod:`leanact.ops.rotary` registers.
+tensor dtype and promoted dtype), whose self-check :mod:`.function` registers.
 """
 from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
+from ..triton.dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
 
 __all__ = ["rotary_forward", "rotary_backward", "pair_ok"]
 
 
 def _module(k):
-    return launchers(k, "leanact.ops.triton.rotary_kernels", "rotary")
+    return launchers(k, "leanact.ops.rotary.kernels", "rotary")
 
 
 def usable(*tensors):
-    """The rotary launchers when every tensor may run a kernel (:func:`.dispatch._usable`), else None."""
+    """The rotary launchers when every tensor may run a kernel
+    (:func:`leanact.ops.triton.dispatch._usable`), else None."""
     return _module(_usable(*tensors))
 
 

@@ -1,4 +1,4 @@
-"""Triton kernel of the rotary position embedding (:mod:`leanact.ops.rotary`): q and k in one launch
+"""Triton kernel of the rotary position embedding (:mod:`.function`): q and k in one launch
 each way, one program per (tensor, batch, head) and block of positions, both halves of the head
 dimension in one pass.
 
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import UNFUSED, _KINDS, _load_f32, _round, _store
-from .launch import cdiv, launch, next_power_of_2
+from ..triton.common import UNFUSED, _KINDS, _load_f32, _round, _store
+from ..triton.launch import cdiv, launch, next_power_of_2
 
 __all__ = ["rotary"]
 

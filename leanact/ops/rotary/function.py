@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .backward import once_differentiable
-from .triton import rotary as _kernel
-from .triton.dispatch import register_check
-from .triton.selfcheck import both, forward_backward, generator, randn, same
+from ..backward import once_differentiable
+from ..triton.dispatch import register_check
+from ..triton.selfcheck import both, forward_backward, generator, randn, same
+from . import launchers as _kernel
 
 __all__ = ["RotaryFunction", "rotary", "rotate_half", "rotary_reference", "rotary_backward_reference"]
 
