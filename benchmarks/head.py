@@ -56,7 +56,7 @@ def torch_loss(x, w, labels):
 
 
 def modes(dtype, keys):
-    from leanact.ops.linear_cross_entropy import _matmul_dtype
+    from leanact.ops.cross_entropy.function import _matmul_dtype
 
     m = {"hf": ("HF ForCausalLMLoss", hf_loss), "lean": ("leanact (recompute)", lean_loss(False))}
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):

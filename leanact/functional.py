@@ -5,7 +5,7 @@ from .ops.dropout.function import dropout, dropout_seeded
 from .ops.norms.dropout_add_norm import dropout_add_layer_norm
 from .ops.gelu import gelu, gelu_minimum
 from .ops.norms.layer_norm import layer_norm
-from .ops.linear_cross_entropy import linear_cross_entropy
+from .ops.cross_entropy import linear_cross_entropy
 from .ops.random import draw_seed, keep_mask, keep_mask_like
 from .ops.norms.rms_norm import rms_norm
 

@@ -11,7 +11,8 @@ import torch
 
 from leanact.ops.triton import dispatch
 from leanact.ops.dropout import launchers as td
-from leanact.ops.triton import cross_entropy as tce, gated as tgd, lossy as tlo
+from leanact.ops.cross_entropy import launchers as tce
+from leanact.ops.triton import gated as tgd, lossy as tlo
 from leanact.ops.gelu import launchers as tg
 from leanact.ops.norms import launchers as tn
 from leanact.ops.rotary import launchers as tr
@@ -19,7 +20,7 @@ from leanact.ops.rotary import launchers as tr
 #: The modules holding the kernels (each launches through its module-level name ``launch``).
 MODULES = ("leanact.ops.dropout.kernels", "leanact.ops.norms.kernels", "leanact.ops.gelu.kernels16",
            "leanact.ops.gelu.kernels32", "leanact.ops.triton.gated_kernels", "leanact.ops.triton.lossy_kernels",
-           "leanact.ops.rotary.kernels", "leanact.ops.triton.cross_entropy_kernels")
+           "leanact.ops.rotary.kernels", "leanact.ops.cross_entropy.kernels")
 
 
 def modules():

@@ -160,7 +160,7 @@ def test_fewer_loss_tiles_on_fake_tensors_give_the_same_estimate(grad_in_forward
     tiles on fake tensors: the same numbers as all of them (here 7 x 5 tiles, the last ones ragged)."""
     import importlib
 
-    from leanact.ops.linear_cross_entropy import linear_cross_entropy
+    from leanact.ops.cross_entropy.function import linear_cross_entropy
 
     api = importlib.import_module("leanact.estimate.api")
 

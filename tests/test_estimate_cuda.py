@@ -363,7 +363,7 @@ def test_fused_loss_multiplies_as_on_the_gpu(monkeypatch):
     """The fused loss picks its matmuls from the tensors' device: the estimate of a CUDA step does
     not depend on the host CPU (16-bit GEMM or not) nor on what ran before in the process (a real
     CPU call that found no fp32-output addmm)."""
-    import leanact.ops.linear_cross_entropy as lce
+    import leanact.ops.cross_entropy.function as lce
 
     monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
     model = leanact.patch(_llama(torch.bfloat16))

@@ -1,4 +1,4 @@
-"""Fused linear + cross-entropy (leanact.ops.linear_cross_entropy): exactness, semantics, memory.
+"""Fused linear + cross-entropy (leanact.ops.cross_entropy.function): exactness, semantics, memory.
 
 Reference: the unfused computation, ``F.cross_entropy(F.linear(x, W, b).float() [scaled, capped])``
 (:func:`linear_cross_entropy_reference`). fp32: loss and every gradient within 1e-5 relative
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import leanact.ops.linear_cross_entropy as L
+import leanact.ops.cross_entropy.function as L
 from leanact.functional import linear_cross_entropy
 from leanact.memory import NewStoragePeak, SavedTensorMeter
 from leanact.nn import LinearCrossEntropyLoss
@@ -379,7 +379,7 @@ def test_kernel_and_pytorch_chunks_in_one_product(monkeypatch):
     fp32 PyTorch chunks, which leave it to dx's and x's rows): the PyTorch chunks are scaled in place
     and the result is still exact. (A stand-in kernel: the PyTorch path's arithmetic, every other
     call.)"""
-    from leanact.ops.triton import cross_entropy as CE
+    from leanact.ops.cross_entropy import launchers as CE
     calls = []
 
     def every_other(z, y, coef, lse, zy, zsum, scale, softcap, eps, stats, grad):
@@ -395,7 +395,7 @@ def test_kernel_and_pytorch_chunks_in_one_product(monkeypatch):
         z.copy_(g)
         return True
 
-    monkeypatch.setattr(L._triton_ce, "chunk_", every_other)
+    monkeypatch.setattr(L._launchers, "chunk_", every_other)
     monkeypatch.setattr(L, "PRODUCT_FRACTION", 3.0)
     for kw in (dict(), dict(label_smoothing=0.1, softcap=2.0, scale=0.7)):
         for gif in (True, False):

@@ -1,4 +1,4 @@
-"""The fused head's chunk kernel (leanact/ops/triton/cross_entropy_kernels.py) on CPU under Triton's
+"""The fused head's chunk kernel (leanact/ops/cross_entropy/kernels.py) on CPU under Triton's
 interpreter (setup as in test_triton_gated.py; :func:`test_in_subprocess` when this process cannot).
 
 * the kernel's statistics and gradient against the float64 truth, no further than 4x the PyTorch
@@ -32,8 +32,8 @@ def _interpreting() -> bool:
 
 INTERPRETED = _interpreting()
 
-import leanact.ops.linear_cross_entropy as L  # noqa: E402
-from leanact.ops.triton import cross_entropy as CE  # noqa: E402
+import leanact.ops.cross_entropy.function as L  # noqa: E402
+from leanact.ops.cross_entropy import launchers as CE  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
 
 from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
@@ -45,7 +45,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture
 def KM(monkeypatch):
     monkeypatch.setenv("LEANACT_TRITON", "1")
-    from leanact.ops.triton import common as kernels, cross_entropy_kernels
+    from leanact.ops.cross_entropy import kernels as cross_entropy_kernels
+    from leanact.ops.triton import common as kernels
 
     return kernels, cross_entropy_kernels
 
@@ -151,7 +152,7 @@ def test_in_subprocess():
 
 
 _COMPILE = r'''
-from leanact.ops.triton import cross_entropy_kernels as K
+from leanact.ops.cross_entropy import kernels as K
 
 for ty in ("bf16", "fp16", "fp32"):
     for stats, grad, cap, eps in ((True, True, False, False), (True, True, True, True), (False, True, False, False),

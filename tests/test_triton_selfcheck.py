@@ -259,7 +259,7 @@ def test_each_op_registers_its_own_check():
                      # (the norms' check, made in layer_norm for both)
                      "layer_norm": "leanact.ops.norms.layer_norm", "rms_norm": "leanact.ops.norms.layer_norm",
                      "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
-                     "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.triton.cross_entropy",
+                     "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.cross_entropy.launchers",
                      "dropout_add_layer_norm": "leanact.ops.norms.dropout_add_norm",
                      "rotary": "leanact.ops.rotary.function"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.cross_entropy import linear_cross_entropy
 
 __all__ = ["LinearCrossEntropyLoss"]
 
@@ -15,7 +15,7 @@ class LinearCrossEntropyLoss(nn.Module):
     ``loss_fn(input, weight, target, bias=None)`` equals
     ``nn.CrossEntropyLoss(...)(F.linear(input, weight, bias).float().flatten(0, -2), target.flatten())``
     (scaled and soft-capped first when asked), computed by
-    :func:`leanact.ops.linear_cross_entropy.linear_cross_entropy` over tiles: backward keeps
+    :func:`leanact.ops.cross_entropy.function.linear_cross_entropy` over tiles: backward keeps
     8 bytes per token (fp32 log-sum-exp + int32 target) besides ``input`` and the parameters.
     ``num_items_in_batch`` may be given per call (Hugging Face's gradient-accumulation divisor).
     """

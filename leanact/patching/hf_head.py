@@ -19,7 +19,7 @@ own code:
    - upcasts, views/reshapes keeping the vocabulary dimension, multiplication/division by Python
      numbers and one ``tanh`` (soft-capping ``c·tanh(z/c)``, a logit scale) are recorded;
    - ``F.cross_entropy`` (class-index targets, no class weights) on it runs
-     :func:`leanact.ops.linear_cross_entropy.linear_cross_entropy` on the head's input, weight and
+     :func:`leanact.ops.cross_entropy.function.linear_cross_entropy` on the head's input, weight and
      bias with the recorded scale and cap: the same loss, keeping 8 bytes per token;
    - reading shape, dtype, device is answered by the placeholder;
    - an operation that only reads (an aten operator none of whose overloads writes an argument, no
@@ -49,7 +49,7 @@ Tied embeddings: the head's weight Parameter is used as is (gradients reach the 
 Higher-order gradients: the fused loss computes its gradients in the forward (``grad_in_forward``),
 so under ``create_graph=True`` they come back with their values but raise, naming these ways out,
 when differentiated (a gradient penalty, a Hessian-vector product; leanact cannot know in advance
-that one will come): :mod:`leanact.ops.linear_cross_entropy`.
+that one will come): :mod:`leanact.ops.cross_entropy.function`.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..ops.amp import autocast_dtype, autocast_off
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.transforms import functorch_active
 from ..recompute.context_forward import ContextForward
 from .modules import RUN_TIME_HOOKS, hook_kinds

@@ -5,7 +5,7 @@ The ops ask their launchers first and fall back to their PyTorch path: :mod:`lea
 :mod:`leanact.ops.dropout.launchers`, the norms
 through :mod:`leanact.ops.norms.launchers`, GELU through :mod:`leanact.ops.gelu.launchers`,
 ``.gated_mlp`` through :mod:`.gated`, ``.fewbit`` and the 8-bit compression of :mod:`leanact.lossy`
-through :mod:`.lossy`, ``.linear_cross_entropy`` through :mod:`.cross_entropy`, ``.rotary`` through
+through :mod:`.lossy`, ``.linear_cross_entropy`` through :mod:`leanact.ops.cross_entropy.launchers`, ``.rotary`` through
 :mod:`leanact.ops.rotary.launchers`. This package holds what they share: :mod:`.dispatch` (the switches, the launch and
 the self-check machinery, which imports none of them), :mod:`.launch`, :mod:`.selfcheck`,
 :mod:`.common` (what every kernel module builds on), :mod:`.hash` and :mod:`.math32`;

@@ -1,6 +1,6 @@
-"""Kernel or PyTorch path for a chunk of the fused head (:mod:`leanact.ops.linear_cross_entropy`).
+"""Kernel or PyTorch path for a chunk of the fused head (:mod:`.function`).
 
-Same contract as :mod:`.dispatch`: :func:`chunk_` runs :mod:`.cross_entropy_kernels`' kernel and
+Same contract as :mod:`leanact.ops.triton.dispatch`: :func:`chunk_` runs :mod:`.kernels`' kernel and
 returns True, or returns False and the caller runs its PyTorch path (CUDA plain tensors,
 ``LEANACT_TRITON`` on, float16/bfloat16/float32 logits with unit column stride). Its self-check
 (``"cross_entropy"``, per logits dtype, soft-cap and smoothing) compares the kernel's statistics
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable, forced, launchers, register_check
+from ..triton.dispatch import _DTYPES, _FAILED, _launch, _usable, forced, launchers, register_check
 
 __all__ = ["chunk_"]
 
 
 def _module(k):
-    return launchers(k, "leanact.ops.triton.cross_entropy_kernels", "chunk_")
+    return launchers(k, "leanact.ops.cross_entropy.kernels", "chunk_")
 
 
 def chunk_(z, y, coef, lse, zy, zsum, scale: float, softcap, eps: float, stats: bool, grad: bool) -> bool:

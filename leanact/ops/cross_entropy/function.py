@@ -71,12 +71,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from . import fake_rules
-from .amp import autocast_dtype, autocast_off, no_autocast_backward
-from .backward import _raising
-from .cpu_gemm import native_16bit_gemm as _native_16bit_gemm
-from .transforms import functorch_active
-from .triton import cross_entropy as _triton_ce
+from .. import fake_rules
+from ..amp import autocast_dtype, autocast_off, no_autocast_backward
+from ..backward import _raising
+from ..cpu_gemm import native_16bit_gemm as _native_16bit_gemm
+from ..transforms import functorch_active
+from . import launchers as _launchers
 
 __all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_reference", "chunk_rows",
            "product_rows", "DEFAULT_TILE_ELEMENTS", "MIN_CHUNK_ROWS", "TRANSIENT_FRACTION", "PRODUCT_FRACTION",
@@ -312,7 +312,7 @@ class _Chunks:
                 z = t = e = None  # (one chunk's fp32 logits alive at a time)
                 xc, zc, yc, cc = xcs[j], zcs[j], ys[i], cs[i]
                 _matmul(xc, self.wt, self.bc, zc)
-                if _triton_ce.chunk_(zc, yc, cc, lses[i], zys[i] if stats else lses[i],
+                if _launchers.chunk_(zc, yc, cc, lses[i], zys[i] if stats else lses[i],
                                      zsums[i] if zsums is not None else None, scale, softcap, eps, stats, True):
                     continue  # zc: the gradient, row factor applied
                 z, t = _logits(zc, acc, scale, softcap)
@@ -383,7 +383,7 @@ class _Chunks:
             i = r0 // step
             z = t = None
             z = _matmul(xs[i].to(self.cdtype), self.wt, self.bc)
-            if _triton_ce.chunk_(z, ys[i], None, lses[i], zys[i], zsums[i] if zsums is not None else None, scale,
+            if _launchers.chunk_(z, ys[i], None, lses[i], zys[i], zsums[i] if zsums is not None else None, scale,
                                  softcap, eps, True, False):
                 continue
             z, t = _logits(z, acc, scale, softcap)

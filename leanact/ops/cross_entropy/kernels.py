@@ -1,4 +1,4 @@
-"""Triton kernel of the fused head's chunk (:mod:`leanact.ops.linear_cross_entropy`): one program
+"""Triton kernel of the fused head's chunk (:mod:`.function`): one program
 per row of a chunk of logits z (rows × V, the matmul's output in its own dtype).
 
 Pass 1 (``STATS``): the row's log-sum-exp by an online max / sum over vocabulary blocks in float32,
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch, next_power_of_2
+from ..triton.launch import launch, next_power_of_2
 
 __all__ = ["chunk_"]
 
