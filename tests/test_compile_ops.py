@@ -11,7 +11,7 @@ import torch
 from leanact.memory.meter import SavedTensorMeter
 from leanact.ops import attention as A
 from leanact.ops import attention_op
-from leanact.ops import gated_mlp as G
+from leanact.ops.gated_mlp import function as G
 
 pytestmark = pytest.mark.timeout(600)
 

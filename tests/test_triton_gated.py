@@ -1,4 +1,4 @@
-"""The gated MLP's Triton kernels (leanact/ops/triton/gated_kernels.py) on CPU under Triton's interpreter.
+"""The gated MLP's Triton kernels (leanact/ops/gated_mlp/kernels.py) on CPU under Triton's interpreter.
 
 Interpreter setup as in test_triton_kernels.py: ``TRITON_INTERPRET=1`` is set here when Triton is
 not yet imported and there is no CUDA device; it also runs in process when an earlier test module
@@ -39,8 +39,9 @@ def _interpreting() -> bool:
 INTERPRETED = _interpreting()
 
 from leanact.memory import SavedTensorMeter  # noqa: E402
-from leanact.ops.gated_mlp import GATED_ACTIVATIONS, _act_grad, gated_act, gated_down  # noqa: E402
-from leanact.ops.triton import dispatch, gated  # noqa: E402
+from leanact.ops.gated_mlp import GATED_ACTIVATIONS, act_grad, gated_act, gated_down  # noqa: E402
+from leanact.ops.gated_mlp import launchers as gated  # noqa: E402
+from leanact.ops.triton import dispatch  # noqa: E402
 
 from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 from _ulp import rare_flips, within  # noqa: E402
@@ -56,7 +57,7 @@ U32 = 2.0 ** -24
 def GK(monkeypatch):
     """The gated kernels' module, the kernels switched on (whatever the caller's LEANACT_TRITON)."""
     monkeypatch.setenv("LEANACT_TRITON", "1")
-    from leanact.ops.triton import gated_kernels
+    from leanact.ops.gated_mlp import kernels as gated_kernels
 
     return gated_kernels
 
@@ -195,7 +196,7 @@ _within = within  # |x - ref| <= bound + one ulp at the larger of the two (tests
 
 def _torch_path(kind, g, u, dh):
     a = gated_act(kind, g)
-    return a * u, _act_grad(kind, dh * u, g), dh * a, a
+    return a * u, act_grad(kind, dh * u, g), dh * a, a
 
 
 @interp
@@ -448,7 +449,7 @@ def test_in_subprocess():
 
 
 _COMPILE = r'''
-from leanact.ops.triton import gated_kernels as K
+from leanact.ops.gated_mlp import kernels as K
 
 for ty in ("bf16", "fp16", "fp32"):
     for kind in (0, 1, 2):

@@ -11,13 +11,14 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.triton,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from leanact.ops.gated_mlp import GATED_ACTIVATIONS, _act_grad, gated_act, gated_down  # noqa: E402
-from leanact.ops.triton import dispatch, gated  # noqa: E402
+from leanact.ops.gated_mlp import GATED_ACTIVATIONS, act_grad, gated_act, gated_down  # noqa: E402
+from leanact.ops.gated_mlp import launchers as gated  # noqa: E402
+from leanact.ops.triton import dispatch  # noqa: E402
 
 from _ulp import rare_flips, ulp, within  # noqa: E402
 
 U32 = 2.0 ** -24
-BOUND = 48  # leanact.ops.triton.gated_kernels.BOUND
+BOUND = 48  # leanact.ops.gated_mlp.kernels.BOUND
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,7 @@ def test_kernels_match_torch_on_cuda(kind, dtype):
     h = gated.glu_forward(g, u, kind)
     dg, du, hh = gated.glu_backward(g, u, dh, kind, True, True, True)
     a0 = gated_act(kind, g)
-    h0, du0, dg0 = a0 * u, dh * a0, _act_grad(kind, dh * u, g)
+    h0, du0, dg0 = a0 * u, dh * a0, act_grad(kind, dh * u, g)
     ga = g.double().abs()
     # act(g) in float32: torch's expf / tanhf / erff within 2 ulp of the correctly rounded value, the
     # kernel's erff too, its exp / tanh (leanact.ops.triton.math32) within 1.35 / 3 ulps of the truth

@@ -28,7 +28,8 @@ import re
 from leanact.ops.gelu import kernels16 as K16
 from leanact.ops.norms import kernels as NK
 from leanact.ops.dropout import kernels as DK
-from leanact.ops.triton import common as K, gated_kernels as GK
+from leanact.ops.gated_mlp import kernels as GK
+from leanact.ops.triton import common as K
 from leanact.ops.gelu import kernels32 as G32
 from leanact.ops.triton import lossy_kernels as LK
 from leanact.ops.rotary import kernels as RK

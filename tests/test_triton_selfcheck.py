@@ -164,7 +164,7 @@ _CASES = {  # op: (kernel module, launcher, output argument, perturbation, call)
                    lambda: _layer_norm_dx()),
     "gelu": ("leanact.ops.gelu.kernels16", "gelu_forward16", 1, lambda v: v + 1,
              lambda: G._forward(torch.randn(3000).bfloat16(), "none", True)),
-    "gated_mlp": ("leanact.ops.triton.gated_kernels", "glu_forward", 2, lambda v: v * 1.05,
+    "gated_mlp": ("leanact.ops.gated_mlp.kernels", "glu_forward", 2, lambda v: v * 1.05,
                   lambda: gated_down(torch.randn(6, 64), torch.randn(6, 64), torch.randn(8, 64))),
     "compress": ("leanact.ops.triton.lossy_kernels", "quantize", 2, lambda v: v * 2,  # a wrong block scale
                  lambda: compress(torch.randn(1000), "int8", 128)),
@@ -258,7 +258,7 @@ def test_each_op_registers_its_own_check():
     assert where == {"dropout": "leanact.ops.dropout.function", "gelu": "leanact.ops.gelu.function",
                      # (the norms' check, made in layer_norm for both)
                      "layer_norm": "leanact.ops.norms.layer_norm", "rms_norm": "leanact.ops.norms.layer_norm",
-                     "gated_mlp": "leanact.ops.gated_mlp", "fewbit": "leanact.ops.fewbit",
+                     "gated_mlp": "leanact.ops.gated_mlp.function", "fewbit": "leanact.ops.fewbit",
                      "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.cross_entropy.launchers",
                      "dropout_add_layer_norm": "leanact.ops.norms.dropout_add_norm",
                      "rotary": "leanact.ops.rotary.function"}

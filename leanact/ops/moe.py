@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .amp import autocast_dtype, autocast_off, no_autocast_backward
-from .gated_mlp import _act_grad, gated_act
+from .gated_mlp import act_grad, gated_act
 from .transforms import functorch_active
 
 __all__ = ["GatedExpertsFunction", "gated_experts", "route"]
@@ -106,7 +106,7 @@ class GatedExpertsFunction(torch.autograd.Function):
                 ddown[e] = (dy * w).to(dt).t().mm(prod).to(down.dtype)
             if need_x or need_gu:
                 dprod = (z.to(res) * w).to(dt)
-                dgu = torch.cat([_act_grad(ctx.kind, dprod * u, g), dprod * act], dim=-1)
+                dgu = torch.cat([act_grad(ctx.kind, dprod * u, g), dprod * act], dim=-1)
                 if need_gu:
                     dgate_up[e] = dgu.t().mm(x[tok].to(dt)).to(gate_up.dtype)
                 if need_x:

@@ -34,7 +34,7 @@ from leanact.ops.amp import norm_inputs
 from leanact.ops.dropout.function import dropout_seeded
 from leanact.ops.random import draw_seed
 from leanact.ops.transforms import functorch_active
-from leanact.ops.triton import gated as _gated
+from leanact.ops.gated_mlp import launchers as _gated
 from leanact.saved import with_ambient
 
 from .recipes import register, release
@@ -236,7 +236,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu(a, b):
-    """silu(a)·b: the gated-MLP kernel on CUDA (:mod:`leanact.ops.triton.gated`), else torch's two
+    """silu(a)·b: the gated-MLP kernel on CUDA (:mod:`leanact.ops.gated_mlp.launchers`), else torch's two
     ops. The recipe rebuilds through this function too, so the rebuilt output is the forward's."""
     y = _gated.glu_forward(a, b, "silu")
     return F.silu(a) * b if y is None else y

@@ -2,8 +2,8 @@
 rounding to a 16-bit dtype, the launch options and the elementwise grid.
 
 The kernel modules (in each op's folder: ``leanact.ops.<op>.kernels``, GELU's
-:mod:`leanact.ops.gelu.kernels16` and :mod:`leanact.ops.gelu.kernels32`; :mod:`.gated_kernels`,
-:mod:`.lossy_kernels`) import these; :mod:`.dispatch` loads this module by name on the first kernel call, so whether it
+:mod:`leanact.ops.gelu.kernels16` and :mod:`leanact.ops.gelu.kernels32`; :mod:`.lossy_kernels`)
+import these; :mod:`.dispatch` loads this module by name on the first kernel call, so whether it
 imports is whether Triton works here.
 
 Everything here runs under ``TRITON_INTERPRET=1`` on CPU tensors too (the tests do that), so it

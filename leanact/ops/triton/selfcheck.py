@@ -3,7 +3,7 @@ runs on a device.
 
 Each op registers its check with :func:`.dispatch.register_check` where its PyTorch path lives
 (:mod:`leanact.ops.dropout.function`, :mod:`leanact.ops.gelu.function`, :mod:`leanact.ops.norms.layer_norm`,
-:mod:`leanact.ops.norms.rms_norm`, :mod:`leanact.ops.gated_mlp`, :mod:`leanact.ops.fewbit`,
+:mod:`leanact.ops.norms.rms_norm`, :mod:`leanact.ops.gated_mlp.function`, :mod:`leanact.ops.fewbit`,
 :mod:`leanact.lossy.compress`; :mod:`.cross_entropy` next to its launcher), built from the helpers
 here, which import nothing but :mod:`.dispatch`.
 

@@ -14,7 +14,7 @@ are bitwise torch's and gradients are torch's to the rounding of the weight-grad
 Under autocast the inputs are cast as autocast casts ``F.linear``'s (the weight to the autocast
 dtype) and the weight gradient is returned in the weight's dtype, as autocast's cast backward does.
 On CUDA with ``LEANACT_TRITON`` on, ``act(g) * u`` (forward) and dg, du (backward, with h for the
-weight gradient) are one Triton kernel each (:mod:`.triton.gated`), rounding where torch rounds;
+weight gradient) are one Triton kernel each (:mod:`.launchers`), rounding where torch rounds;
 they agree with torch's kernels within the bound of docs/triton.md, and keep the same tensors.
 Because the op saves through ``ctx.save_for_backward``, any saved-tensor hooks active around it
 (``torch.autograd.graph.save_on_cpu``, a checkpoint region, a meter) see exactly g and u.
@@ -26,12 +26,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .amp import autocast_dtype, autocast_off, no_autocast_backward
-from .transforms import functorch_active
-from .triton import gated as _triton
-from .triton.dispatch import register_check
+from ..amp import autocast_dtype, autocast_off, no_autocast_backward
+from ..transforms import functorch_active
+from ..triton.dispatch import register_check
+from . import launchers as _triton
 
-__all__ = ["GATED_ACTIVATIONS", "GatedDownFunction", "gated_down", "gated_act"]
+__all__ = ["GATED_ACTIVATIONS", "GatedDownFunction", "gated_down", "gated_act", "act_grad"]
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -49,7 +49,9 @@ def _act_mul(kind: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return gated_act(kind, g) * u if h is None else h
 
 
-def _act_grad(kind: str, d: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def act_grad(kind: str, d: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``d · act'(g)`` with torch's derivative kernel (differentiable when a graph is being built):
+    the activation's part of this op's backward and of the MoE experts' (:mod:`leanact.ops.moe`)."""
     if torch.is_grad_enabled() and (g.requires_grad or d.requires_grad):  # double backward: differentiable
         g_ = g if g.requires_grad else g.detach().requires_grad_()
         (dg,) = torch.autograd.grad(gated_act(kind, g_), g_, d, create_graph=True)
@@ -102,7 +104,7 @@ def gated_down_backward(dy, g, u, weight, kind, cast, bias_dtype, needs):
             if need_u:
                 du = dh * a
             if need_g:
-                dg = _act_grad(kind, dh * u, g)
+                dg = act_grad(kind, dh * u, g)
             if need_w:
                 h = a * u
     if need_w:
@@ -198,8 +200,8 @@ _gated_down_op.register_autograd(_gated_grad, setup_context=_gated_setup)
 def _self_check(device: torch.device, key) -> None:
     """``act(g) * u`` and its backward through the kernels for ``key`` (dtype, kind): no further
     from float64 than 4x torch's ops plus 2 ulp (see :mod:`leanact.ops.triton.selfcheck`)."""
-    from .triton.dispatch import forced
-    from .triton.selfcheck import both, generator, no_worse, randn
+    from ..triton.dispatch import forced
+    from ..triton.selfcheck import both, generator, no_worse, randn
 
     dtype, kind = key
     gen = generator(device)
@@ -212,8 +214,8 @@ def _self_check(device: torch.device, key) -> None:
         fused = _triton.glu_backward(g, u, dh, kind, True, True, True)
     assert fused is not None, f"gated MLP ({kind}) backward: the kernel did not run"
     a = gated_act(kind, g)
-    ref = (_act_grad(kind, dh * u, g), dh * a, a * u)
-    truth = (_act_grad(kind, hd * ud, gd), hd * a64, a64 * ud)
+    ref = (act_grad(kind, dh * u, g), dh * a, a * u)
+    truth = (act_grad(kind, hd * ud, gd), hd * a64, a64 * ud)
     for what, x, r, t in zip(("dg", "du", "h"), fused, ref, truth):
         no_worse(f"gated MLP ({kind}) backward {what}", x, r, t)
 

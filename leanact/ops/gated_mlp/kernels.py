@@ -1,7 +1,7 @@
 """Triton kernels of the lean gated MLP's elementwise part, ``h = act(g) * u`` (SwiGLU: act =
 SiLU; GeGLU: act = GELU, erf or tanh), one per direction, and their launchers.
 
-They follow the PyTorch path of :mod:`leanact.ops.gated_mlp` (eager torch) step by step, rounding
+They follow the PyTorch path of :mod:`.function` (eager torch) step by step, rounding
 where it rounds:
 
 - forward: ``a = act(g)`` rounded to the storage dtype (torch's ``F.silu`` / ``F.gelu`` return
@@ -42,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import UNFUSED, _store
-from .math32 import exp as _exp, tanh as _tanh
-from .launch import cdiv, launch, next_power_of_2
+from ..triton.common import UNFUSED, _store
+from ..triton.math32 import exp as _exp, tanh as _tanh
+from ..triton.launch import cdiv, launch, next_power_of_2
 
 #: ``kind`` of :mod:`leanact.ops.gated_mlp` -> the kernels' ``KIND``.
 KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}

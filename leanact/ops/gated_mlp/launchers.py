@@ -1,7 +1,7 @@
-"""Kernel or PyTorch path for the lean gated MLP's ``act(g) * u`` (:mod:`leanact.ops.gated_mlp`).
+"""Kernel or PyTorch path for the lean gated MLP's ``act(g) * u`` (:mod:`.function`).
 
-Same contract as :mod:`.dispatch` (whose checks these functions reuse): each returns what the
-PyTorch path would compute, from one kernel of :mod:`.gated_kernels`, or ``None`` (the caller then
+Same contract as :mod:`leanact.ops.triton.dispatch` (whose checks these functions reuse): each
+returns what the PyTorch path would compute, from one kernel of :mod:`.kernels`, or ``None`` (the caller then
 runs its PyTorch path): CUDA plain tensors, ``LEANACT_TRITON`` on, float16/bfloat16/float32 with
 g, u (and dh) of one dtype. g and u are read in place when each is a (rows, n) view with unit
 column stride -- the two halves of a fused gate_up projection are -- and copied otherwise.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
+from ..triton.dispatch import _DTYPES, _FAILED, _launch, _usable, launchers
 
 __all__ = ["glu_forward", "glu_backward"]
 
@@ -19,9 +19,9 @@ _MAX_COLS = 65535 * 1024  # the column blocks go on the grid's second axis (at m
 
 
 def _gated(k):
-    """The launchers standing for ``k``: :mod:`.gated_kernels` for the kernels module (see
-    :func:`.dispatch.launchers`)."""
-    return launchers(k, "leanact.ops.triton.gated_kernels", "glu_forward")
+    """The launchers standing for ``k``: :mod:`.kernels` for the kernels module (see
+    :func:`leanact.ops.triton.dispatch.launchers`)."""
+    return launchers(k, "leanact.ops.gated_mlp.kernels", "glu_forward")
 
 
 def _ok(kind: str, g: torch.Tensor, *ts) -> bool:
