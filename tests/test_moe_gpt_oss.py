@@ -1,4 +1,4 @@
-"""leanact.ops.moe_clamped.clamped_experts (GPT-OSS's biased, clamped experts keeping only each routed
+"""leanact.ops.moe.clamped.clamped_experts (GPT-OSS's biased, clamped experts keeping only each routed
 token's gate/up) and the patched ``GptOssExperts``: float64 gradcheck across the clamps, the clamp
 boundary's gradient as torch's, fp32/bf16 against HF's eager and grouped experts, kept bytes exact,
 the whole tiny model, and what is left (with its reason) or falls back to HF's forward."""
@@ -13,7 +13,7 @@ if not hasattr(transformers, "GptOssForCausalLM"):
 
 import leanact  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
-from leanact.ops.moe_clamped import clamped_experts  # noqa: E402
+from leanact.ops.moe.clamped import clamped_experts  # noqa: E402
 from leanact.patching.hf_moe_clamped import hf_clamped_experts_replacement  # noqa: E402
 from _tol import assert_same_loss_and_grads  # noqa: E402
 

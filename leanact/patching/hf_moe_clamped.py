@@ -1,6 +1,6 @@
 """Hugging Face GPT-OSS experts (``GptOssExperts``: biases, interleaved gate/up, clamped gating) ->
 a subclass whose backward keeps only each routed token's gate/up outputs
-(:func:`leanact.ops.moe_clamped.clamped_experts`): no dispatch buffer, no clamped or activated
+(:func:`leanact.ops.moe.clamped.clamped_experts`): no dispatch buffer, no clamped or activated
 copies, no product, no expert outputs.
 
 Follows the arithmetic of the configured ``config._experts_implementation`` (``"eager"``: HF's loop
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..ops.amp import autocast_dtype
-from ..ops.moe_clamped import clamped_experts
+from ..ops.moe import clamped_experts
 from ..ops.transforms import functorch_active
 from .hf_moe import IMPLEMENTATIONS, flags_reason, is_hf_experts
 from .modules import hooks_reason, reclass

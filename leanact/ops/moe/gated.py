@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .amp import autocast_dtype, autocast_off, no_autocast_backward
-from .gated_mlp import act_grad, gated_act
-from .transforms import functorch_active
+from ..amp import autocast_dtype, autocast_off, no_autocast_backward
+from ..gated_mlp import act_grad, gated_act
+from ..transforms import functorch_active
 
 __all__ = ["GatedExpertsFunction", "gated_experts", "route"]
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from .amp import autocast_off, no_autocast_backward
-from .moe import route
-from .transforms import functorch_active
+from ..amp import autocast_off, no_autocast_backward
+from ..transforms import functorch_active
+from .gated import route
 
 __all__ = ["ClampedExpertsFunction", "clamped_experts"]
 
