@@ -39,7 +39,7 @@ import torch
 from host_profile import build_model
 
 import leanact
-import leanact.ops.attention as attention_op
+import leanact.ops.attention.function as attention_op
 from leanact.ops.norms import step_bound
 from leanact.ops.triton import dispatch
 

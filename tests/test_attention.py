@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import leanact.ops.attention_core as core
+import leanact.ops.attention.core as core
 from leanact.memory import SavedTensorMeter
 from leanact.nn.attention import AttentionCore
 from leanact.ops.attention import attention, default_block_size

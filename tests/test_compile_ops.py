@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from leanact.memory.meter import SavedTensorMeter
-from leanact.ops import attention as A
-from leanact.ops import attention_op
+from leanact.ops.attention import function as A
+from leanact.ops.attention import custom_op as attention_op
 from leanact.ops.gated_mlp import function as G
 
 pytestmark = pytest.mark.timeout(600)

@@ -148,7 +148,7 @@ def test_sdpa_under_autocast_runs_in_the_low_dtype():
 def test_patched_attention_takes_the_gpu_path(monkeypatch):
     """On a GPU leanact's attention (dropout 0, bf16) is SDPA's flash kernel, on a CPU in bf16 the
     recompute core: estimate(device="cuda") traces the GPU's path on its fake CPU tensors."""
-    import leanact.ops.attention_core as core
+    import leanact.ops.attention.core as core
 
     calls = []
     apply = core.RecomputeAttention.apply

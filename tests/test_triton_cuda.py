@@ -44,7 +44,7 @@ def test_dropout_mask_is_the_cpu_mask(monkeypatch):
 
 
 def test_attention_dropout_blocks_are_the_cpu_mask():
-    from leanact.ops.attention_core import _Dropper
+    from leanact.ops.attention.core import _Dropper
     from leanact.ops.random import keep_mask
 
     seed = torch.tensor(777)

@@ -1,6 +1,6 @@
 """Kernel or PyTorch path for the seeded dropout and its keep-masks (:mod:`.function`,
 :func:`leanact.ops.random.keep_mask_like`, attention's dropout blocks in
-:mod:`leanact.ops.attention_core`): the launchers of :mod:`.kernels`.
+:mod:`leanact.ops.attention.core`): the launchers of :mod:`.kernels`.
 
 Same contract as :mod:`leanact.ops.triton.dispatch`: each function returns what the caller's PyTorch path returns,
 from one kernel, or ``None`` (the caller then runs its PyTorch path). The keep threshold

@@ -1,6 +1,6 @@
 """The recompute attention core as a ``torch.library`` custom op, for ``torch.compile``.
 
-Traced by Dynamo, :class:`~leanact.ops.attention_core.RecomputeAttention`'s forward and backward
+Traced by Dynamo, :class:`~leanact.ops.attention.core.RecomputeAttention`'s forward and backward
 become one joint graph, and AOTAutograd's partitioner is free to keep any intermediate of it: it
 keeps the s² probabilities the backward recomputes (measured: the same four tensors as the plain
 composition). As a custom op the core is opaque to the compiler, so a compiled model keeps what
@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from .amp import autocast_off
-from .attention_core import compute_dtype, recompute_backward, recompute_forward
+from ..amp import autocast_off
+from .core import compute_dtype, recompute_backward, recompute_forward
 
 __all__ = ["recompute_attention"]
 
@@ -72,7 +72,7 @@ _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
 def recompute_attention(q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None) -> torch.Tensor:
-    """:class:`~leanact.ops.attention_core.RecomputeAttention` ``.apply`` with the same arguments and
+    """:class:`~leanact.ops.attention.core.RecomputeAttention` ``.apply`` with the same arguments and
     result (b, s_q, H, dv), through the custom op."""
     return _forward(q, k, v, mask, seed, sinks, float(p), bool(causal), float(scale), block,
                     None if softcap is None else float(softcap))[0]

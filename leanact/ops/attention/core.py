@@ -22,11 +22,11 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import fake_rules
-from .amp import no_autocast_backward
-from .backward import once_differentiable
-from .random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
-from .dropout import launchers as _dropout_launchers
+from .. import fake_rules
+from ..amp import no_autocast_backward
+from ..backward import once_differentiable
+from ..dropout import launchers as _dropout_launchers
+from ..random import CHUNK, _rounds32_, _signed32, keep_mask, keep_threshold, seed_keys
 
 _INF = math.inf
 _COL: list[torch.Tensor] = []  # cached int32 arange for the eager CPU mask chunks

@@ -13,7 +13,7 @@ never stored.
 What is kept for backward, by path (per call; "mask" = the caller's own mask tensor, if given,
 shared by all layers that use it):
 
-* ``mode="recompute"`` (default, flash-style, :class:`~leanact.ops.attention_core.RecomputeAttention`):
+* ``mode="recompute"`` (default, flash-style, :class:`~leanact.ops.attention.core.RecomputeAttention`):
   q, k, v (the caller's tensors: views of one fused QKV buffer count once), the fp32 (fp64 for
   fp64 inputs) log-sum-exp per row (b·H·s_q·4 bytes), the 8-byte seed, the mask. Backward
   recomputes the scores per query block (one extra QK^T matmul), P = exp(S - lse), the block's
@@ -44,11 +44,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 import torch.nn.functional as F
 
-from .amp import autocast_dtype, autocast_off
-from .attention_core import RecomputeAttention, TempoAttention
-from .attention_op import recompute_attention
-from .random import _as_seed, draw_seed
-from .transforms import functorch_active
+from ..amp import autocast_dtype, autocast_off
+from ..random import _as_seed, draw_seed
+from ..transforms import functorch_active
+from .core import RecomputeAttention, TempoAttention
+from .custom_op import recompute_attention
 
 __all__ = ["attention", "default_block_size", "fake_kernels_of", "MODES", "BLOCK_ELEMENTS"]
 
@@ -236,7 +236,7 @@ def _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed
 
 def _recompute(*args):
     """:class:`RecomputeAttention` eagerly; its custom op while compiling (opaque to AOTAutograd, which
-    would otherwise keep the s² probabilities of the traced backward: :mod:`leanact.ops.attention_op`)."""
+    would otherwise keep the s² probabilities of the traced backward: :mod:`leanact.ops.attention.custom_op`)."""
     if torch.compiler.is_compiling():
         return recompute_attention(*args)
     return RecomputeAttention.apply(*args)
