@@ -81,6 +81,8 @@ def _configs():
                     "clm"),
         "qwen2_moe": (lambda: _dec(T.Qwen2MoeConfig, num_experts=2, num_experts_per_tok=2, moe_intermediate_size=32,
                                    shared_expert_intermediate_size=32), "Qwen2MoeForCausalLM", "clm"),
+        "qwen3_moe": (lambda: _dec(T.Qwen3MoeConfig, head_dim=8, num_experts=2, num_experts_per_tok=2,
+                                   moe_intermediate_size=32), "Qwen3MoeForCausalLM", "clm"),
         "vit": (lambda: T.ViTConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, intermediate_size=64,
                                     image_size=16, patch_size=8, num_labels=3), "ViTForImageClassification", "image"),
         "clip": (lambda: T.CLIPConfig(

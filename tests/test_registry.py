@@ -49,6 +49,13 @@ def test_the_readme_table_names_every_family():
     assert not missing, f"README's supported-models table lacks {missing}"
 
 
+def test_the_docs_count_the_families_of_the_registry():
+    n = len(registry.FAMILIES)
+    for doc in (README, README.parent / "docs" / "design.md"):
+        counts = re.findall(r"differential matrix.{0,40}?(\d+) families", doc.read_text(), re.S)
+        assert counts and all(int(c) == n for c in counts), f"{doc.name} counts {counts} families; the registry has {n}"
+
+
 def test_adapters_and_steps_are_named_once():
     names = [a.name for a in registry.MODULE_ADAPTERS]
     steps = [s.name for s in registry.MODEL_STEPS]

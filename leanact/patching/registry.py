@@ -51,7 +51,7 @@ FAMILIES: dict[str, str] = {
     "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "opt": "OPT", "phi": "Phi", "phi3": "Phi-3",
     "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
     "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "olmo2": "OLMo 2",
-    "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "gpt_oss": "GPT-OSS",
+    "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS",
     "bloom": "Bloom", "falcon": "Falcon", "t5": "T5", "bart": "BART", "whisper": "Whisper",
     "vit": "ViT", "clip": "CLIP",
 }
