@@ -285,3 +285,50 @@ def test_the_estimator_knows_no_op_inside():
                     and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in from_ops):
                 wrong.append(f"{path.name}:{node.lineno} setattr on {node.args[0].id}")
     assert not wrong, "\n".join(wrong)
+
+
+def _op_folder(module: str) -> str | None:
+    """The op folder a module of leanact.ops belongs to (``leanact.ops.norms.verdict`` -> ``norms``);
+    None outside one (the modules at the top of leanact.ops, the shared ``triton`` package)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["leanact", "ops"] or parts[2] == "triton":
+        return None
+    return parts[2] if (ROOT / "ops" / parts[2] / "__init__.py").exists() else None
+
+
+def test_an_op_folder_uses_no_private_name_of_another():
+    """An op folder (leanact/ops/<op>/) takes from another op folder only its public names: no
+    ``from ..other.x import _name`` and no ``x._name`` on a module imported from there."""
+    modules = _modules()
+    wrong = []
+    for module, (path, is_package) in sorted(modules.items()):
+        own = _op_folder(module)
+        if own is None:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = set()  # names bound to a module of another op folder
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else (node.module or "")
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    target = full if full in modules else base
+                    other = _op_folder(target)
+                    if other is None or other == own:
+                        continue
+                    if a.name.startswith("_"):
+                        wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} imports {base}.{a.name}")
+                    if full in modules:
+                        aliases.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    other = _op_folder(a.name)
+                    if other is not None and other != own and a.asname:
+                        aliases.add(a.asname)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not wrong, "\n".join(wrong)
