@@ -95,7 +95,7 @@ def test_compressed_forward_keeps_signature_copies_and_removes():
         assert twin.forward.module is twin and lossy.state(twin).forward is twin.forward
         lossy.remove(twin)
         # what is left is the patch's own wrapper (a recipe transform under autocast), not compression
-        assert twin.__dict__["forward"] is twin._leanact_patch.amp_forward
+        assert twin.__dict__["forward"] is twin._leanact_patch.state["cast_recipes"]
     assert isinstance(model, transformers.LlamaForCausalLM)
     leanact.unpatch(model)
     assert "forward" not in model.__dict__ and lossy.state(model) is None

@@ -449,15 +449,15 @@ def test_in_subprocess():
 
 
 _COMPILE = r'''
-from leanact.ops.gated_mlp import kernels as K
+from leanact.ops.gated_mlp import kernels as GK
 
 for ty in ("bf16", "fp16", "fp32"):
     for kind in (0, 1, 2):
-        build(K._glu_fwd_kernel, {"g_ptr": "*" + ty, "u_ptr": "*" + ty, "h_ptr": "*" + ty, "n": "i32", "sg": "i64",
-              "su": "i64"}, {"KIND": kind, "BLOCK": 1024}, **K.UNFUSED)
-        build(K._glu_bwd_kernel, {"g_ptr": "*" + ty, "u_ptr": "*" + ty, "dh_ptr": "*" + ty, "dg_ptr": "*" + ty,
+        build(GK._glu_fwd_kernel, {"g_ptr": "*" + ty, "u_ptr": "*" + ty, "h_ptr": "*" + ty, "n": "i32", "sg": "i64",
+              "su": "i64"}, {"KIND": kind, "BLOCK": 1024}, **GK.UNFUSED)
+        build(GK._glu_bwd_kernel, {"g_ptr": "*" + ty, "u_ptr": "*" + ty, "dh_ptr": "*" + ty, "dg_ptr": "*" + ty,
               "du_ptr": "*" + ty, "h_ptr": "*" + ty, "n": "i32", "sg": "i64", "su": "i64"},
-              {"KIND": kind, "NEED_DG": True, "NEED_DU": True, "NEED_H": True, "BLOCK": 1024}, **K.UNFUSED)
+              {"KIND": kind, "NEED_DG": True, "NEED_DU": True, "NEED_H": True, "BLOCK": 1024}, **GK.UNFUSED)
 '''
 
 

@@ -182,12 +182,12 @@ def test_in_subprocess():
 
 
 _COMPILE = r'''
-from leanact.ops.rotary import kernels as K
+from leanact.ops.rotary import kernels as RK
 
 for x, p in (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")):
     for backward in (False, True):
         src, out = (p, x) if backward else (x, p)
-        build(K._rotary_kernel, {"x_ptr": "*" + src, "o_ptr": "*" + out, "y_ptr": "*" + src, "p_ptr": "*" + out,
+        build(RK._rotary_kernel, {"x_ptr": "*" + src, "o_ptr": "*" + out, "y_ptr": "*" + src, "p_ptr": "*" + out,
               "c_ptr": "*" + p, "s_ptr": "*" + p, "H": "i32", "HY": "i32", "BH": "i32", "S": "i32",
               **{n: "i64" for n in ("sxb", "sxh", "sxs", "sob", "soh", "sos", "syb", "syh", "sys_", "spb", "sph",
                                     "sps", "scb", "scs", "ssb", "sss")}},
