@@ -10,7 +10,7 @@ The cubic goes through ``R`` at the cell's four Chebyshev nodes (float64 ``erfcx
 read and three ``fma`` replace an ``erfc`` series, a division and a second ``exp``.
 
 The table: ``2**(8 + KEY_BITS)`` rows of 4 float32 (128 KiB); the rows of ``a`` above 32 (never
-read: the kernel clamps ``|x|`` to 20) hold zeros. It is registered as the table ``"mills32"`` (the
+read: the kernel clamps ``|x|`` to 20) hold zeros. It is registered as the table ``"erfcx32"`` (the
 name leanact.estimate reports for it).
 """
 from __future__ import annotations
@@ -55,8 +55,8 @@ def _build_mills() -> torch.Tensor:
     return fit_cubics(r).to(torch.float32)
 
 
-def _build_mills32(dtype, approximate, device):
+def _build_erfcx32(dtype, approximate, device):
     return mills_table().to(device)
 
 
-register("mills32", _build_mills32, ("float32",), ("none",))
+register("erfcx32", _build_erfcx32, ("float32",), ("none",))

@@ -33,7 +33,7 @@ def _args(kind: str, t: torch.Tensor, approximate: str) -> tuple:
         dev, dn = str(t.device), tables._dtype_name(t.dtype)
         if kind == "forward":
             hit = ((minimum._THRESHOLDS[torch.float32][approximate][0],
-                    tables._ACCESSORS["mills32", "float32", "none"](dev) if approximate == "none" else None)
+                    tables._ACCESSORS["erfcx32", "float32", "none"](dev) if approximate == "none" else None)
                    if t.dtype == torch.float32 else
                    (tables._ACCESSORS["y16", dn, approximate](dev), minimum._THRESHOLDS[t.dtype][approximate][1]))
         elif t.dtype == torch.float32:
