@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import leanact
 
 LAYERS = [
@@ -192,14 +194,16 @@ def _circles(graph: dict[str, set[str]], nodes: set[str]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circle_among_the_ops():
+@pytest.mark.parametrize("where", ["leanact.ops", "leanact"])
+def test_no_import_circle(where):
     """One op = its autograd Function, its launchers and its kernels; below them the dispatch layer.
-    No module of leanact.ops imports (at import time or inside a function) one that imports it back."""
+    No module of leanact.ops, nor of the whole package, imports (at import time or inside a function)
+    one that imports it back (patching's rules and steps, the planner and recompute included)."""
     graph = _import_graph()
-    ops = {m for m in graph if m == "leanact.ops" or m.startswith("leanact.ops.")}
-    circles = _circles(graph, ops)
+    nodes = {m for m in graph if m == where or m.startswith(where + ".")}
+    circles = _circles(graph, nodes)
     detail = [f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for c in circles for m in c]
-    assert not circles, f"{len(circles)} import circle(s) in leanact.ops:\n" + "\n".join(detail)
+    assert not circles, f"{len(circles)} import circle(s) in {where}:\n" + "\n".join(detail)
 
 
 #: What leanact/ops/triton/dispatch.py may name in an import statement (module level or in a
