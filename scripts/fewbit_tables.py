@@ -1,6 +1,6 @@
-"""Solve the few-bit derivative tables shipped in ``leanact/ops/fewbit_tables.py``.
+"""Solve the few-bit derivative tables shipped in ``leanact/ops/lossy/fewbit_tables.py``.
 
-    python scripts/fewbit_tables.py            # rewrite leanact/ops/fewbit_tables.py
+    python scripts/fewbit_tables.py            # rewrite leanact/ops/lossy/fewbit_tables.py
     python scripts/fewbit_tables.py --check    # solve again and compare with the shipped tables
 
 Problem (few-bit backward, Novikov et al. 2023, our own solver): approximate the derivative f' of
@@ -250,14 +250,15 @@ def compare(shipped: dict, solved: dict, tol: float = 1e-12) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with the shipped tables, write nothing")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "leanact/ops/fewbit_tables.py"))
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "leanact" / "ops" / "lossy"
+                                         / "fewbit_tables.py"))
     args = ap.parse_args(argv)
     tables = solve_all()
     for (name, bits), t in tables.items():
         print(f"{name:10s} b={bits}: {len(t['borders']):2d} borders, error {t['error']:.3e}, "
               f"{t['iterations']} iterations")
     if args.check:
-        from leanact.ops.fewbit_tables import TABLES
+        from leanact.ops.lossy.fewbit_tables import TABLES
 
         problems = compare(TABLES, tables)
         print("\n".join(problems) or "shipped tables reproduced")

@@ -13,14 +13,14 @@ from leanact.ops.triton import dispatch
 from leanact.ops.dropout import launchers as td
 from leanact.ops.cross_entropy import launchers as tce
 from leanact.ops.gated_mlp import launchers as tgd
-from leanact.ops.triton import lossy as tlo
+from leanact.ops.lossy import launchers as tlo
 from leanact.ops.gelu import launchers as tg
 from leanact.ops.norms import launchers as tn
 from leanact.ops.rotary import launchers as tr
 
 #: The modules holding the kernels (each launches through its module-level name ``launch``).
 MODULES = ("leanact.ops.dropout.kernels", "leanact.ops.norms.kernels", "leanact.ops.gelu.kernels16",
-           "leanact.ops.gelu.kernels32", "leanact.ops.gated_mlp.kernels", "leanact.ops.triton.lossy_kernels",
+           "leanact.ops.gelu.kernels32", "leanact.ops.gated_mlp.kernels", "leanact.ops.lossy.kernels",
            "leanact.ops.rotary.kernels", "leanact.ops.cross_entropy.kernels")
 
 

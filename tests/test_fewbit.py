@@ -1,4 +1,4 @@
-"""Few-bit backward (leanact.ops.fewbit): tables optimal and reproducible, packing exact, gradient
+"""Few-bit backward (leanact.ops.lossy.fewbit): tables optimal and reproducible, packing exact, gradient
 equal to the table's piecewise-constant derivative.
 
 gradcheck does not apply (the gradient is deliberately approximate); the reference instead is
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from leanact.memory import saved_bytes
-from leanact.ops.fewbit import FUNCTIONS, fewbit_activation, fewbit_derivative, fewbit_packed_nbytes
-from leanact.ops.fewbit_tables import TABLES
+from leanact.ops.lossy.fewbit import FUNCTIONS, fewbit_activation, fewbit_derivative, fewbit_packed_nbytes
+from leanact.ops.lossy.fewbit_tables import TABLES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BITS = (1, 2, 3, 4)

@@ -8,7 +8,7 @@ from torch import nn
 from leanact.lossy import RandomizedLinear
 from leanact.memory import saved_bytes
 from leanact.ops.random import draw_seed
-from leanact.ops.randomized_linear import randomized_linear, sketch, sketch_rows, weight_grad
+from leanact.ops.lossy.randomized_linear import randomized_linear, sketch, sketch_rows, weight_grad
 
 
 def _problem(n=48, d_in=5, d_out=3, seed=0, dtype=torch.float64):

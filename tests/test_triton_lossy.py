@@ -1,4 +1,4 @@
-"""The lossy options' Triton kernels (leanact/ops/triton/lossy_kernels.py) against their PyTorch paths,
+"""The lossy options' Triton kernels (leanact/ops/lossy/kernels.py) against their PyTorch paths,
 on CPU under Triton's interpreter: few-bit activations (index planes, backward) and 8-bit compression.
 
 Interpreter setup as tests/test_triton_kernels.py (TRITON_INTERPRET=1 set before Triton is imported,
@@ -21,10 +21,10 @@ triton, INTERPRETED = interpreter_setup()
 tl = pytest.importorskip("triton.language")
 
 from leanact.lossy.compress import CompressTransform, compress, decompress  # noqa: E402
-from leanact.ops import fewbit as FB  # noqa: E402
+from leanact.ops.lossy import fewbit as FB  # noqa: E402
+from leanact.ops.lossy import kernels as LK  # noqa: E402
+from leanact.ops.lossy import launchers as L  # noqa: E402
 from leanact.ops.triton import dispatch  # noqa: E402
-from leanact.ops.triton import lossy as L  # noqa: E402
-from leanact.ops.triton import lossy_kernels as LK  # noqa: E402
 
 from _triton_run import compile_for_sm90, interpreter_marks, run_interpreted  # noqa: E402
 
@@ -369,7 +369,8 @@ def test_cuda_kernels_match_the_pytorch_path_on_the_device(dtype, monkeypatch):
 
 
 _COMPILE = r'''
-from leanact.ops.triton import common as K, lossy_kernels as LK
+from leanact.ops.lossy import kernels as LK
+from leanact.ops.triton import common as K
 for kind, ptr in ((0, "*fp32"), (1, "*i16")):
     build(LK._fewbit_fwd_kernel, {"x_ptr": ptr, "y_ptr": ptr, "tab_ptr": ptr, "packed_ptr": "*u8",
           "borders_ptr": "*fp32", "labels_ptr": "*u8", "n": "i32", "per": "i32"},

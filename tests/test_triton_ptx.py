@@ -31,7 +31,7 @@ from leanact.ops.dropout import kernels as DK
 from leanact.ops.gated_mlp import kernels as GK
 from leanact.ops.triton import common as K
 from leanact.ops.gelu import kernels32 as G32
-from leanact.ops.triton import lossy_kernels as LK
+from leanact.ops.lossy import kernels as LK
 from leanact.ops.rotary import kernels as RK
 
 APPROX = re.compile(r"\b(div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|sqrt\.approx\.\w+|rsqrt\.approx\.\w+"

@@ -18,7 +18,7 @@ import leanact.ops.gelu.function as G  # noqa: E402
 from leanact.lossy.compress import compress, decompress  # noqa: E402
 from leanact.ops.dropout.function import dropout_seeded  # noqa: E402
 from leanact.ops.norms.dropout_add_norm import dropout_add_layer_norm  # noqa: E402
-from leanact.ops.fewbit import fewbit_activation  # noqa: E402
+from leanact.ops.lossy.fewbit import fewbit_activation  # noqa: E402
 from leanact.ops.gated_mlp import gated_down  # noqa: E402
 from leanact.ops.norms.layer_norm import layer_norm  # noqa: E402
 from leanact.ops.random import keep_mask_like  # noqa: E402
@@ -166,7 +166,7 @@ _CASES = {  # op: (kernel module, launcher, output argument, perturbation, call)
              lambda: G._forward(torch.randn(3000).bfloat16(), "none", True)),
     "gated_mlp": ("leanact.ops.gated_mlp.kernels", "glu_forward", 2, lambda v: v * 1.05,
                   lambda: gated_down(torch.randn(6, 64), torch.randn(6, 64), torch.randn(8, 64))),
-    "compress": ("leanact.ops.triton.lossy_kernels", "quantize", 2, lambda v: v * 2,  # a wrong block scale
+    "compress": ("leanact.ops.lossy.kernels", "quantize", 2, lambda v: v * 2,  # a wrong block scale
                  lambda: compress(torch.randn(1000), "int8", 128)),
 }
 
@@ -258,7 +258,7 @@ def test_each_op_registers_its_own_check():
     assert where == {"dropout": "leanact.ops.dropout.function", "gelu": "leanact.ops.gelu.function",
                      # (the norms' check, made in layer_norm for both)
                      "layer_norm": "leanact.ops.norms.layer_norm", "rms_norm": "leanact.ops.norms.layer_norm",
-                     "gated_mlp": "leanact.ops.gated_mlp.function", "fewbit": "leanact.ops.fewbit",
+                     "gated_mlp": "leanact.ops.gated_mlp.function", "fewbit": "leanact.ops.lossy.fewbit",
                      "compress": "leanact.lossy.compress", "cross_entropy": "leanact.ops.cross_entropy.launchers",
                      "dropout_add_layer_norm": "leanact.ops.norms.dropout_add_norm",
                      "rotary": "leanact.ops.rotary.function"}

@@ -6,13 +6,13 @@ Options (a dict, or a string such as ``"fp8"`` or ``"fewbit=2,randomized_linear=
 * ``"fewbit": bits`` (1..4, or a dict ``{"bits": 2}``): GELU (erf, tanh) and SiLU modules keep a
   ``bits``-bit index per element instead of their input / output. *Approximates* the
   activation's derivative by a piecewise-constant function with 2**bits levels (optimal in L2
-  under a standard normal input weight; :mod:`leanact.ops.fewbit`). Output exact.
+  under a standard normal input weight; :mod:`leanact.ops.lossy.fewbit`). Output exact.
 * ``"randomized_linear": ρ`` (0 < ρ <= 1, or a dict ``{"ratio": ρ, "block": 2048, "modules":
   predicate(name, module)}``): ``nn.Linear`` modules inside the model's layer stacks (modules
   under an ``nn.ModuleList``, weights not tied to an embedding; or those ``modules`` selects) keep
   ``R X`` (ρ·N of the N token rows) and a seed instead of their input. *Approximates* the weight
   gradient by an unbiased random estimate; input and bias gradients stay exact
-  (:mod:`leanact.ops.randomized_linear`).
+  (:mod:`leanact.ops.lossy.randomized_linear`).
 * ``"compress": "fp8" | "int8"`` (or a dict of :class:`CompressTransform` arguments): every
   eligible saved 16-bit tensor is kept in 8 bits with per-block scales (fp8 e4m3: round to
   nearest, relative error <= 2**-4; int8: stochastic rounding, unbiased). *Approximates* every
@@ -35,7 +35,7 @@ from typing import Any, Callable
 from torch import nn
 
 from .compress import CompressTransform, keep_exact
-from ..ops.randomized_linear import DEFAULT_BLOCK
+from ..ops.lossy.randomized_linear import DEFAULT_BLOCK
 from ..patching import register_option
 from ..recompute.context_forward import ContextForward, unwrap_forward, wrap_forward
 from .modules import FewBitActivation, RandomizedLinear

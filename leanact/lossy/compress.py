@@ -13,7 +13,7 @@ each eligible tensor autograd saves is replaced by
 plus one float32 scale per ``block`` consecutive elements: ``n + 4 * ceil(n / block)`` bytes
 instead of ``n * element_size``. Backward decompresses to the original dtype and shape. On CUDA
 (unless ``LEANACT_TRITON=0``) compression (after int8's ``torch.rand``) and decompression are one
-Triton kernel each, bitwise the same values and scales (:mod:`leanact.ops.triton.lossy`; checked
+Triton kernel each, bitwise the same values and scales (:mod:`leanact.ops.lossy.launchers`; checked
 against the PyTorch path below on first use, :func:`_self_check`).
 
 What it approximates: every gradient that reads a compressed tensor (a Linear's weight gradient
@@ -48,8 +48,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from leanact.ops.lossy import launchers as _triton
 from leanact.ops.triton import dispatch as _dispatch
-from leanact.ops.triton import lossy as _triton
 from leanact.recompute import recipes
 from leanact.saved import SavedTensorTransform
 

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.amp import keeps_output
-from ..ops.fewbit import fewbit_activation, table
-from ..ops.randomized_linear import DEFAULT_BLOCK, randomized_linear, sketch_rows
+from ..ops.lossy.fewbit import fewbit_activation, table
+from ..ops.lossy.randomized_linear import DEFAULT_BLOCK, randomized_linear, sketch_rows
 from ..ops.weight_recast import recast_weight
 from ..patching.weight_recast import recast_dtype
 from ..recompute import recipes
@@ -18,7 +18,7 @@ __all__ = ["FewBitActivation", "RandomizedLinear"]
 
 class FewBitActivation(nn.Module):
     """GELU / tanh-GELU / SiLU whose backward keeps ``bits`` bits per element (approximate
-    derivative, exact output; :mod:`leanact.ops.fewbit`). No parameters, empty state dict."""
+    derivative, exact output; :mod:`leanact.ops.lossy.fewbit`). No parameters, empty state dict."""
 
     def __init__(self, function: str = "gelu", bits: int = 2) -> None:
         super().__init__()
@@ -34,7 +34,7 @@ class FewBitActivation(nn.Module):
 
 class RandomizedLinear(nn.Linear):
     """:class:`torch.nn.Linear` whose weight gradient is an unbiased random estimate; keeps
-    ``R X`` (ρ·N rows) and an 8-byte seed instead of its input (:mod:`leanact.ops.randomized_linear`),
+    ``R X`` (ρ·N rows) and an 8-byte seed instead of its input (:mod:`leanact.ops.lossy.randomized_linear`),
     except when the input is kept anyway by the leanact op that made it (a norm or GELU keeping its
     output) or is a recipe's output (rebuilt in backward): then it is the exact Linear, which keeps
     nothing more.

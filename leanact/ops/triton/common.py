@@ -1,10 +1,10 @@
 """What every Triton kernel module of leanact builds on: rounded stores, exact loads, bit packing,
 rounding to a 16-bit dtype, the launch options and the elementwise grid.
 
-The kernel modules (in each op's folder: ``leanact.ops.<op>.kernels``, GELU's
-:mod:`leanact.ops.gelu.kernels16` and :mod:`leanact.ops.gelu.kernels32`; :mod:`.lossy_kernels`)
-import these; :mod:`.dispatch` loads this module by name on the first kernel call, so whether it
-imports is whether Triton works here.
+The kernel modules (in each op's folder: ``leanact.ops.<op>.kernels``; GELU's
+:mod:`leanact.ops.gelu.kernels16` and :mod:`leanact.ops.gelu.kernels32`) import these;
+:mod:`.dispatch` loads this module by name on the first kernel call, so whether it imports is
+whether Triton works here.
 
 Everything here runs under ``TRITON_INTERPRET=1`` on CPU tensors too (the tests do that), so it
 uses only what both the interpreter and the compiler support: no libdevice, no inline asm. The

@@ -3,9 +3,10 @@ runs on a device.
 
 Each op registers its check with :func:`.dispatch.register_check` where its PyTorch path lives
 (:mod:`leanact.ops.dropout.function`, :mod:`leanact.ops.gelu.function`, :mod:`leanact.ops.norms.layer_norm`,
-:mod:`leanact.ops.norms.rms_norm`, :mod:`leanact.ops.gated_mlp.function`, :mod:`leanact.ops.fewbit`,
-:mod:`leanact.lossy.compress`; :mod:`.cross_entropy` next to its launcher), built from the helpers
-here, which import nothing but :mod:`.dispatch`.
+:mod:`leanact.ops.norms.rms_norm`, :mod:`leanact.ops.norms.dropout_add_norm`, :mod:`leanact.ops.gated_mlp.function`,
+:mod:`leanact.ops.rotary.function`, :mod:`leanact.ops.lossy.fewbit`, :mod:`leanact.lossy.compress`;
+:mod:`leanact.ops.cross_entropy.launchers` next to its launcher), built from the helpers here, which
+import nothing but :mod:`.dispatch`.
 
 Each check runs its op on small inputs (several programs' worth, sizes that are not multiples of
 the block, so the masked tails run too) twice on the device -- through the kernel

@@ -26,9 +26,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .backward import once_differentiable
-from .random import draw_seed, keep_mask_like
-from .transforms import functorch_active
+from ..backward import once_differentiable
+from ..random import draw_seed, keep_mask_like
+from ..transforms import functorch_active
 
 __all__ = ["RandomizedLinearFunction", "randomized_linear", "sketch_rows", "sketch", "weight_grad", "DEFAULT_BLOCK"]
 

@@ -2,7 +2,7 @@
 
 They compute what the PyTorch paths compute, bit for bit:
 
-- few-bit activations (:mod:`leanact.ops.fewbit`): forward compares x with the dtype-rounded
+- few-bit activations (:mod:`.fewbit`): forward compares x with the dtype-rounded
   borders (exact in float32 for 16-bit x), maps the interval to its level index through the labels
   and packs the ``bits`` bit planes; for 16-bit x it also writes y, looked up in a table of torch's
   own activation on every 16-bit pattern. Backward unpacks the index, looks up its float32 level
@@ -17,7 +17,7 @@ They compute what the PyTorch paths compute, bit for bit:
   the same u). Decompression: the value times its block's scale in float32, rounded once.
 
 Launched with ``enable_fp_fusion=False``: ``x * inv + u`` must round twice, as torch does.
-Imported only when a kernel is about to run (see :mod:`.lossy`).
+Imported only when a kernel is about to run (see :mod:`.launchers`).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import BLOCK  # elements per program of the elementwise kernels
-from .common import UNFUSED, _grid, _pack8, _store, _unpack1
-from .launch import cdiv, launch, next_power_of_2
+from ..triton.dispatch import BLOCK  # elements per program of the elementwise kernels
+from ..triton.common import UNFUSED, _grid, _pack8, _store, _unpack1
+from ..triton.launch import cdiv, launch, next_power_of_2
 
 _TILE = 4096  # elements per program of the quantize kernel (whole blocks)
 

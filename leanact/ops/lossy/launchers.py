@@ -1,7 +1,7 @@
 """Kernel or PyTorch path for the lossy options' pack/unpack (few-bit activations, 8-bit compression).
 
-Same contract as :mod:`.dispatch` (whose helpers these use): each function returns what the
-caller's PyTorch path returns, computed by one kernel of :mod:`.lossy_kernels`, or ``None`` (the
+Same contract as :mod:`leanact.ops.triton.dispatch` (whose helpers these use): each function returns
+what the caller's PyTorch path returns, computed by one kernel of :mod:`.kernels`, or ``None`` (the
 caller then runs its PyTorch path). What the kernels need from higher layers (tables, the qmax of a
 format, int8's uniforms) comes in as arguments: nothing here imports ``leanact.lossy``.
 """
@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from . import dispatch as _d
+from ..triton import dispatch as _d
 
 __all__ = ["fewbit_forward", "fewbit_backward", "compress_8bit", "decompress_8bit"]
 
@@ -21,10 +21,10 @@ MAX_QBLOCK = 8192
 
 
 def _lossy_kernels(k):
-    """The launchers standing for ``k``: :mod:`.lossy_kernels` for a kernel module without them
-    (see :func:`.dispatch.launchers`), else ``k`` itself (:mod:`.lossy_kernels` given to
-    ``use_kernels``, :data:`.dispatch.SHAPES_ONLY`)."""
-    return _d.launchers(k, "leanact.ops.triton.lossy_kernels", "fewbit_forward")
+    """The launchers standing for ``k``: :mod:`.kernels` for a kernel module without them
+    (see :func:`leanact.ops.triton.dispatch.launchers`), else ``k`` itself (:mod:`.kernels` given to
+    ``use_kernels``, :data:`leanact.ops.triton.dispatch.SHAPES_ONLY`)."""
+    return _d.launchers(k, "leanact.ops.lossy.kernels", "fewbit_forward")
 
 
 def _usable(*tensors):
@@ -33,7 +33,7 @@ def _usable(*tensors):
 
 
 def fewbit_forward(x: torch.Tensor, tables: Callable[[], tuple], bits: int, y_table: Callable[[], torch.Tensor]):
-    """``(y or None, packed index planes)`` of :class:`leanact.ops.fewbit.FewBitFunction`'s forward,
+    """``(y or None, packed index planes)`` of :class:`.fewbit.FewBitFunction`'s forward,
     or None. ``tables()``: ``(borders, labels)``, the float32 values of the borders rounded down to
     x's dtype and the uint8 level index of each interval; ``y_table()``: the activation of every
     16-bit pattern (contiguous 16-bit x only; otherwise y is None and the caller runs torch's

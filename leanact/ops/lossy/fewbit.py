@@ -7,7 +7,7 @@ per element is kept (``bits`` in 1..4; bit planes packed with :mod:`leanact.ops.
 ``2**bits`` values. The levels and region borders minimise the L2 error to the true derivative,
 weighted by a standard normal input density (Lloyd-Max conditions: each level is the weighted
 mean of f' over its region, each x is mapped to the nearest level). They are solved by
-``scripts/fewbit_tables.py`` and shipped in :mod:`leanact.ops.fewbit_tables`. f' is not monotonic
+``scripts/fewbit_tables.py`` and shipped in :mod:`.fewbit_tables`. f' is not monotonic
 (GELU' dips to -0.13 at x = -sqrt 2 and peaks at 1.13 at x = +sqrt 2), so one level may own
 several x intervals; the forward maps x to its interval with ``bucketize`` and the interval to
 its level with a small lookup.
@@ -22,7 +22,7 @@ supported (``once_differentiable``).
 Rounding of borders: the x dtype's values are compared with the borders rounded *down* to that
 dtype, which puts every representable x on the same side as the float64 border would.
 
-On CUDA (unless ``LEANACT_TRITON=0``; :mod:`leanact.ops.triton.lossy`) forward is one Triton kernel:
+On CUDA (unless ``LEANACT_TRITON=0``; :mod:`.launchers`) forward is one Triton kernel:
 the index planes, and for contiguous 16-bit x also y, looked up in torch's activation of every
 16-bit pattern (torch's CUDA kernel computes each element alike wherever it sits, so y is torch's
 bit for bit); float32 y stays torch's kernel. Backward is one kernel (unpack, level, product).
@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from .backward import once_differentiable
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..backward import once_differentiable
+from ..bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..transforms import functorch_active
+from ..triton.dispatch import register_check
+from . import launchers as _triton
 from .fewbit_tables import TABLES
-from .transforms import functorch_active
-from .triton import lossy as _triton
-from .triton.dispatch import register_check
 
 __all__ = ["FUNCTIONS", "FewBitFunction", "fewbit_activation", "fewbit_index", "fewbit_derivative",
            "fewbit_packed_nbytes", "table"]
@@ -200,7 +200,7 @@ def _self_check(device: torch.device, key) -> None:
     """This op's forward and backward for GELU and SiLU through the kernels and the PyTorch path for
     ``key`` (dtype, bits): bitwise (16-bit y on a CPU: within one ulp; see
     :mod:`leanact.ops.triton.selfcheck`)."""
-    from .triton.selfcheck import both, forward_backward, generator, randn, same, ulps_apart
+    from ..triton.selfcheck import both, forward_backward, generator, randn, same, ulps_apart
 
     dtype, bits = key
     gen = generator(device)
