@@ -52,8 +52,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 def default_dtype() -> str:
     """bf16 where this CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32: elsewhere a bf16
-    step can take 70x an fp32 one (a BERT-base step on a 2-core AVX2-only EPYC:
-    :mod:`leanact.ops.cpu_gemm`)."""
+    step can take tens of times an fp32 one (:mod:`leanact.ops.cpu_gemm`)."""
     return "bf16" if native_16bit_gemm(torch.bfloat16) else "fp32"
 
 

@@ -14,11 +14,9 @@ cross-entropy of a patched model, or the logits) is part of the estimate.
 **The reserve.** A step whose predicted peak (``torch.cuda.max_memory_allocated``: the bytes of
 live tensors and the runtime's workspaces) equals the budget still runs out of memory: the caching
 allocator holds memory it cannot hand out (free pieces of segments too small for the next large
-request: reserved > allocated). Measured on an H200 capped at 80 GiB, Llama-3.2-1B geometry,
-leanact.patch, 86,016 tokens: out of memory with 77.5 GiB allocated asking for 1.31 GiB more, so at
-least 80 − 78.81 = 1.19 GiB was held unusable (1.5% of the budget); capped at 16 GiB, BERT-Large
-after a batch search in the same process: 0.97 GiB reserved but unallocated at its out-of-memory
-(6%). On CUDA the search therefore fits ``budget − reserve``: :func:`reserve_for` is
+request: reserved > allocated), measured at 1.5% of an 80 GiB budget and 6% of a 16 GiB one
+(docs/benchmarks.md, "Measurements behind the library's constants"). On CUDA the search therefore
+fits ``budget − reserve``: :func:`reserve_for` is
 ``max(RESERVE_FRACTION · budget, min(RESERVE_MIN, budget / 8))`` -- 2% of the budget, at least
 1 GiB (1.6 GiB at 80 GiB, 1 GiB at 16 GiB), and at most an eighth of budgets under 8 GiB.
 ``reserve=`` overrides it (0: none). The budget is what PyTorch may reserve: on a GPU of its own,

@@ -1,10 +1,9 @@
 """Whether this CPU multiplies 16-bit matrices natively.
 
 oneDNN has bf16 GEMM kernels for AVX512-BF16 and AMX, fp16 ones for AMX-FP16; elsewhere torch runs a
-16-bit matmul on the CPU in a slower path: on an AVX2-only CPU about 65x fp32's time (a 256x768 by
-768x3072 bf16 product: 1.62 s against fp32's 25 ms on a 2-core AVX2 EPYC; a bf16 BERT-base training
-step there: 73 s against fp32's 1.04 s). The fused head then multiplies in fp32, and ``leanact
-profile`` defaults to fp32.
+16-bit matmul on the CPU in a slower path, tens of times fp32's time on an AVX2-only CPU
+(docs/benchmarks.md, "Measurements behind the library's constants"). The fused head then
+multiplies in fp32, and ``leanact profile`` defaults to fp32.
 """
 from __future__ import annotations
 

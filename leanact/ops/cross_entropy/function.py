@@ -42,7 +42,7 @@ Two ways to get the gradients (``grad_in_forward``):
 
 Matmuls run in the compute dtype, except for 16-bit inputs on a CPU without native 16-bit GEMM (no
 AVX512-BF16 / AMX), where they run in fp32 on upcast chunks (``matmul_dtype``): bf16 GEMM there is
-many times slower than fp32 (65x on an AVX2-only CPU: :mod:`.cpu_gemm`), and the fp32 products are
+many times slower than fp32 (:mod:`leanact.ops.cpu_gemm`), and the fp32 products are
 exact. Accumulation: dW over chunks in an fp32 buffer (W's size: ``addmm`` with ``out_dtype`` where
 the device has it, CUDA), db in fp32; each is cast to its parameter's dtype once. The chunks' logit
 gradients stay in one buffer (the matmul dtype) for :func:`product_rows` rows, whose dx, dW and db

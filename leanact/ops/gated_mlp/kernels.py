@@ -25,8 +25,8 @@ the float32 unit roundoff; :data:`BOUND`; docs/triton.md), plus one ulp of the s
 the two fall on both sides of a rounding boundary. That last part is rare where the bound is a
 small part of the storage ulp, but GeGLU (erf) for g < -2 computes ``1 + erf(g / sqrt 2)`` with
 cancellation, where one ulp of erf moves ``act(g)`` by many 16-bit ulps (absolutely still within
-the bound): on an H200 1.3% (bf16) and 1.8% (fp16) of h and du differed from torch's, as one-ulp
-erf differences on about a quarter of the arguments give. The products around them (``a * u``,
+the bound): a few percent of h and du may differ from torch's there (one-ulp erf differences on
+about a quarter of the arguments; the measured share in docs/triton.md). The products around them (``a * u``,
 ``dh * a``, ``dh * u``) are exact copies of torch's roundings.
 
 Each row of the (rows, n) views may have its own stride (the halves of a fused gate_up projection

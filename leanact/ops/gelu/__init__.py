@@ -40,10 +40,9 @@ for float32; float64 storage runs in float64 with error-free products (Dekker), 
 ``x/sqrt 2``, ``x**2`` and tanh argument in the tail, and the exact Taylor expansion of GELU about
 ``x*`` next to the minimum.
 
-Cost (``docs/gelu_bound.md``, "Speed"; one CPU thread, fwd+bwd): 16-bit storage is a table
-gather each way, about 2x torch's fused erf kernel and on par with its tanh form (9-15x faster
-than rebuilding every element); float32 storage is about 40 elementwise passes over 64k-element
-slices, 10x torch's erf form and 6x its tanh form (2.3-3.2x faster than before). The float32
+Cost (measured in ``docs/gelu_bound.md``, "Speed"): 16-bit storage is a table gather each way
+(rather than rebuilding every element); float32 storage is about 40 elementwise passes over
+64k-element slices. The float32
 forward stays in float64: float32 ``erfc`` would misround about 40% of the outputs. The saved
 bit of a NaN input is never used (its gradient is NaN on either branch).
 

@@ -28,13 +28,12 @@ truth (tanh form 3.4), backward within the interval ``B(y)`` of what the stored 
 one (forward correctly rounded, backward within ``B(y)`` + 1/2 ulp); the self-check allows the
 difference.
 
-Cost per element (SASS for sm_90, ``benchmarks/kernel_sass.py``, static counts of the kernel body,
-Triton 3.9 / 3.6, where ``BLOCK`` divides n: the kernels' ``EVEN``, no masks): forward 50 / 52
-instructions, tanh form 56 / 59, backward 50 / 50 (and its division's slow path, rarely taken),
-against 8 and 12 bytes of memory traffic (forward: x in, y and 1/8 byte out; backward: y, dy, 1/8
-byte in, dx out) and a 16-byte table row from L1/L2 (the tanh forward reads none). With masks (a
-last partial block in the grid) the forward takes 3 more. Triton 3.6 compiles a negation ``-t`` to
-an instruction (``0 - t``), so the forward's negations are folded into constants
+Cost per element: about 50 instructions each way (SASS for sm_90, static counts of the kernel
+body, ``benchmarks/kernel_sass.py``; per Triton version in docs/triton.md, "Measurements behind
+the kernels' constants"), against 8 and 12 bytes of memory traffic (forward: x in, y and 1/8 byte
+out; backward: y, dy, 1/8 byte in, dx out) and a 16-byte table row from L1/L2 (the tanh forward
+reads none). A negation ``-t`` may compile to an
+instruction of its own (``0 - t``), so the forward's negations are folded into constants
 (:func:`~leanact.ops.triton.math32.exp_half_neg_parts`,
 :func:`~leanact.ops.triton.math32.recip12_of_negated`). The tanh form's quotient ``1 / (1 +
 exp(-|v|))``, divisor in [1, 2], is :func:`~leanact.ops.triton.math32.recip12`'s two Newton steps
@@ -149,7 +148,7 @@ def _gelu_tanh(x, xc):
     """``x sigmoid(v)``, ``v = K1 x (1 + A x^2)`` carried as two floats (relative accuracy in the
     tails), ``xc``: x clamped to [-12, 12]: ``x / (1 + e^-|v|)`` at and above 0, ``x e^-|v| / (1 +
     e^-|v|)`` below; ``|v|`` from ``|x|``, and its negation and the divisor's made from negative
-    constants (Triton 3.6 compiles ``-t`` to an instruction, ``0 - t``)."""
+    constants (a negation ``-t`` may compile to an instruction of its own, ``0 - t``)."""
     ax = tl.abs(xc)
     p = ax * ax
     e = tl.fma(ax, ax, -p)  # x^2 = p + e exactly

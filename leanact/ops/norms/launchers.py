@@ -28,14 +28,15 @@ MAX_N = 32768
 
 _SMS: dict[int, int] = {}  # CUDA device index -> multiprocessor count
 #: Programs per multiprocessor of LayerNorm's backward (each keeps one partial dγ, dβ row: more
-#: programs, more rows in flight and more partials to sum; benchmarks/norm_programs.py times them:
-#: 4 per SM fastest for LayerNorm on an H200, 2 for RMSNorm, whose rows are wider here).
+#: programs, more rows in flight and more partials to sum): the fastest count that
+#: benchmarks/norm_programs.py finds among 2, 4, 8 and 16 (docs/triton.md, "Measurements behind
+#: the kernels' constants").
 PROGRAMS_PER_SM = 4
-#: The same for RMSNorm's backward.
+#: The same for RMSNorm's backward (its own fastest count, measured the same way).
 RMS_PROGRAMS_PER_SM = 2
 #: Programs of the norms' backward when it sums no dγ, dβ partials (γ, β frozen: PEFT / LoRA),
-#: each taking an equal share of the rows; None: one program per row (on an H200 0.79-0.99x torch's
-#: kernel time, against 0.81-1.18x for 1,024 programs: benchmarks/norm_programs.py).
+#: each taking an equal share of the rows; None: one program per row, which benchmarks/norm_programs.py
+#: times against a fixed count (docs/triton.md, "Measurements behind the kernels' constants").
 PROGRAMS_WITHOUT_PARTIALS: int | None = None
 
 

@@ -4,9 +4,9 @@ step without a check (no device-to-host sync).
 The norms decide once per optimizer step whether their output determines x̂
 (:mod:`leanact.ops.norms.verdict`): one batched check and one sync per step
 (:mod:`leanact.ops.norms.batch_check`). The sync makes the host wait for the GPU to finish the previous
-step before it enqueues the next forward: in a host-bound step, time lost (BERT-Large b=32 on an
-H100: ~11 ms of a 185 ms step). For ``torch.optim.Adam`` and ``AdamW`` the check can be skipped
-for many steps, exactly:
+step before it enqueues the next forward: in a host-bound step, time lost (docs/benchmarks.md,
+"Measurements behind the library's constants"). For ``torch.optim.Adam`` and ``AdamW`` the check
+can be skipped for many steps, exactly:
 
 * **Adam's step is bounded whatever the gradients.** With m, v started at zero (as torch starts
   them), ``|m_t| ≤ A·sqrt(v_t)`` element-wise for every t, with ``A = 1/sqrt(1−β2)``, whatever β1 is

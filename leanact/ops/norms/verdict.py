@@ -70,7 +70,7 @@ DEFAULT_MAX_RATIO = 8.0
 #: otherwise): while the optimizer steps since stay within its slack, it stands unchecked
 _DECISIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: id(ref) -> (weak reference to ref, its _DECISIONS entry): the per-call lookup by id (a
-#: WeakIdKeyDictionary lookup builds a weak reference each time: 3 µs, per norm call)
+#: WeakIdKeyDictionary lookup builds a weak reference each time, per norm call)
 _BY_ID: dict[int, tuple] = {}
 _STEPS = [0]  # optimizer steps taken in this process (any torch.optim.Optimizer, fused or not)
 #: whether a passing verdict may stand on Adam's step bound (:func:`use_step_bound`)

@@ -22,7 +22,7 @@ and the sum of the two contributions in x's dtype::
 plus 0.0, which turns a −0 into +0 as the engine's third term (a zero-padded slice) does. Each
 element of x, the tables and the output is read or written once: 2·(x's bytes + p's bytes) per
 element of q and k over forward and backward (the tables, shared by every head, once per head
-from cache), where the unfused sequence moves 80 (bf16 q, fp32 tables) in 14 launches per tensor.
+from cache; the unfused sequence's traffic in docs/triton.md, "Cost per kernel").
 """
 from __future__ import annotations
 

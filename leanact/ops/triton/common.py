@@ -22,7 +22,7 @@ import triton.language as tl
 from .launch import cdiv
 
 #: Launch options: contraction into FMAs allowed (the norms) or not (kernels whose rounding sequence
-#: must be the interpreter's or torch's). Always explicit: Triton 3.9 warns when it is left to its default.
+#: must be the interpreter's or torch's). Always explicit: recent Triton warns when it is left to its default.
 FUSED, UNFUSED = {"enable_fp_fusion": True}, {"enable_fp_fusion": False}
 
 # -- shared helpers --------------------------------------------------------------------------------

@@ -3,10 +3,9 @@
 Every ``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` in Python: it binds and specializes
 each argument, builds the cache key's string, compares every global ``tl.constexpr`` the kernel
 reads with its value at compile time (the float32 GELU backward reads 27 of them), builds launch
-metadata and only then calls the compiled kernel's launcher. On a 2-core EPYC (Triton 3.9, the
-launcher itself replaced by a no-op) that is 7 µs for the 16-bit GELU forward and 18 µs for the
-float32 one, where the launch below takes 3.5-4 µs; a GPU host's slower cores multiply both
-(``benchmarks/launch_host.py``, ``benchmarks/op_host.py``).
+metadata and only then calls the compiled kernel's launcher: several times the host time of the
+launch below, which a GPU host's slower cores multiply (``benchmarks/launch_host.py``,
+``benchmarks/op_host.py``; docs/triton.md, "Measurements behind the kernels' constants").
 
 :func:`launch` launches the first call of each *specialization* through Triton (which compiles,
 checks and launches it) and keeps the compiled kernel it returns; later calls with the same

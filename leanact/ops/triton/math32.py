@@ -78,7 +78,7 @@ def recip12(d, EXACT: tl.constexpr = True):
 def recip12_of_negated(dn, EXACT: tl.constexpr = True):
     """:func:`recip12` of ``-dn`` (``dn`` in [-2, -1]), the same bits: every step takes ``-d``
     where it would negate ``d`` (a caller that can make ``-d`` from constants saves the negation,
-    which Triton 3.6 compiles to an instruction of its own, ``0 - d``)."""
+    which may compile to an instruction of its own, ``0 - d``)."""
     r = tl.fma(dn, tl.fma(dn, _R2, -_R1), _R0)  # R0 + d (R1 + d R2)
     r = tl.fma(r, tl.fma(dn, r, 1.0), r)
     r = tl.fma(r, tl.fma(dn, r, 1.0), r)
@@ -173,7 +173,7 @@ def exp_parts(hi, lo, BIAS: tl.constexpr):
     [-126 - BIAS, 127 - BIAS], and ``|lo|`` below 1e-3 (nan: ``q`` nan). A caller multiplies its
     other factors into ``q``, then ``s``, then ``2^-BIAS``, so a value below float32's normal range
     is rounded once, at the end. (``lo`` is subtracted: a caller holding ``-lo`` passes it without a
-    negation, an instruction of its own under Triton 3.6.)
+    negation, which may compile to an instruction of its own.)
 
     ``k``: rounded by adding ``1.5 2^23`` (no ``floor``, no conversion: ``k`` is the sum's low bits,
     and ``s`` its bits shifted into the exponent), ``r = hi - k ln 2`` exact with ``ln 2``'s first
