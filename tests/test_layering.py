@@ -227,10 +227,10 @@ def test_the_dispatch_layer_imports_no_op_and_no_kernel_module():
 
 
 def _kernel_module(module: str) -> bool:
-    """A module of Triton kernels: an op's (``kernels``, ``kernels16``, ``*_kernels``) or the ones they
+    """A module of Triton kernels: an op's (``kernels``, ``kernels16``, ``kernels32``) or the ones they
     all build on (``leanact.ops.triton.common``, ``leanact.ops.triton.hash``)."""
     leaf = module.rsplit(".", 1)[1]
-    return module.startswith("leanact.ops.") and (leaf.startswith("kernels") or leaf.endswith("_kernels")
+    return module.startswith("leanact.ops.") and (leaf.startswith("kernels")
                                                   or module in ("leanact.ops.triton.common", "leanact.ops.triton.hash"))
 
 
