@@ -1,7 +1,21 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and how the suite runs under pytest-xdist (``-n auto``)."""
+import os
 import sys
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per worker: the workers share the cores
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (``--dist loadgroup``) the distributed modules' tests share one worker, which starts
+    one pair of gloo processes for all of them (:func:`dist_results`)."""
+    for item in items:
+        if getattr(item, "module", None) is not None and item.module.__name__ in DISTRIBUTED:
+            item.add_marker(pytest.mark.xdist_group("distributed"))
 
 #: test module -> (function running its distributed cases, seconds they may take on 2 loaded cores)
 DISTRIBUTED = {"test_parallel_fsdp": ("_all", 170), "test_parallel_gpt2": ("_all_cases", 150),

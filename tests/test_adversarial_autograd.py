@@ -29,6 +29,7 @@ def test_a_gradient_penalty_through_a_lean_norm_raises(make):
         (loss + gw.pow(2).sum()).backward()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_a_gradient_penalty_on_a_patched_model_raises_or_is_exact(family):
     """The final norm's γ: its create_graph gradient, then a penalty on it; the unpatched model gives

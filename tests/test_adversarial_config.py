@@ -72,6 +72,7 @@ def _off_warnings(record):
 
 
 # ---- config.output_attentions = True after patch ------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_output_attentions_set_on_the_config_after_patch(family, core_calls):
     ref = _build(family, "eager")
@@ -145,6 +146,7 @@ def _assert_reported_off(model, implementation):
     assert all(OFF in now for _, _, now in s.to_dict()["attention"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_set_attn_implementation_after_patch(family, implementation, core_calls):

@@ -94,6 +94,7 @@ GC_CASES = [  # (mask kind, causal, G, p, s_q, s_k)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "tempo"])
 @pytest.mark.parametrize("case", GC_CASES, ids=str)
 def test_gradcheck_float64(mode, case):
@@ -397,6 +398,7 @@ def test_errors():
     assert default_block_size(1, 16, 512, 512) == 128
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,p,fused",
     [("recompute", 0.2, True), ("tempo", 0.2, True), ("recompute", 0.0, True), ("recompute", 0.0, False)],

@@ -57,6 +57,7 @@ GC_CASES = [  # (mask kind, causal, G, p)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", GC_CASES, ids=str)
 def test_gradcheck_float64(variant, case):

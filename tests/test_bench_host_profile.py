@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 HERE = pathlib.Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["bert-large", "llama-1b"])
 def test_host_profile_prints_times_and_leanact_functions(model, capsys):
     spec = importlib.util.spec_from_file_location("host_profile", HERE.parent / "benchmarks" / "host_profile.py")
@@ -21,6 +22,7 @@ def test_host_profile_prints_times_and_leanact_functions(model, capsys):
     assert "/leanact/" in out.split("by cumulative (leanact functions)")[1]
 
 
+@pytest.mark.slow
 def test_host_stub_prints_each_variant(capsys, monkeypatch):
     """benchmarks/host_stub.py: the CUDA path with the kernels stubbed, HF and leanact's variants, one row each."""
     monkeypatch.syspath_prepend(str(HERE.parent / "benchmarks"))

@@ -85,7 +85,14 @@ def test_activation_memory_is_affine_in_batch(bert_json, dtype):
             assert direct == m.activation_at(b), (label, b)
 
 
-def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
+def _no_longest(monkeypatch):
+    """--budget's longest-sequence search (its own test below) left out where a test checks the rest."""
+    monkeypatch.setattr("leanact.cli.profile.longest_sequence", lambda cfg: None)
+
+
+@pytest.mark.slow
+def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys, monkeypatch):
+    _no_longest(monkeypatch)
     out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1.5MiB"))
     budget = out["config"]["budget"]
     assert budget == 3 * 2**19
@@ -114,7 +121,9 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys):
     assert isinstance(out["plan"], str) and out["plan"]  # the plan, or why there is none
 
 
+@pytest.mark.slow
 def test_budget_without_the_planner_says_so(bert_json, capsys, monkeypatch):
+    _no_longest(monkeypatch)
     monkeypatch.setitem(sys.modules, "leanact.planner", None)  # import leanact.planner -> ImportError
     out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1GiB"))
     assert "leanact.planner is not available" in out["plan"]
@@ -127,8 +136,10 @@ def _gpt2_json(tmp_path):
     return str(path)
 
 
-def test_budget_plans_a_causal_lm_with_its_default_config(tmp_path, capsys):
+@pytest.mark.slow
+def test_budget_plans_a_causal_lm_with_its_default_config(tmp_path, capsys, monkeypatch):
     """GPT-2's config has use_cache=True: the planner used to fail on it ("planner failed", exit 0)."""
+    _no_longest(monkeypatch)
     out = _json(capsys, ["profile", "--model", _gpt2_json(tmp_path), "--seq", "32", "--repeats", "0",
                          "--budget", "1GiB"])
     assert "transformer.h.0" in out["plan"] and "transformer.h.1" in out["plan"], out["plan"]
@@ -150,6 +161,7 @@ def test_max_batch_arithmetic():
         max_batch(100, 0, 0)
 
 
+@pytest.mark.slow
 def test_tables_fit_80_columns_and_plot(bert_json, tmp_path, capsys, monkeypatch, tiny_result):
     """Piped to a file (no terminal: rich's 80 columns), every table -- modes, --ops, the plan under
     --budget -- fits without cutting a cell ("…")."""
@@ -425,6 +437,7 @@ def test_complete_modes_keep_their_name(tiny_result):
     assert lean.summary["attention"][0][2] == "leanact (recompute)"
 
 
+@pytest.mark.slow
 def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
     """--budget also searches the longest sequence whose whole step fits on CUDA, for leanact.patch with
     each of LONGEST_CANDIDATES on every layer; offloading every layer's input needs pinned host memory,
@@ -456,6 +469,7 @@ def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
     assert at.host == longest["host"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False])
 def test_default_dtype_follows_the_cpus_bf16_matmul(native, bert_json, capsys, monkeypatch):
     """No --dtype: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32 (a

@@ -23,6 +23,7 @@ def _qkv(dtype=torch.float64, gqa=True, seed=0):
             for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["plain", "mask", "softcap", "sinks", "dropout"])
 def test_recompute_attention_op(variant):
     q, k, v = _qkv()

@@ -57,6 +57,7 @@ def _fix_layer_norm_decision(layer):
         m.from_output = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_bert_layer_fullgraph_aot_eager(dropout):
     torch._dynamo.reset()
@@ -67,6 +68,7 @@ def test_bert_layer_fullgraph_aot_eager(dropout):
     _assert_same(eager, compiled, 1e-5)  # dropout: the same seeds, so the same masks
 
 
+@pytest.mark.slow
 def test_bert_layer_automatic_decision_is_the_only_graph_break():
     torch._dynamo.reset()
     layer, kwargs = _layer("bert")
@@ -76,6 +78,7 @@ def test_bert_layer_automatic_decision_is_the_only_graph_break():
     assert reasons and all("from_output_ok" in r for r in reasons), reasons
 
 
+@pytest.mark.slow
 def test_llama_layer_fullgraph_aot_eager():
     from leanact.patching.hf_rms_norm import _LeanHFRMSNorm
 

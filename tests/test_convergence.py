@@ -65,6 +65,7 @@ def _patched(record):
     return prepare
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", conv.TASKS)
 def test_without_dropout_patched_training_matches_unpatched(task):
     record = []
@@ -81,6 +82,7 @@ def test_without_dropout_patched_training_matches_unpatched(task):
     assert ref["final_eval"] < ref["eval"][0][1] - 0.5  # it learns
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", conv.TASKS)
 def test_with_dropout_same_start_different_masks_both_learn(task):
     ref = conv.train_losses(task, None, 0, STEPS, **TINY)
@@ -93,6 +95,7 @@ def test_with_dropout_same_start_different_masks_both_learn(task):
     assert abs(lean["final_eval"] - ref["final_eval"]) < 0.1
 
 
+@pytest.mark.slow
 def test_compare_prints_the_table_and_saves_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from rich.console import Console

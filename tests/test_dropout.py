@@ -259,6 +259,7 @@ def _model_fn(x):
     return dropout(torch.tanh(x) * 2, 0.3).sin()
 
 
+@pytest.mark.slow
 def test_compile_aot_eager_matches_eager():
     x = torch.randn(300, 500, requires_grad=True)
     torch.manual_seed(1)
@@ -272,6 +273,7 @@ def test_compile_aot_eager_matches_eager():
     assert torch.equal(yc, y) and torch.equal(x.grad, g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partitioner", ["default", "min_cut"])
 def test_compile_saves_only_the_seed(partitioner):
     """Under AOTAutograd (min-cut is inductor's partitioner) the mask is recomputed, not saved."""

@@ -79,6 +79,7 @@ def test_predicted_vs_measured_all(family, dtype, patched):
     _check(family, dtype, patched)
 
 
+@pytest.mark.slow
 def test_per_layer_equals_measure_layer_cost():
     """The estimate's middle layer = leanact.memory.measure_layer_cost (2 layers - 1 layer, real)."""
     def build(n):
@@ -90,6 +91,7 @@ def test_per_layer_equals_measure_layer_cost():
     assert est.per_layer["model.layers.1"] == est.per_layer["model.layers.2"] == cost.bytes
 
 
+@pytest.mark.slow
 def test_batch_seq_dtype_scaling():
     model = _build("llama", layers=2, h=64)
     small = estimate(model, _inputs(2, 32), dtype=torch.bfloat16)
@@ -117,6 +119,7 @@ def test_big_geometry_without_real_memory():
     assert elapsed < 60, elapsed  # typically a few seconds; generous for a loaded CI machine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patched", [False, True])
 def test_config_in_a_dtype_equals_the_real_model_in_that_dtype(patched):
     """estimate_config(dtype=bf16): the fake model is cast to bf16 (tied weights stay tied) and
@@ -132,6 +135,7 @@ def test_config_in_a_dtype_equals_the_real_model_in_that_dtype(patched):
     assert fake.to_dict() == estimate(real, x).to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded", [True, False])  # a 4-D mask; the causal triangle alone (blocks grow)
 def test_fewer_slices_on_fake_tensors_give_the_same_estimate(padded, monkeypatch):
     """The estimate runs two of the GELU's eager slices and the last three attention blocks on fake
@@ -180,6 +184,7 @@ def test_fewer_loss_tiles_on_fake_tensors_give_the_same_estimate(grad_in_forward
     assert fast.to_dict() == full.to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patched", [False, True])
 def test_meta_model_equals_real_model(patched):
     """A model built on the meta device (no memory at all) gives the real model's estimate; patched,
@@ -195,6 +200,7 @@ def test_meta_model_equals_real_model(patched):
     assert a.to_dict() == b.to_dict()
 
 
+@pytest.mark.slow
 def test_cuda_model_rounds_to_blocks():
     """leanact's own ops keep the same on both devices; the plain model's dropout and SDPA follow
     CUDA's kernels (bool masks, fused attention: tests/test_estimate_cuda.py), which keep less."""
@@ -209,6 +215,7 @@ def test_cuda_model_rounds_to_blocks():
     assert all(plain_cuda.per_layer[k] < v for k, v in plain_cpu.per_layer.items())
 
 
+@pytest.mark.slow
 def test_cuda_models_the_triton_kernels(monkeypatch):
     """device="cuda": leanact's ops allocate what their Triton kernels allocate (outputs only), so
     the peak is at most the PyTorch path's (LEANACT_TRITON=0) and what is kept is the same."""
@@ -259,6 +266,7 @@ def fake_tensor_errors():
     logger.removeHandler(handler)
 
 
+@pytest.mark.slow
 def test_bad_arguments_named_before_any_work(fake_tensor_errors):
     model = _build("gpt2", layers=1, h=64)  # 2*S learned positions
     x = dict(input_ids=torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 8, dtype=torch.long))
@@ -283,6 +291,7 @@ def test_bad_arguments_named_before_any_work(fake_tensor_errors):
     assert estimate(model, x, seq=2 * S).per_layer  # the last position still fits
 
 
+@pytest.mark.slow
 def test_causal_lm_default_config_without_kv_cache():
     """A training step keeps no KV cache: use_cache=True (the default) and use_cache=False predict
     the same step, measure() agrees, and the user's configs are left as they were."""
@@ -307,6 +316,7 @@ def _has_strategies():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_strategies(), reason="leanact.strategies not available")
 def test_strategies_lean_and_full():
     """Full recompute keeps only each layer's input, so it keeps less; it lowers the step's peak
@@ -369,6 +379,7 @@ def test_plain_model_tuple_inputs_and_loss_fn():
     assert big.per_layer["blocks.1"] == 8 * pred.per_layer["blocks.1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_trainer_protocol_releases_the_output(dtype):
     """Default: the output (logits) is released before backward, as HF Trainer does; keep_output=True

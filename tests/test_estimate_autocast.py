@@ -15,6 +15,7 @@ from leanact.estimate import estimate, estimate_config, measure  # noqa: E402
 from test_estimate import _build, _inputs  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,patched,amp", [("bert", False, "bf16"), ("llama", True, "bf16"),
                                                 ("gpt2", True, "fp16"), ("bert", True, "bf16")])
 def test_predicted_vs_measured_under_autocast(family, patched, amp):
@@ -39,6 +40,7 @@ def _layer_linear_elements(model, layer, skip=()):
                if type(m) is nn.Linear and n.rsplit(".", 1)[-1] not in skip)
 
 
+@pytest.mark.slow
 def test_weight_copies_counted_and_recast_removes_them():
     """Per layer, recast_weights=False keeps exactly 2 bytes per Linear weight element more than the
     default patch, at every batch size; the unpatched estimate reports every Linear's copy. (The
@@ -58,6 +60,7 @@ def test_weight_copies_counted_and_recast_removes_them():
         assert kept[False] - kept[True] == 2 * elements, (b, kept)
 
 
+@pytest.mark.slow
 def test_detects_an_enclosing_autocast_and_names_bad_values():
     model = leanact.patch(_build("llama", layers=1, h=64))
     x = _inputs(2, 16)
@@ -76,6 +79,7 @@ def test_detects_an_enclosing_autocast_and_names_bad_values():
         measure(model, x, autocast="fp32")
 
 
+@pytest.mark.slow
 def test_config_estimate_under_autocast_without_real_memory():
     """A config built on fake tensors under bf16 autocast: unpatched, every Linear keeps its copy;
     patched, no layer keeps one (the head's copy can remain: the estimator's tracker reads the

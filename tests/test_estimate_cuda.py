@@ -1,6 +1,7 @@
 """device="cuda": plain dropout and SDPA keep what CUDA's kernels keep (leanact.estimate.cuda_kernels),
 checked to the byte against formulas."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
@@ -101,6 +102,7 @@ def _ids(mask=False):
     return x
 
 
+@pytest.mark.slow
 def test_llama_flash_layer():
     """Tiny LLaMA, bf16, no padding: Hugging Face passes is_causal=True (not a mask, in the trace as
     for real inputs) and the flash kernel keeps what the CPU flash kernel keeps plus its RNG state."""
@@ -116,6 +118,7 @@ def test_llama_flash_layer():
     assert padded - cuda == B * S * S * 2 + lse - 24 + repeated
 
 
+@pytest.mark.slow
 def test_bert_layer():
     """Tiny BERT, bf16: two hidden dropouts per layer keep bool masks (b, s, h); the padding mask
     makes the efficient kernel keep a bf16 bias instead of the flash kernel's RNG state."""
@@ -127,6 +130,7 @@ def test_bert_layer():
     assert with_dropout - unpadded == B * S * S * 2 + (B * HEADS * 64 * 4 - B * HEADS * S * 4) - 24
 
 
+@pytest.mark.slow
 def test_sdpa_under_autocast_runs_in_the_low_dtype():
     """Under autocast CUDA runs SDPA in 16 bits (its autocast list) even when q arrives in fp32 (LLaMA's
     rotary embedding promotes it): the flash kernel, no s x s tensor. A tiny LLaMA layer then keeps
@@ -145,6 +149,7 @@ def test_sdpa_under_autocast_runs_in_the_low_dtype():
     assert kept["bf16"] < kept[False] - s2_fp32, kept
 
 
+@pytest.mark.slow
 def test_patched_attention_takes_the_gpu_path(monkeypatch):
     """On a GPU leanact's attention (dropout 0, bf16) is SDPA's flash kernel, on a CPU in bf16 the
     recompute core: estimate(device="cuda") traces the GPU's path on its fake CPU tensors."""
@@ -179,6 +184,7 @@ def test_memory_tracker_does_not_materialise_the_fused_logits():
     assert out.logits is None and state.fused_calls == 1 and state.fallbacks == {}
 
 
+@pytest.mark.slow
 def test_estimate_of_the_patched_head_counts_no_logits():
     """Twice the tokens add far less than their logits to the step's peak: the fused loss never
     materialises them (the trace used to, when the memory tracker asked the head's output)."""
@@ -270,6 +276,7 @@ def test_cublas_workspace_size_follows_the_config_and_the_gpu(monkeypatch):
     assert _step(_Linear()).workspaces == 2 * (2 * 4096 * 1024 + 8 * 16 * 1024)
 
 
+@pytest.mark.slow
 def test_gelu_tables_live_on_the_device(monkeypatch):
     """A patched model's GELU reads its 16-bit lookup tables (forward: GELU of every bf16 pattern;
     backward: the fp32 derivative of both branches) from device memory, built on its first step."""
@@ -283,6 +290,7 @@ def test_gelu_tables_live_on_the_device(monkeypatch):
     assert not any(k.startswith("GELU") for k in leanact.estimate(_bert(0.1), _ids(), device="cuda").workspace_items)
 
 
+@pytest.mark.slow
 def test_float32_gelu_tables_live_on_the_device(monkeypatch):
     """A float32 model's GELU reads the CUDA float32 kernels' tables from device memory: the erf
     forward's (8,192 cubics) and the backward's (4,096), 16 bytes each; the tanh form has no forward
@@ -359,6 +367,7 @@ def test_each_norm_backward_allocates_its_own_program_count(monkeypatch):
     assert partials == [((30, 64), (30, 64)), ((50, 64), None), (None, None), (None, None)]
 
 
+@pytest.mark.slow
 def test_fused_loss_multiplies_as_on_the_gpu(monkeypatch):
     """The fused loss picks its matmuls from the tensors' device: the estimate of a CUDA step does
     not depend on the host CPU (16-bit GEMM or not) nor on what ran before in the process (a real

@@ -18,6 +18,7 @@ def test_reserve_for():
     assert reserve_for(80 * GIB, "cpu") == 0  # no caching allocator
 
 
+@pytest.mark.slow
 def test_largest_batch_leaves_the_reserve():
     model, x, budget = _llama(), _ids(2, 64), 80 * MIB
     found = maximize(model, x, budget, "batch", strategies=["lean"])

@@ -112,6 +112,7 @@ def test_error_decreases_with_bits(function):
         assert abs(e - TABLES[(function, b)]["error"]) < 1e-7 * max(1.0, e) + 1e-9
 
 
+@pytest.mark.slow
 def test_solver_reproduces_shipped_tables_from_its_start_on_a_sample():
     """From the solver's own initial levels, on a sample of the tables (the 4-bit ones take ~1000
     Lloyd iterations each; ``python scripts/fewbit_tables.py --check`` solves them all)."""

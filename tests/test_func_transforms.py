@@ -56,6 +56,7 @@ TRANSFORMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @pytest.mark.parametrize("op", list(OPS))
 def test_op_under_transform_matches_torch(op, transform):

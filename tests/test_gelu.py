@@ -273,6 +273,7 @@ def _mp_funcs(mode):
     return f, g
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_float64_bound(mode):
     """float64 storage: interval endpoints and truth in mpmath (30 digits)."""
@@ -669,6 +670,7 @@ def test_bit_packing_layout():
 
 # -- torch.compile ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compile_aot_eager_fullgraph(mode, dtype):
@@ -683,6 +685,7 @@ def test_compile_aot_eager_fullgraph(mode, dtype):
     assert torch.equal(xc.grad, xe.grad)
 
 
+@pytest.mark.slow
 def test_compile_several_gelus_in_one_graph():
     """Tables enter the graph as constants, one per (table, dtype, mode): several GELUs of mixed
     dtypes and modes trace together."""

@@ -35,6 +35,7 @@ def test_parse_pytest_summary():
     assert tests_part.parse_pytest("no tests ran in 0.01s") == {}
 
 
+@pytest.mark.slow
 def test_a_part_that_works_fails_or_hangs_is_reported_and_the_next_still_runs():
     ok = common.run_part("_selftest_ok", 60)
     assert ok["status"] == "ok" and ok["rows"] == [["first", "1.5"], ["second", "2"]]
@@ -163,6 +164,7 @@ def _oom():
     return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1014.00 MiB.")
 
 
+@pytest.mark.slow
 def test_an_oom_in_the_bert_part_is_a_row_and_the_part_goes_on(monkeypatch):
     """The H200 run's bert part died on an OutOfMemoryError outside its batch search (no rows): now
     the mode's row says OOM and the next modes run. Other errors still fail the part."""
@@ -242,6 +244,7 @@ def test_ops_part_gives_the_bytes_moved_and_the_peak_bandwidth():
     assert ops_part.peak_gbs(Props())[0] is None
 
 
+@pytest.mark.slow
 def test_an_oom_in_the_ops_part_is_a_row_not_a_failure(monkeypatch):
     monkeypatch.setenv(common.SMOKE_ENV, "1")
     ok = lambda x: x * 2  # noqa: E731
@@ -259,6 +262,7 @@ def test_an_oom_in_the_ops_part_is_a_row_not_a_failure(monkeypatch):
     assert len(rows[1]) == len(common.COLUMNS["ops"])
 
 
+@pytest.mark.slow
 def test_measure_step_lowers_the_batch_when_the_timed_steps_run_out_of_memory():
     """A batch that fit once in the search and not when repeated (fragmentation, optimizer state):
     the timed steps run at a lower batch instead of the OOM escaping (the H200 bert part's death)."""
@@ -408,6 +412,7 @@ def test_interleave_runs_the_modes_in_turns(monkeypatch):
     assert calls == ["late", "late"] and len(past.times) == 1
 
 
+@pytest.mark.slow
 def test_interleave_drops_a_mode_that_fails_and_goes_on(monkeypatch):
     monkeypatch.setenv(common.SMOKE_ENV, "1")
     calls = []
@@ -420,6 +425,7 @@ def test_interleave_drops_a_mode_that_fails_and_goes_on(monkeypatch):
     assert c.failed[0] == "error" and "ValueError: bug" in c.failed[1] and len(c.times) == 1
 
 
+@pytest.mark.slow
 def test_compare_builds_each_mode_then_interleaves_and_survives_a_failed_build(monkeypatch):
     monkeypatch.setenv(common.SMOKE_ENV, "1")
     calls = []
@@ -440,6 +446,7 @@ def test_compare_builds_each_mode_then_interleaves_and_survives_a_failed_build(m
     assert [len(m.times) for m in modes] == [2, 0, 2]
 
 
+@pytest.mark.slow
 def test_modes_that_do_not_fit_together_run_one_after_another_each_freed_first(monkeypatch):
     """When the first mode's memory says the models do not all fit, each is built, timed and freed
     before the next is built: no reference to a finished mode's model is left behind."""
@@ -487,6 +494,7 @@ def _head_case(monkeypatch, modes):
     return common.Recorder(None, common.COLUMNS["head"])
 
 
+@pytest.mark.slow
 def test_an_oom_in_the_head_part_is_a_row_and_the_other_modes_keep_theirs(monkeypatch):
     hm = common.bench_module("head")
 
@@ -534,6 +542,7 @@ def test_liger_head_row_takes_the_weight_first_and_shifted_labels(monkeypatch):
     assert any("time vs Liger" in n for n in rec.data["notes"])
 
 
+@pytest.mark.slow
 def test_an_oom_in_the_steps_part_is_a_row_and_the_other_modes_keep_theirs(monkeypatch):
     monkeypatch.setenv(common.SMOKE_ENV, "1")
 
@@ -618,6 +627,7 @@ def test_liger_llama_patch_passes_only_the_options_its_version_takes(monkeypatch
     assert patch is None and "does not import" in why
 
 
+@pytest.mark.slow
 def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
     """A stand-in for Liger's apply_liger_kernel_to_llama that rebinds modeling_llama's RMSNorm class
     and RoPE function process-wide: the Liger model is built with the one and steps with the other,
@@ -660,6 +670,7 @@ def test_the_liger_llama_patch_reaches_its_model_only(monkeypatch):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "drift"])
 def test_norm_sync_ab_runs_the_steps_part_with_and_without_the_per_step_check(mode):
     """benchmarks/norm_sync_ab.py (smoke sizes, CPU): ``sync`` checks every verdict after each step

@@ -87,6 +87,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_importing_a_layer_loads_nothing_above_it():
     """In a fresh interpreter, import the parts in layer order: after each, only parts of its layer
     or below are loaded (what each part needs at import time, transitively)."""
@@ -254,6 +255,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("leanact"))))
 """
 
 
+@pytest.mark.slow
 def test_importing_the_dispatch_layer_loads_nothing_else_of_leanact():
     out = subprocess.run([sys.executable, "-c", _IMPORT_DISPATCH], capture_output=True, text=True, cwd=ROOT.parent,
                          timeout=300)

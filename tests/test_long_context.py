@@ -86,6 +86,7 @@ def test_last_layer_is_never_offloaded():
     assert plan.choices == ["offload+recompute+tiled_mlp"] * 2 + ["full+tiled_mlp"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", NEW)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_predicted_vs_measured(strategy, dtype):
@@ -99,6 +100,7 @@ def test_predicted_vs_measured(strategy, dtype):
         assert real.host >= 2 * 2 * 64 * 64 * dtype.itemsize
 
 
+@pytest.mark.slow
 def test_host_memory_is_apart_from_the_device_peak():
     model = leanact.patch(_llama())
     batch = _batch()
@@ -108,6 +110,7 @@ def test_host_memory_is_apart_from_the_device_peak():
     assert offl.peak < full.peak  # the offloaded layer inputs are not on the device
 
 
+@pytest.mark.slow
 def test_lora_predicted_vs_measured():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_llama(dtype=torch.bfloat16),
@@ -123,6 +126,7 @@ def test_lora_predicted_vs_measured():
         assert pred.grads == real.grads == trainable  # frozen base weights: no gradients
 
 
+@pytest.mark.slow
 def test_cuda_estimate_counts_the_prefetched_layer(monkeypatch):
     """On CUDA a layer's host copies come back while the layer after it runs backward: the CUDA
     estimate holds them one layer early (prefetch_as_cuda), so its peak is no lower than with the
@@ -217,6 +221,7 @@ def _nothing_left(pool):
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+@pytest.mark.slow
 def test_host_limit_raises_a_clear_error_and_leaks_nothing(monkeypatch):
     model = leanact.patch(_llama())
     batch = _batch()
@@ -263,6 +268,7 @@ def test_exception_in_backward_leaks_nothing():
     _nothing_left(plan.pool)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget_gib, tokens", [(80, 1_048_576), (24, 262_144)])
 def test_llama_1b_targets_predicted(budget_gib, tokens):
     """The issue's targets on fake tensors (nothing allocated): Llama-3.2-1B geometry, bf16, AdamW,
@@ -315,6 +321,7 @@ def test_cuda_exception_mid_step_leaves_no_copy_in_flight():
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_copies_in_pieces(monkeypatch):
     """A copy larger than PIECE_BYTES goes to the host in pieces (PyTorch rounds each pinned
     allocation up to a power of two: pieces bound the waste); gradients and predicted host bytes hold."""
@@ -336,6 +343,7 @@ def test_copies_in_pieces(monkeypatch):
     assert pred.host == real.host >= 2 * layer_input
 
 
+@pytest.mark.slow
 def test_maximize_bounds_the_host_memory():
     """On CUDA the longest-sequence search may offload every layer's input; ``host_budget`` bounds the
     pinned host memory that takes (here 0: only sizes whose layer inputs stay under the 1 MiB offload

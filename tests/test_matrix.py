@@ -136,6 +136,7 @@ def _copy(model, how):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, attn, padding, mode, precision, copies", PARAMS)
 def test_patched_matches_unpatched(family, attn, padding, mode, precision, copies):
     try:
@@ -191,6 +192,7 @@ def test_patched_matches_unpatched(family, attn, padding, mode, precision, copie
         assert e_lean <= 4 * max(e_ref, ULP if g.norm() >= ULP * median else 1.0), (name, e_ref, e_lean)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", F.FAMILIES)
 def test_summary_is_truthful(family, monkeypatch):
     """Every attention row that says "leanact" ran leanact's core in a training step; every row

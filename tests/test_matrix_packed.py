@@ -89,6 +89,7 @@ def test_the_modes_differ_where_transformers_separates_sequences():
     assert abs(joined - apart) > 1e-4 * abs(joined)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)

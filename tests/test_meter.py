@@ -155,6 +155,7 @@ def test_encoder_layer_matches_reference_accounting(dropout):
     assert cost.by_op["Gelu"] == 8 * s * b * h
 
 
+@pytest.mark.slow
 def test_release_frees_a_forward_that_is_never_backpropagated():
     """An op keeping its own output, packed through Python hooks, forms a cycle through the
     autograd node; release() breaks it, and a later backward through the graph raises clearly."""
@@ -178,6 +179,7 @@ def test_release_frees_a_forward_that_is_never_backpropagated():
     assert ref() is None
 
 
+@pytest.mark.slow
 def test_measure_layer_cost_leaves_no_graph_alive():
     import gc
 

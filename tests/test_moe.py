@@ -32,6 +32,7 @@ def _params(dtype, seed=1):
     return x, gu, down
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
 def test_gradcheck_float64(kind, grouped):

@@ -38,6 +38,7 @@ def _params(seed=1, scale=1.0):
     return x, gu, gub, down, db
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grouped", [False, True])
 def test_gradcheck_float64(grouped):
     idx, w = _routing()

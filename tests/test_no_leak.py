@@ -81,6 +81,7 @@ class _Raise:
         hidden.register_hook(on_grad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "llama"])
 @pytest.mark.parametrize("strategy", [None, "selective:pointwise", "full", "offload", "lossy:int8"])
 @pytest.mark.parametrize("where", ["forward", "backward", "no backward"])

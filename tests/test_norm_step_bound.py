@@ -25,6 +25,7 @@ def _gradients(kind: str, steps: int, gen: torch.Generator) -> list[torch.Tensor
     return [torch.full((4,), (-1.0) ** i * (i % 5), dtype=torch.float64) for i in range(steps)]  # alternating
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["growing", "spikes", "heavy", "alternating"])
 @pytest.mark.parametrize("opt_kind,kwargs", [
     ("Adam", {}), ("AdamW", {"weight_decay": 0.1}), ("Adam", {"weight_decay": 0.5}),
@@ -132,6 +133,7 @@ def _truth(m) -> bool:
                      getattr(m, "max_ratio", LN.DEFAULT_MAX_RATIO))
 
 
+@pytest.mark.slow
 def test_verdicts_stand_under_adam_until_its_steps_could_break_the_rule(monkeypatch):
     """γ pushed down and β up by Adam (lr 0.002, 0.002 a step: β > 8γ after ~444 steps): the cached
     verdicts are the rule's at every step, with fewer checks than steps; the verdict flips at the step

@@ -308,6 +308,7 @@ def test_compile_fullgraph_aot_eager(op, from_output):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compile_auto_decision_graph_breaks_once():
     torch._dynamo.reset()
     m = LayerNorm(32)

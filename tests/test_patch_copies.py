@@ -102,6 +102,7 @@ def test_torch_load_in_a_fresh_process(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.modules.pop("leanact", None)
+        torch.set_num_threads({torch.get_num_threads()})  # (bitwise: the same reductions as this process)
         for family in {list(models)!r}:
             model = torch.load(r"{tmp_path}/" + family + ".pt", weights_only=False)
             ref = torch.load(r"{tmp_path}/" + family + ".ref.pt", weights_only=False)

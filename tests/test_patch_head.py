@@ -248,6 +248,7 @@ def test_kept_bytes_to_the_byte():
     assert kept["unfused"].total_bytes - kept["fused"].total_bytes == sum(head_ops.values())
 
 
+@pytest.mark.slow
 def test_estimate_sees_the_fused_loss():
     """leanact.estimate (fake tensors) keeps what the real step keeps: the fused loss saves the same
     bytes on fake and real tensors."""

@@ -265,6 +265,7 @@ def _lm_batch():
     return dict(input_ids=ids, labels=ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, patched", [("gpt2", True), ("llama", False), ("llama", True), ("qwen2", True)])
 def test_plan_causal_lm_with_default_config(family, patched):
     """Default configs have use_cache=True: the planner measures without the KV cache (re-running a

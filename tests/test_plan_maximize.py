@@ -20,6 +20,7 @@ def _ids(b, s):
     return dict(input_ids=ids, labels=ids)
 
 
+@pytest.mark.slow
 def test_longest_sequence_is_exact_and_measured():
     model = _llama()
     plan = leanact.plan(model, _ids(1, 64), "8MiB", maximize="seq", device="cpu", strategies=["lean", "full"])
@@ -33,6 +34,7 @@ def test_longest_sequence_is_exact_and_measured():
     assert abs(real.peak - found.estimate.peak) <= 0.05 * real.peak
 
 
+@pytest.mark.slow
 def test_largest_batch_and_errors():
     model = _llama()
     # on CUDA the step also holds two 32 MiB cuBLAS workspaces, and the search keeps a reserve free

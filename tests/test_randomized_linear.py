@@ -40,6 +40,7 @@ def _estimates(x, dy, ratio, block, m, scale=1.0):
     return torch.stack(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [64, 16])  # one dense S; block-diagonal S (48 rows in 3 blocks)
 def test_weight_gradient_is_unbiased(block):
     x, dy = _problem()
@@ -63,6 +64,7 @@ def test_weight_gradient_is_unbiased(block):
     assert e_large < e_small or e_large < 0.02 * exact.norm()
 
 
+@pytest.mark.slow
 def test_rademacher_sketch_is_fair_and_e_sts_is_identity():
     torch.manual_seed(0)
     n, ratio = 32, 0.5

@@ -50,6 +50,7 @@ def test_every_block_has_a_known_language():
 PYTHON_PAGES = [p for p in PAGES if _blocks(p, "python")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=_ids(PYTHON_PAGES))
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     code = "\n\n".join(_blocks(page, "python"))
@@ -182,9 +183,10 @@ def test_readme_is_short_and_keeps_ci_test_command():
     i = lines.index("<!-- test-command -->")
     assert lines[i + 1] == "```bash"  # .ci/run takes the line after this one
     command = lines[i + 2]
-    assert command.startswith("python -m pip install") and command.endswith("python -m pytest -q"), command
+    assert command.startswith("python -m pip install") and command.endswith("python -m pytest -q -n auto"), command
 
 
+@pytest.mark.slow
 def test_ci_runs_the_readme_command_in_a_new_virtual_environment(tmp_path):
     """.ci/run on a stand-in repository whose README command records where it runs and fails: it
     ran in a new virtual environment (its own python and pip first on PATH, none of this

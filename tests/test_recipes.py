@@ -285,6 +285,7 @@ def test_scope_hooks_any_module():
 
 # --- recompute once, cache freed, memory really freed -------------------------------------------
 
+@pytest.mark.slow
 def test_one_recompute_for_three_consumers_and_cache_freed():
     m = LayerNormLinears(H, [H, H, H])
     x = torch.randn(B, S, H, requires_grad=True)

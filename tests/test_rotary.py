@@ -181,6 +181,7 @@ def test_replacement_routes_marked_tables_with_unsqueeze_dim_1_only():
     assert all(_bitwise(a, b) for a, b in zip(dim2, original(qb, kb, cos, sin, unsqueeze_dim=2)))
 
 
+@pytest.mark.slow
 def test_estimate_models_the_kernel(monkeypatch):
     """leanact.estimate(device="cuda") runs the rotation as the kernels would (the op on fake tensors,
     its launches stubbed), and what it keeps is what HF's function keeps (the tables): the same kept

@@ -53,6 +53,7 @@ def _train(model, family, out_dir):
     return trainer, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_trainer_losses_match_unpatched(family, tmp_path):
     ref = _model(family)

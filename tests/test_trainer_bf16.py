@@ -45,6 +45,7 @@ def _train(model, family, out_dir, bf16):
     return losses, trainer.kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_trainer_bf16_patched(family, tmp_path):
     ref = tt._model(family)

@@ -145,6 +145,7 @@ def test_self_check_passes_and_catches_a_wrong_kernel(KM, monkeypatch):
         CE._check(torch.device("cpu"), (torch.float32, False, False))
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     if INTERPRETED:
         pytest.skip("the interpreter runs in this process")

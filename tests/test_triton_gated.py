@@ -441,6 +441,7 @@ def test_a_failing_kernel_warns_once_and_takes_the_pytorch_path():
         gated.glu_forward(g, u, "silu")  # strict: raises
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:

@@ -629,6 +629,7 @@ def test_a_failing_kernel_warns_once_and_its_op_takes_the_pytorch_path():
         dropout_seeded(x, seed, 0.2)  # strict: raises
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:

@@ -314,6 +314,7 @@ def test_shapes_only_allocates_the_outputs():
         assert out.shape == (300,) and out.dtype == torch.float16
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:

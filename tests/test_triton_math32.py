@@ -126,6 +126,7 @@ def test_exp_parts(bias):
         assert bool(qn.isnan().all())
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:

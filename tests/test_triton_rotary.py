@@ -175,6 +175,7 @@ def test_self_check_passes_and_catches_a_wrong_kernel(KM, monkeypatch):
         R._check(torch.device("cpu"), (torch.bfloat16, torch.float32))
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     if INTERPRETED:
         pytest.skip("the interpreter runs in this process")

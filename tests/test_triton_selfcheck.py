@@ -291,6 +291,7 @@ def test_setting_with_os_environ_replaced(monkeypatch):
     assert dispatch.enabled()
 
 
+@pytest.mark.slow
 def test_in_subprocess():
     """When this process cannot run the interpreter (see the module doc), run the file in one that can."""
     if INTERPRETED:

@@ -441,6 +441,7 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "llama", "gpt2"])
 def test_no_cast_kept_by_the_hook_free_path(family, monkeypatch):
     """A plain patched step (nothing observing saves: no meter, no strategy) runs the patched Linears
