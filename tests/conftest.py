@@ -12,10 +12,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per worker: the
 
 def pytest_collection_modifyitems(config, items):
     """Under xdist (``--dist loadgroup``) the distributed modules' tests share one worker, which starts
-    one pair of gloo processes for all of them (:func:`dist_results`)."""
+    one pair of gloo processes for all of them (:func:`dist_results`); and the ``slow`` tests are handed
+    out first, so that the short ones fill the workers' time at the end instead of one long test."""
     for item in items:
         if getattr(item, "module", None) is not None and item.module.__name__ in DISTRIBUTED:
             item.add_marker(pytest.mark.xdist_group("distributed"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (every worker sorts the same collection the same way)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 #: test module -> (function running its distributed cases, seconds they may take on 2 loaded cores)
 DISTRIBUTED = {"test_parallel_fsdp": ("_all", 170), "test_parallel_gpt2": ("_all_cases", 150),
