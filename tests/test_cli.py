@@ -90,6 +90,12 @@ def _no_longest(monkeypatch):
     monkeypatch.setattr("leanact.cli.profile.longest_sequence", lambda cfg: None)
 
 
+def _no_step_search(monkeypatch):
+    """--budget's whole-step batch search (test_budget_gives_the_largest_batch_that_fits checks it) left
+    out where a test checks something else: a sentinel the output must carry through."""
+    monkeypatch.setattr("leanact.cli.profile.step_max_batch", lambda geo, cfg, attn, lean: 7)
+
+
 @pytest.mark.slow
 def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys, monkeypatch):
     _no_longest(monkeypatch)
@@ -124,10 +130,11 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys, monkeypatch
 @pytest.mark.slow
 def test_budget_without_the_planner_says_so(bert_json, capsys, monkeypatch):
     _no_longest(monkeypatch)
+    _no_step_search(monkeypatch)
     monkeypatch.setitem(sys.modules, "leanact.planner", None)  # import leanact.planner -> ImportError
     out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1GiB"))
     assert "leanact.planner is not available" in out["plan"]
-    assert all(m["max_batch"] > 0 for m in out["modes"])
+    assert all(m["max_batch"] > 0 and m["step_max_batch"] == 7 for m in out["modes"])
 
 
 def _gpt2_json(tmp_path):
@@ -140,6 +147,7 @@ def _gpt2_json(tmp_path):
 def test_budget_plans_a_causal_lm_with_its_default_config(tmp_path, capsys, monkeypatch):
     """GPT-2's config has use_cache=True: the planner used to fail on it ("planner failed", exit 0)."""
     _no_longest(monkeypatch)
+    _no_step_search(monkeypatch)
     out = _json(capsys, ["profile", "--model", _gpt2_json(tmp_path), "--seq", "32", "--repeats", "0",
                          "--budget", "1GiB"])
     assert "transformer.h.0" in out["plan"] and "transformer.h.1" in out["plan"], out["plan"]
@@ -438,7 +446,7 @@ def test_complete_modes_keep_their_name(tiny_result):
 
 
 @pytest.mark.slow
-def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
+def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys, monkeypatch):
     """--budget also searches the longest sequence whose whole step fits on CUDA, for leanact.patch with
     each of LONGEST_CANDIDATES on every layer; offloading every layer's input needs pinned host memory,
     which is reported apart from the GPU peak."""
@@ -451,6 +459,7 @@ def test_budget_gives_the_longest_sequence_with_host_memory(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     budget = 160 << 20
+    _no_step_search(monkeypatch)
     out = _json(capsys, ["profile", "--model", str(path), "--seq", "32", "--batch", "1", "--repeats", "0",
                          "--budget", "160MiB", "--dtype", "bf16"])
     longest = out["longest"]

@@ -21,14 +21,15 @@ def _brute(cost, budget, multiple=1, limit=10**7):
 ])
 @pytest.mark.parametrize("budget", [900, 20_000, 123_456])
 @pytest.mark.parametrize("multiple", [1, 64])
-def test_exact(cost, budget, multiple):
+@pytest.mark.parametrize("degree", [1, 2])
+def test_exact(cost, budget, multiple, degree):
     calls = []
 
     def counted(n):
         calls.append(n)
         return cost(n)
 
-    n, seen = largest_fitting(counted, budget, multiple=multiple)
+    n, seen = largest_fitting(counted, budget, multiple=multiple, degree=degree)
     assert n == _brute(cost, budget, multiple)
     assert n % multiple == 0 and len(calls) == len(set(calls)) == len(seen)
     assert len(calls) <= 30
@@ -40,9 +41,22 @@ def test_few_evaluations_for_polynomials():
         assert cost(n) <= 10**9 < cost(n + 1) and len(seen) <= 6
 
 
+def test_few_evaluations_when_small_sizes_peak_elsewhere():
+    """A step's peak at small batches is often the optimizer's (flat in the batch), the activations'
+    beyond: the line through the largest sizes seen, not through the flat start, finds the answer."""
+    for kink, most in ((3, 6), (5, 7), (40, 10)):  # a flat start past the probes: doubling out of it
+        def cost(n, kink=kink):
+            return 512 * math.ceil((68_000_000 + 313_000 * max(n, kink)) / 512)
+
+        n, seen = largest_fitting(cost, 92_274_688, degree=1)
+        assert n == _brute(cost, 92_274_688) and len(seen) <= most, (kink, seen)
+
+
 def test_limit_and_nothing_fits():
     assert largest_fitting(lambda n: n, 10**9, limit=100)[0] == 100
     assert largest_fitting(lambda n: 10 * n, 10**9, multiple=64, limit=1000)[0] == 960
     assert largest_fitting(lambda n: 1000 + n, 999)[0] == 0
     with pytest.raises(ValueError, match="multiple"):
         largest_fitting(lambda n: n, 10, multiple=0)
+    with pytest.raises(ValueError, match="degree"):
+        largest_fitting(lambda n: n, 10, degree=3)

@@ -336,7 +336,7 @@ def test_copies_in_pieces(monkeypatch):
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-6)
     layer_input = 2 * 64 * 64 * 4  # 32 KiB: 8 pieces each
-    assert sum(len(b) for (n, _), b in plan.pool._free.items() if n == 4096) >= 2 * layer_input // 4096
+    assert sum(len(b) for (n, *_), b in plan.pool._free.items() if n == 4096) >= 2 * layer_input // 4096
     S.remove(model)
     pred = estimate(model, batch, _plan(model, "offload+recompute+tiled_mlp"), device="cpu")
     real = measure(model, batch, _plan(model, "offload+recompute+tiled_mlp"))
@@ -359,3 +359,55 @@ def test_maximize_bounds_the_host_memory():
     assert "host=" in repr(free)
     with pytest.raises(ValueError, match="host_budget"):
         maximize(model, batch, 160 << 20, "seq", host_budget=-1, **opts)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("strategy", ["full+tiled_mlp", "offload+recompute+tiled_mlp"])
+def test_fewer_chunks_on_fake_tensors_give_the_same_estimate(strategy, device, monkeypatch):
+    """On fake tensors the tiled MLP's middle chunks and the norms' middle row chunks only allocate
+    (leanact.ops.fake_rules.FakeRun.fewer_iterations): the same numbers as running every chunk
+    (here 13 MLP chunks of 8 tokens, the last ragged, and 10 row chunks), fp32 and bf16 autocast."""
+    import importlib
+
+    from leanact.ops import row_chunks
+
+    api = importlib.import_module("leanact.estimate.api")
+    monkeypatch.setattr(row_chunks, "CHUNK_BYTES", 64 * 4 * 10)  # the norms over chunks of 10 rows
+    model = leanact.patch(_llama(layers=2))
+    batch = _batch(s=50)
+    plan = S.uniform(model, strategy, offload_threshold=0, mlp_chunk=8)
+    for autocast in (None, torch.bfloat16):
+        fast = estimate(model, batch, plan, device, autocast=autocast)
+        with monkeypatch.context() as m:
+            m.setattr(api, "_FEWER_ITERATIONS", False)
+            full = estimate(model, batch, plan, device, autocast=autocast)
+        assert fast.to_dict() == full.to_dict(), autocast
+
+
+def test_an_estimate_with_a_plan_leaves_its_pool_alone():
+    """leanact.estimate(model, x, plan) runs the plan's offload on fake host buffers: they go to a pool
+    of the estimate's own, so the plan then trains the real model with real buffers (a fake buffer
+    taken for a real copy gives back no values: wrong gradients) and a second estimate counts the
+    same host memory."""
+    model = leanact.patch(_llama(layers=2))
+    ref = copy.deepcopy(model)
+    batch = _batch(s=50)
+    plan = _plan(model, "offload+recompute+tiled_mlp")
+    first, second = (estimate(model, batch, plan, "cpu") for _ in range(2))
+    assert first.host == second.host > 0 and first.peak == second.peak
+    assert plan.pool.allocated == 0 and not any(plan.pool._free.values())
+    plan.apply(model)
+    _plan(ref, "offload+recompute+tiled_mlp").apply(ref)
+    (loss, g), (loss_ref, g_ref) = _step(model, batch), _step(ref, batch)
+    assert torch.equal(loss, loss_ref) and all(torch.equal(g[n], g_ref[n]) for n in g_ref)
+
+
+def test_fake_and_real_host_buffers_never_mix():
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    pool = off.HostPool()
+    with FakeTensorMode():
+        fake = pool.take(64, False)
+    pool.give(fake, False)
+    real = pool.take(64, False)
+    assert is_fake(fake) and not is_fake(real)

@@ -325,7 +325,7 @@ def step_max_batch(geo: Geometry, cfg: ProfileConfig, attn: str, lean: str | Non
         base = geo.build(geo.layers, "eager", dtype, cfg.dropout, cfg.seq, cfg.seed)
     model = mode_model(base, attn, lean)
     inputs = geo.batch_inputs(1, cfg.seq, dtype, cfg.seed + 1)
-    return largest_fitting(lambda b: estimate(model, inputs, device="cuda", batch=b).peak, cfg.budget)[0]
+    return largest_fitting(lambda b: estimate(model, inputs, device="cuda", batch=b).peak, cfg.budget, degree=1)[0]
 
 
 #: The strategies ``--budget``'s longest-sequence search tries (every layer the same).

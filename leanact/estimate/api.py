@@ -167,8 +167,16 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
     fake_rules.warm(fake_model, dtype)
     if autocast is not None and autocast != dtype:  # the lean ops then also see autocast's dtype
         fake_rules.warm(fake_model, autocast)
+    own_pool = getattr(plan, "pool", None)
+    if own_pool is not None:  # the estimate's host buffers in a pool of its own, never the user's
+        plan.pool = type(own_pool)(own_pool.limit)
     if plan is not None:
-        plan.apply(fake_model)
+        try:
+            plan.apply(fake_model)
+        except BaseException:
+            if own_pool is not None:
+                plan.pool = own_pool
+            raise
     cuda = kind == "cuda"
     blas = BlasUse() if cuda else None
     run = fake_rules.FakeRun(kind, sms=target().sms if cuda else 0, real_of=real_of,
@@ -184,6 +192,8 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
     finally:
         if plan is not None:
             plan.remove(fake_model)
+        if own_pool is not None:
+            plan.pool = own_pool
     runtime = runtime_bytes(blas, run.held, CUDA_BLOCK).items if cuda else {}
     _add_held(mem, sum(runtime.values()))
     return _result(mem, fake_model, kind, dtype, notes, autocast, runtime)

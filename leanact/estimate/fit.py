@@ -4,11 +4,13 @@
 being non-decreasing (the predicted peak of a step: parameters, gradients, optimizer state,
 activations and temporaries). Each call of ``cost`` is one fake-tensor estimate (seconds), so the
 search uses the shape of the cost: a step's bytes are a polynomial of degree ≤ 2 in the sequence
-length (attention scores are s²; everything else linear) and of degree 1 in the batch. Above
-every size seen it solves the quadratic through three of them (spread out: allocator rounding
-makes small steps) for the budget and checks the answer and its successor; inside a bracket it
-interpolates and halves in turn. Nothing is trusted from the fit: the result always satisfies
-``cost(n) <= budget < cost(n + 1)``. Typically 5 to 8 estimates.
+length (attention scores are s²; everything else linear) and of degree 1 in the batch (``degree``).
+Above every size seen it solves the polynomial through the largest size seen and sizes about half
+and a quarter of it (spread out: allocator rounding makes small steps, and at small sizes the
+peak may be another moment of the step, e.g. the optimizer's, so the cost is flat there) for
+the budget, and checks the answer -- and its successor when the fit came from sizes close to it;
+inside a bracket it interpolates and halves in turn. Nothing is trusted from the fit: the result
+always satisfies ``cost(n) <= budget < cost(n + 1)``. Typically 5 to 7 estimates.
 """
 from __future__ import annotations
 
@@ -18,10 +20,26 @@ from typing import Callable
 __all__ = ["largest_fitting"]
 
 
+def _spread(seen: dict[int, int], count: int) -> list[tuple[int, int]]:
+    """Up to ``count`` seen points, increasing: the largest, then each the largest at most half the
+    previous one (else the next smaller one)."""
+    pts = sorted(seen.items())
+    chosen = [pts.pop()]
+    while pts and len(chosen) < count:
+        half = [p for p in pts if p[0] <= chosen[-1][0] / 2]
+        chosen.append(half[-1] if half else pts[-1])
+        pts = pts[:pts.index(chosen[-1])]
+    return chosen[::-1]
+
+
 def _solve(points: list[tuple[int, int]], budget: int) -> float | None:
-    """The root of the quadratic through three ``(n, cost)`` points at ``budget`` (the larger
-    root), or of the line through the last two; None if the cost does not grow."""
-    (x0, y0), (x1, y1), (x2, y2) = points[-3:]
+    """Where the polynomial through the ``(n, cost)`` points (two: a line; three: a quadratic)
+    reaches ``budget`` (the larger root); None if the cost does not grow."""
+    if len(points) == 2:
+        (x1, y1), (x2, y2) = points
+        d1 = (y2 - y1) / (x2 - x1)
+        return None if d1 <= 0 else x2 + (budget - y2) / d1
+    (x0, y0), (x1, y1), (x2, y2) = points
     d0, d1 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
     a = (d1 - d0) / (x2 - x0)
     b = d1 - a * (x1 + x2)
@@ -35,13 +53,15 @@ def _solve(points: list[tuple[int, int]], budget: int) -> float | None:
 
 
 def largest_fitting(cost: Callable[[int], int], budget: int, *, probes: tuple[int, int, int] = (1, 2, 4),
-                    multiple: int = 1, limit: int | None = None) -> tuple[int, dict[int, int]]:
+                    multiple: int = 1, limit: int | None = None, degree: int = 2) -> tuple[int, dict[int, int]]:
     """The largest ``n`` (a multiple of ``multiple``, ≤ ``limit`` if given) with ``cost(n) <= budget``,
     and every ``cost`` computed ({n: bytes}); 0 if even the smallest multiple does not fit.
     ``cost`` must not decrease with ``n``; ``probes`` (in units of ``multiple``) are where the
-    polynomial is fitted."""
+    polynomial of ``degree`` (1 or 2: the cost's growth at large ``n``) is fitted first."""
     if multiple < 1 or any(p < 1 for p in probes) or sorted(set(probes)) != list(probes):
         raise ValueError("largest_fitting: multiple >= 1 and three increasing probes >= 1 needed")
+    if degree not in (1, 2):
+        raise ValueError(f"largest_fitting: degree must be 1 (linear growth) or 2 (quadratic), got {degree!r}")
     top = None if limit is None else limit // multiple  # in units of `multiple`
     seen: dict[int, int] = {}
 
@@ -76,15 +96,17 @@ def largest_fitting(cost: Callable[[int], int], budget: int, *, probes: tuple[in
             else:
                 good = k + 1
 
-    while bad is None:  # above everything seen: the polynomial through the last three points, else doubling
+    while bad is None:  # above everything seen: the polynomial through spread-out points, else doubling
         if top is not None and good >= top:
             return result(top)
-        pts = sorted(seen.items())
-        pts = [pts[0], pts[len(pts) // 2], pts[-1]]  # spread out: allocator rounding makes steps
-        guess = _solve(pts, budget) if len({n for n, _ in pts}) == 3 else None
-        fitted = guess is not None and int(guess) > good
-        k = int(guess) if fitted else 2 * good
-        probe(k if top is None else min(k, top), successor=fitted)
+        pts = _spread(seen, degree + 1)
+        guess = _solve(pts, budget) if len(pts) == degree + 1 else None
+        if guess is None:
+            k, near = 2 * good, False
+        else:  # the fit's answer; its successor too when the fit came from sizes close to it
+            k = max(int(guess), good + 1)
+            near = k <= 2 * good
+        probe(k if top is None else min(k, top), successor=near)
     turn = 0
     while bad - good > 1:  # inside the bracket: interpolation and halving in turn (at most 2·log2 steps)
         lo_c, hi_c = seen[good], seen[bad]

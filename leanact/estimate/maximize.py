@@ -172,7 +172,7 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
             return found_at[n].peak
 
         value, _ = largest_fitting(cost, budget - reserve, probes=(1, 8, 32) if what == "seq" else (1, 2, 4),
-                                   multiple=multiple, limit=limit)
+                                   multiple=multiple, limit=limit, degree=2 if what == "seq" else 1)
         reached[strategy] = value
         if value > best[0]:
             best = (value, strategy, found_at.get(value))

@@ -95,7 +95,7 @@ class HostPool:
             raise ValueError(f"HostPool(limit={limit!r}): a number of bytes >= 0, or None (the host's available "
                              "memory)")
         self.limit = limit
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
+        self._free: dict[tuple[int, bool, bool], list[torch.Tensor]] = defaultdict(list)  # (bytes, pinned, fake)
         # storages of buffers owned by the pool (free or lent) -> the buffer, weakly (a key whose
         # buffer is gone is stale: its address may be a new storage's)
         self._keys: dict[int, weakref.ref] = {}
@@ -105,7 +105,9 @@ class HostPool:
         _POOLS.add(self)
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        free = self._free[(nbytes, pin)]
+        # fake buffers (an estimate's) and real ones never mix: a fake one would take a real copy
+        # and give back no values
+        free = self._free[(nbytes, pin, detect_fake_mode() is not None)]
         if free:
             return free.pop()
         self._check_room(nbytes)
@@ -133,7 +135,7 @@ class HostPool:
                 "a shorter sequence or smaller batch, or more host memory (HostPool(limit=...) raises the cap).")
 
     def give(self, buf: torch.Tensor, pin: bool) -> None:
-        self._free[(buf.numel(), pin)].append(buf)
+        self._free[(buf.numel(), pin, is_fake(buf))].append(buf)
 
     def free_bytes(self) -> int:
         return sum(b.numel() for bufs in self._free.values() for b in bufs)

@@ -12,15 +12,26 @@ SwiGLU MLPs, GPT-2's MLP, ...), or the layer's ``feed_forward_chunk`` method (BE
 ELECTRA, ...: intermediate dense + activation + output dense + dropout + residual LayerNorm). The
 MLP is position-wise, so the chunks are runs of ``chunk`` tokens of the (batch · sequence) tokens
 (contiguous views of the input, which is what checkpoint holds); a non-contiguous input runs untiled.
+
+On fake tensors (``leanact.estimate``) the chunks between the first two and the last two make their
+allocations only -- their output in forward, their input's gradient in backward -- without their
+work (:class:`_StandIn`): the chunks that set the peak run as they are (the first two: backward
+reaches them last, with every other chunk's gradient alive; the last two: forward reaches them last,
+with every other chunk's output alive, the last one possibly ragged), so the estimate is the same
+in a time that does not grow with the sequence (a million tokens: a thousand chunks per layer).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from leanact.ops import fake_rules
 
 __all__ = ["DEFAULT_MLP_CHUNK", "TiledMLP", "find_mlp", "tiled_forward"]
 
@@ -45,14 +56,51 @@ def tiled_forward(fn: Callable, x: torch.Tensor, chunk: int) -> Any:
             and x.is_contiguous()):
         return fn(x)
     flat = x.view(1, -1, x.shape[-1])  # position-wise: chunks of the (batch·seq) tokens, contiguous views
+    pieces = flat.split(chunk, 1)
+    stand_in = _stand_ins(len(pieces))
     outs = []
-    for c in flat.split(chunk, 1):
+    for i, c in enumerate(pieces):
+        if i in stand_in and c.requires_grad:
+            outs.append(_StandIn.apply(c, outs[0].shape[-1], outs[0].dtype))
+            continue
         out = checkpoint(fn, c, use_reentrant=False, preserve_rng_state=True)
         if not isinstance(out, torch.Tensor) or out.shape[:-1] != c.shape[:-1]:
             return fn(x)  # not a position-wise map to one tensor (e.g. an MoE block returning router logits)
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _stand_ins(n: int) -> range:
+    """The chunks (of ``n``) that only make their allocations: none but on fake tensors (the rule below)."""
+    return range(0)
+
+
+class _StandIn(torch.autograd.Function):
+    """A middle chunk on fake tensors: allocates its output (forward) and its input's gradient
+    (backward) as the chunk would; keeps nothing for backward (the chunk's checkpoint keeps a view of
+    the input, whose storage the first chunk's already holds)."""
+
+    @staticmethod
+    def forward(ctx, c: torch.Tensor, features: int, dtype: torch.dtype) -> torch.Tensor:
+        ctx.shape, ctx.dtype = c.shape, c.dtype
+        return c.new_empty((*c.shape[:-1], features), dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.new_empty(ctx.shape, dtype=ctx.dtype), None, None
+
+
+@contextlib.contextmanager
+def _fake_rule(run: fake_rules.FakeRun):
+    def middle(n: int) -> range:
+        return range(2, n - 2) if fake_rules.faking() else range(0)
+
+    with fake_rules.swapped(sys.modules[__name__], _stand_ins=middle if run.fewer_iterations else None):
+        yield
+
+
+fake_rules.register("tiled MLP", rule=_fake_rule)
 
 
 class TiledMLP:
