@@ -42,13 +42,31 @@ def test_an_op_that_keeps_its_output_still_checks_in_place_changes():
         y.sum().backward()
 
 
-def _live_bytes() -> int:
+def _tensors_in_gc() -> list[torch.Tensor]:
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _older_objects_frozen():
+    """What earlier tests left on the heap is frozen (``gc.freeze``: out of every collection and of
+    ``gc.get_objects``), its tensors held weakly: a census then walks only what this module made,
+    not a whole test session's heap (seconds a census), and still sees every live tensor."""
+    gc.collect()
+    older = [weakref.ref(t) for t in _tensors_in_gc()]
+    gc.freeze()
+    try:
+        yield older
+    finally:
+        gc.unfreeze()
+
+
+def _live_bytes(older: list) -> int:
     """Bytes of the distinct storages of the live tensors that are not parameters."""
     gc.collect()
     seen, total = set(), 0
-    with warnings.catch_warnings():  # isinstance on deprecated module attributes (torch.distributed.reduce_op)
-        warnings.simplefilter("ignore")
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    objects = [t for t in (r() for r in older) if t is not None] + _tensors_in_gc()
     for o in objects:
         if not isinstance(o, torch.nn.Parameter) and o.device.type == "cpu" and not is_fake(o):
             s = o.untyped_storage()
@@ -85,7 +103,7 @@ class _Raise:
 @pytest.mark.parametrize("family", ["bert", "llama"])
 @pytest.mark.parametrize("strategy", [None, "selective:pointwise", "full", "offload", "lossy:int8"])
 @pytest.mark.parametrize("where", ["forward", "backward", "no backward"])
-def test_a_step_that_fails_or_is_dropped_frees_its_graph(family, strategy, where):
+def test_a_step_that_fails_or_is_dropped_frees_its_graph(family, strategy, where, _older_objects_frozen):
     model = leanact.patch(tiny_hf(family))
     if strategy is not None:
         strategies.uniform(model, strategy, **({"offload_threshold": 0} if strategy == "offload" else {})).apply(model)
@@ -118,10 +136,10 @@ def test_a_step_that_fails_or_is_dropped_frees_its_graph(family, strategy, where
     step(None)  # optimizer state, caches of the first step
     failing_step()  # caches that a failing step fills (and what earlier tests left in them, replaced)
     step(None)
-    before = _live_bytes()
+    before = _live_bytes(_older_objects_frozen)
     failing_step()  # a leak grows with every failing step
     # (allowed: the norms' deferred confirmation of the failed forward, one small tensor per device,
     # read at the next forward: leanact.ops.norms.verdict.confirm_verdicts)
     in_flight = sum(later._counts.untyped_storage().nbytes() for *_, later in LN._PENDING)
-    assert _live_bytes() == before + in_flight
+    assert _live_bytes(_older_objects_frozen) == before + in_flight
     step(None)  # and the model still trains
