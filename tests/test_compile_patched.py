@@ -1,11 +1,10 @@
 """torch.compile on leanact-patched HF layers.
 
-* A patched BertLayer compiles with fullgraph=True once the LayerNorms' from-output decision is
-  fixed (``m.from_output = True``) and gives eager's output and gradients, dropout included. With
-  the automatic decision the only graph breaks are ``leanact.ops.norms.verdict.from_output_ok`` (a
-  host read of γ, β, wrapped in ``torch.compiler.disable``).
-* A patched LlamaDecoderLayer compiles with fullgraph=True too once the lean HF RMSNorms'
-  decision is fixed the same way (their ``from_output`` attribute), and matches eager.
+* A patched BertLayer compiles with fullgraph=True and gives eager's output and gradients, dropout
+  included, with the LayerNorms' from-output decision fixed (``m.from_output = True``) or automatic:
+  then taken when the graph is traced and asserted on the device at every run
+  (:mod:`leanact.ops.norms.verdict`); a γ that stops passing after compiling raises leanact's error.
+* A patched LlamaDecoderLayer likewise (the lean HF RMSNorms), and matches eager.
 """
 import pytest
 import torch
@@ -68,14 +67,24 @@ def test_bert_layer_fullgraph_aot_eager(dropout):
     _assert_same(eager, compiled, 1e-5)  # dropout: the same seeds, so the same masks
 
 
-@pytest.mark.slow
-def test_bert_layer_automatic_decision_is_the_only_graph_break():
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_automatic_decision_traces_and_is_asserted_at_every_run(family):
+    """The automatic from-output decision is taken when the graph is traced (no graph break:
+    fullgraph=True) and every run checks γ on the device: a zero entry written into γ after compiling
+    stops the compiled step with leanact's error; a graph traced on that γ keeps the norm's input and
+    runs, exact."""
     torch._dynamo.reset()
-    layer, kwargs = _layer("bert")
-    x = torch.randn(2, 16, 64, requires_grad=True)
-    explanation = torch._dynamo.explain(layer)(x, **kwargs)
-    reasons = [str(r.reason) for r in explanation.break_reasons]
-    assert reasons and all("from_output_ok" in r for r in reasons), reasons
+    layer, kwargs = _layer(family)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    _assert_same(_run(layer, layer, kwargs), _run(compiled, layer, kwargs), 1e-5)
+    norm = next(m for n, m in layer.named_modules() if n.endswith(("output.LayerNorm", "post_attention_layernorm")))
+    with torch.no_grad():
+        norm.weight[3] = 0.0
+    with pytest.raises(RuntimeError, match="leanact: a compiled norm recovers its input from its output"):
+        _run(compiled, layer, kwargs)
+    torch._dynamo.reset()
+    recompiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    _assert_same(_run(layer, layer, kwargs), _run(recompiled, layer, kwargs), 1e-5)
 
 
 @pytest.mark.slow

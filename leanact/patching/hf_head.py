@@ -75,6 +75,8 @@ from ..ops.transforms import functorch_active
 from ..recompute.context_forward import ContextForward
 from .modules import RUN_TIME_HOOKS, hook_kinds
 from .adapter import ModelStep, PatchRun
+from .head_writes import cast_dtype, fusable_call, name_of, writes as _writes
+from .hf_head_compiled import CompiledWindow, LazyLogits
 
 __all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES", "STEP"]
 
@@ -172,7 +174,6 @@ _DIV_FUNCS = {torch.Tensor.div, torch.Tensor.__truediv__, torch.div, torch.true_
               torch.Tensor.divide, torch.divide}
 _TANH_FUNCS = {torch.tanh, torch.Tensor.tanh}
 _CAST_FUNCS = {torch.Tensor.float, torch.Tensor.double, torch.Tensor.to}
-_ASSIGN = frozenset({"__set__", "__setitem__", "__delitem__"})  # ``t.data = v``, ``t[i] = v``, ``del t[i]``
 _WAYS_OUT = ("compute this loss unfused: leanact.patch(model, fused_loss=False), `with leanact.keep_logits():` "
              "around the forward, or leanact.unpatch(model)")
 
@@ -182,10 +183,7 @@ def _plain(t) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) or is_fake(t)
 
 
-def _name(func) -> str:
-    if getattr(func, "__name__", "") == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", "attribute")
-    return getattr(func, "__name__", repr(func))
+_name = name_of
 
 
 def _scalar(a) -> bool:
@@ -402,11 +400,8 @@ class _Window(TorchFunctionMode):
         a = b.arguments
         z, target = a.get("input"), a.get("target")
         e = self._entry(z)
-        if (e is None or not isinstance(target, torch.Tensor) or self._entry(target) is not None
-                or target.dtype.is_floating_point or target.dtype == torch.bool
-                or a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None
-                or z.dim() != 2 or target.dim() != 1 or target.shape[0] != z.shape[0]
-                or z.shape[0] != math.prod(self.x.shape[:-1])):
+        if (e is None or self._entry(target) is not None
+                or not fusable_call(a, z, target, math.prod(self.x.shape[:-1]))):
             return None
         form = _logit_form(e.ops)
         if form is None:
@@ -432,45 +427,6 @@ class _Window(TorchFunctionMode):
 _CE_SIG = inspect.signature(F.cross_entropy)
 
 
-def _writes(func, args, kwargs) -> bool:
-    """Whether ``func`` may write into a tensor argument; whatever is not known to write nothing counts
-    as writing. Known: an aten operator of its name (``mul`` for ``__mul__``) none of whose overloads
-    writes a positional argument, called without ``out=`` (and ``inplace=False`` where it has one). So
-    ``div_``, ``index_put_``, ``copy_``, ``+=``, ``z[...] = v``, ``z.data = v``, ``out=``,
-    ``F.relu(z, inplace=True)`` and any name aten lacks (``register_hook``, ``numpy``) write."""
-    if kwargs.get("out") is not None or getattr(func, "__name__", "") in _ASSIGN:
-        return True
-    i = _inplace_position(func)
-    flag = kwargs.get("inplace", args[i] if i is not None and i < len(args) else False)
-    return (isinstance(flag, (bool, int)) and bool(flag)) or not _pure(_name(func))
-
-
-@functools.lru_cache(maxsize=1024)
-def _inplace_position(func) -> int | None:
-    """The position of a Python function's ``inplace`` parameter (``F.relu``, ``F.dropout``), if any."""
-    try:
-        params = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):
-        return None
-    return params.index("inplace") if "inplace" in params else None
-
-
-@functools.lru_cache(maxsize=None)
-def _pure(name: str) -> bool:
-    """Whether aten has an operator ``name`` (``rsub`` for ``__rsub__``) none of whose overloads writes a
-    positional argument (the ``out=`` overloads' outputs are keyword-only: seen in the call)."""
-    for n in (name, name.strip("_")) if name.startswith("__") else (name,):
-        try:
-            packet = getattr(torch.ops.aten, n)
-        except (AttributeError, RuntimeError):
-            continue
-        if not isinstance(packet, torch._ops.OpOverloadPacket):  # (the namespace's own attributes: ``name``)
-            continue
-        return not any(a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
-                       for o in packet.overloads() for a in getattr(packet, o)._schema.arguments)
-    return False
-
-
 def _swap(t, r) -> None:
     """``t`` (a placeholder) becomes ``r`` in place; ``r`` when held elsewhere (a saved tensor) as a view
     of it. Raises leanact's error when ``t`` itself is held where it cannot be swapped."""
@@ -488,33 +444,10 @@ def _swap(t, r) -> None:
 
 
 def _cast_dtype(func, t, args, kwargs):
-    """The dtype of a cast that keeps the logits' precision or raises it (None: anything else)."""
-    if func is torch.Tensor.float and not args and not kwargs:
-        new = torch.float32
-    elif func is torch.Tensor.double and not args and not kwargs:
-        new = torch.float64
-    elif func is torch.Tensor.to:
-        rest = dict(kwargs)
-        rest.pop("non_blocking", None)
-        if rest.pop("copy", False):
-            return None
-        pos = list(args)
-        new = rest.pop("dtype", None)
-        dev = rest.pop("device", None)
-        for p in pos:
-            if isinstance(p, torch.dtype) and new is None:
-                new = p
-            elif isinstance(p, (str, torch.device)) and dev is None:
-                dev = p
-            else:
-                return None
-        if rest or new is None or (dev is not None and torch.device(dev) != t.device):
-            return None
-    else:
+    """The dtype of a cast (``float``, ``double``, ``to``) that keeps the logits' precision or raises it."""
+    if func not in _CAST_FUNCS:
         return None
-    if not new.is_floating_point or torch.finfo(new).bits < torch.finfo(t.dtype).bits:
-        return None
-    return new
+    return cast_dtype(_name(func), t, args, kwargs)
 
 
 def _logit_form(ops) -> tuple[float, float | None] | None:
@@ -595,12 +528,15 @@ def _open(module, args, kwargs) -> "_Window | None":
     """Arm the head for this call (module doc, 1.); None when the call is not eligible."""
     state: HeadState | None = module.__dict__.get(ATTR)
     if (state is None or not state.enabled or not module.training or getattr(_local, "keep", 0)
-            or _labels(module, args, kwargs) is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or functorch_active()):
+            or _labels(module, args, kwargs) is None or not torch.is_grad_enabled() or functorch_active()):
         return None
     if head_reason(module) is not None:
         return None
     head = module.get_output_embeddings()
+    if torch.compiler.is_compiling():  # Dynamo traces the compiled head's tensor subclass, not a mode
+        win = CompiledWindow(head)
+        head.__dict__["forward"] = win.capture
+        return win
     win = _Window(state, head)
     head.__dict__["forward"] = win.capture
     state.windows.append(win)
@@ -610,11 +546,13 @@ def _open(module, args, kwargs) -> "_Window | None":
 def _close(module, win: "_Window") -> None:
     """Close the window whatever happened in the forward (an exception, a KeyboardInterrupt): the
     head's own forward back, the mode off the stack, the window off the model's list."""
+    if win.head.__dict__.get("forward") == win.capture:
+        win.head.__dict__.pop("forward", None)
+    if isinstance(win, CompiledWindow):
+        return
     state: HeadState | None = module.__dict__.get(ATTR)
     if state is not None and win in state.windows:
         state.windows.remove(win)
-    if win.head.__dict__.get("forward") == win.capture:
-        win.head.__dict__.pop("forward", None)
     if win.entered:
         if _top_is(win):
             win.__exit__(None, None, None)
@@ -644,6 +582,8 @@ class _HeadForward(ContextForward):
             output = forward(*args, **kwargs)
         finally:
             _close(self.module, win)
+        if isinstance(win, CompiledWindow):
+            return output if not win.made or output is None else _clean_compiled(win, output)
         if not win.entries or output is None:
             return output
         return _clean(win, output)
@@ -669,6 +609,26 @@ def _clean(win: _Window, output):
             return None, True
         return win.materialise(e), False
 
+    return _cleaned(output, fix)
+
+
+def _clean_compiled(win: CompiledWindow, output):
+    """As :func:`_clean` for a compiled call: ``logits`` None when the loss was fused (and nothing
+    else used them), the real logits as a plain tensor otherwise."""
+    def fix(v):
+        if not isinstance(v, LazyLogits):
+            return v, False
+        if win.consumed and not win.unfused:
+            return None, True
+        with torch._C.DisableTorchFunctionSubclass():
+            return v.view_as(v), False
+
+    return _cleaned(output, fix)
+
+
+def _cleaned(output, fix):
+    """``output`` with each field replaced by ``fix(field)`` -> (value, drop): a dropped field is
+    removed (a ModelOutput then reads None; a tuple is one shorter)."""
     if isinstance(output, OrderedDict):  # a transformers ModelOutput
         for k in list(output.keys()):
             new, drop = fix(output[k])

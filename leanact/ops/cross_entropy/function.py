@@ -394,6 +394,34 @@ class _Chunks:
         return lse, zy, zsum
 
 
+def _forward(x, weight, bias, target, ignore_index, reduction, eps, scale, softcap, cdtype, chunk_tokens,
+             tile_elements, grads_of):
+    """The loss, and with ``grads_of`` (which of x, W, b; reduction mean or sum) their gradients
+    computed chunk by chunk (grad_in_forward): (chunks, loss, (dx, dW, db), per-token lse)."""
+    ch = _Chunks(x, weight, bias, target, ignore_index, cdtype, chunk_tokens, tile_elements)
+    acc, v = ch.acc, ch.v
+    grads = (None, None, None)
+    if grads_of is not None:
+        per_row = (torch.ones((), dtype=acc, device=x.device) if reduction == "sum"
+                   else 1.0 / ch.n_valid.clamp(min=1).to(acc))  # (no valid row: unused)
+        *grads, lse, zy, zsum = ch.grads(ch.coef(per_row), eps, scale, softcap, grads_of, x.dtype,
+                                         weight.dtype, None if bias is None else bias.dtype)
+    else:
+        lse, zy, zsum = ch.stats(eps, scale, softcap)
+    per = lse - zy.squeeze(1) * (1.0 - eps)
+    if eps:
+        per = per - zsum * (eps / v)
+    if ch.rows is None:
+        per = per * ch.valid.to(acc)
+    if reduction == "none":
+        out = ch.scatter(per)
+    else:
+        out = per.sum()
+        if reduction == "mean":
+            out = out / ch.n_valid.to(acc)
+    return ch, out, tuple(grads), lse
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Fused linear + cross-entropy over chunks of rows × the whole vocabulary (module docstring).
     x: (N, H), weight: (V, H), bias: (V,) or None, target: (N,) integer. Returns the fp32 (fp64 for
@@ -402,28 +430,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, reduction, eps, scale, softcap, cdtype,
                 chunk_tokens, tile_elements, grad_in_forward, anchors):
-        ch = _Chunks(x, weight, bias, target, ignore_index, cdtype, chunk_tokens, tile_elements)
-        acc, v = ch.acc, ch.v
         needs = ctx.needs_input_grad
         eager = bool(grad_in_forward) and reduction != "none" and any(needs[:3])
-        if eager:
-            per_row = (torch.ones((), dtype=acc, device=x.device) if reduction == "sum"
-                       else 1.0 / ch.n_valid.clamp(min=1).to(acc))  # (no valid row: unused)
-            dx, dw, db, lse, zy, zsum = ch.grads(ch.coef(per_row), eps, scale, softcap, needs[:3], x.dtype,
-                                                 weight.dtype, None if bias is None else bias.dtype)
-        else:
-            lse, zy, zsum = ch.stats(eps, scale, softcap)
-        per = lse - zy.squeeze(1) * (1.0 - eps)
-        if eps:
-            per = per - zsum * (eps / v)
-        if ch.rows is None:
-            per = per * ch.valid.to(acc)
-        if reduction == "none":
-            out = ch.scatter(per)
-        else:
-            out = per.sum()
-            if reduction == "mean":
-                out = out / ch.n_valid.to(acc)
+        ch, out, grads, lse = _forward(x, weight, bias, target, ignore_index, reduction, eps, scale, softcap, cdtype,
+                                       chunk_tokens, tile_elements, needs[:3] if eager else None)
+        dx, dw, db = grads
         ctx.reduction, ctx.eps, ctx.scale, ctx.softcap, ctx.cdtype = reduction, eps, scale, softcap, cdtype
         ctx.chunk_tokens, ctx.tile_elements, ctx.eager = chunk_tokens, tile_elements, eager
         ctx.anchors = anchors if eager else ()
@@ -433,7 +444,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     t._leanact_gradient = t._leanact_exact = True
             ctx.save_for_backward(dx, dw, db)  # scaled in backward by the incoming gradient
         else:
-            t32 = torch.where(ch.valid, target, -1).to(torch.int32 if v < 2**31 else torch.int64)
+            t32 = torch.where(ch.valid, target, -1).to(torch.int32 if ch.v < 2**31 else torch.int64)
             ctx.save_for_backward(x, weight, bias, ch.scatter(lse), t32)
         return out
 

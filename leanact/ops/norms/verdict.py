@@ -38,9 +38,11 @@ contradicted verdict raises an error naming leanact before any inexact gradient 
 applied), and the norm decides again at its next call (or call :func:`clear_decision_cache` after
 such writes). Callers can skip the check with ``from_output=True/False``. Under ``torch.func``
 transforms the op is torch's own layer_norm, and the check, when called there, reads the values of the
-wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the automatic
-check graph-breaks (it is wrapped in ``torch.compiler.disable``); the op itself traces with
-``fullgraph=True`` when ``from_output`` is given.
+wrapped γ, β (functorch wrappers have no storage), uncached. Under torch.compile the decision is
+taken when the graph is traced (the eager check on γ, β then: no graph break) and is a constant of
+the graph; every run of a graph that recovers x̂ from y checks on the device, without a sync, that
+γ, β still pass the rule, and stops with an error naming leanact if they do not
+(``torch._assert_async``).
 """
 from __future__ import annotations
 
@@ -144,6 +146,11 @@ def offset_gamma(w: torch.Tensor) -> torch.Tensor:
 
 
 def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
+    return bool(_rule_holds(weight, bias, n, dtype, max_ratio, offset))
+
+
+def _rule_holds(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> torch.Tensor:
+    """The rule of the module doc for every channel, as a 0-d bool tensor on γ's device (no sync)."""
     if offset:
         weight = offset_gamma(weight.detach())
     fi = torch.finfo(dtype)
@@ -159,7 +166,7 @@ def _check(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: b
             ok &= torch.isfinite(b) & (b <= max_ratio * g)
             bound = bound + b
         ok &= bound <= fi.max
-        return bool(ok.all())
+        return ok.all()
 
 
 def _check_unwrapped(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool = False) -> bool:
@@ -199,12 +206,16 @@ def from_output_ok(weight, bias, n: int, dtype: torch.dtype, max_ratio: float = 
     ``n`` is the number of normalized elements per row. ``offset``: γ = 1 + ``weight`` in float32
     (Gemma's RMSNorm; no bias). Cached per weight on (data_ptr, _version) and the optimizer step
     count; functorch-wrapped γ, β (``torch.func``) are checked by value (under ``vmap``: every batch
-    entry must pass), uncached. Under torch.compile it graph-breaks.
+    entry must pass), uncached. Under torch.compile: decided when traced, asserted on the device at
+    every run (module doc).
     """
     if _FAKE_RUN[0] is not None and any(t is not None and is_fake(t) for t in (weight, bias)):
         return _fake_decision(_FAKE_RUN[0].real_of, weight, bias, n, dtype, max_ratio, offset)
     if torch.compiler.is_compiling():
-        return _from_output_ok_eagerly(weight, bias, n, dtype, max_ratio, offset)
+        if not _decided_while_tracing(weight, bias, n, dtype, max_ratio, offset):
+            return False
+        _assert_still_holds(weight, bias, n, dtype, max_ratio, offset)
+        return True
     return _from_output_ok_on_host(weight, bias, n, dtype, max_ratio, offset)  # eager: no compiler.disable wrapper
 
 
@@ -400,7 +411,9 @@ def confirm_verdicts() -> None:
     wait). A write that skips ``_version`` (``p.data.mul_(0)``, a kernel of one's own), which neither
     the cache nor Adam's bound can see, and that moved γ, β out of the rule would make this backward
     inexact: the norm decides again at its next call, and this raises."""
-    if (_PENDING or _OWED) and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return
+    if (_PENDING or _OWED) and _get_current_dispatch_mode() is None:
         _settle(raising=True)  # (not while a compiler traces the backward: see _confirm_before_step)
 
 
@@ -450,4 +463,21 @@ def _key_of(w, b, n, dtype, max_ratio, offset) -> tuple:
 
 
 # reads values on the host: outside any compiled graph (the graph break names from_output_ok)
-_from_output_ok_eagerly = torch.compiler.disable(_from_output_ok_on_host)
+# -- while torch.compile traces ------------------------------------------------------------------
+# The decision is taken when the graph is traced, on the values γ and β have then (the cached eager
+# check: no graph break), and is a constant of the graph. Every run of the graph then checks on the
+# device, without a sync, that γ and β still pass: a graph that recovers x̂ from y never runs on γ, β
+# that fail the rule (torch._assert_async: on the CPU a RuntimeError with the message below; on CUDA
+# a device-side assertion, which stops the process).
+
+_decided_while_tracing = torch._dynamo.assume_constant_result(_from_output_ok_on_host)
+
+_FAILED_WHILE_COMPILED = ("leanact: a compiled norm recovers its input from its output, decided when the graph was "
+                          "traced, and its weight (gamma, beta) no longer allows it (zero, tiny or large entries). "
+                          "Fix: set from_output=False on that norm (or leanact.unpatch the model) and compile again")
+
+
+def _assert_still_holds(weight, bias, n: int, dtype: torch.dtype, max_ratio: float, offset: bool) -> None:
+    if weight is None and bias is None:
+        return
+    torch._assert_async(_rule_holds(weight, bias, n, dtype, max_ratio, offset), _FAILED_WHILE_COMPILED)
