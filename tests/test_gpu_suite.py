@@ -705,3 +705,24 @@ def test_op_host_smoke_reports_every_op(tmp_path, capsys):
     assert [r.split(" | ")[0][2:] for r in rows] == ["GELU", "LayerNorm", "sub-layer end (dropout, add, LayerNorm)"]
     assert all(float(c) > 0 for r in rows for c in r.strip(" |").split(" | ")[1:]), rows
     assert "- n/a (no CUDA)" in report and "cProfile of 5 leanact GELU" in report
+
+
+@pytest.mark.slow
+def test_smoke_run_of_the_compiled_part(tmp_path):
+    """``--parts compiled`` (only when named): the steps part's models under torch.compile (backend eager in
+    a smoke run), a row per mode and each model's first step noted."""
+    import os
+    import subprocess
+
+    out = tmp_path / "smoke.md"
+    env = dict(os.environ, PYTHONPATH=str(_BENCH.parent), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(_PKG), "--smoke", "--parts", "compiled", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    section = out.read_text().split("\n### ")[1]
+    assert section.startswith(common.TITLES["compiled"] + " — ok"), section[:300]
+    rows = [r for r in _rows(section)]
+    assert [(r[0], r[1]) for r in rows if r[1] != "Liger"] == [
+        ("Llama-3.2-1B geometry (compiled)", "HF sdpa"), ("Llama-3.2-1B geometry (compiled)", "leanact"),
+        ("BERT-Large MLM (compiled)", "HF sdpa"), ("BERT-Large MLM (compiled)", "leanact")], section
+    assert section.count("first step (tracing and compiling included)") == len(rows), section

@@ -11,7 +11,8 @@ from _dist import distributed_results  # noqa: E402
 from test_parallel_tp import batch, build, full  # noqa: E402
 
 # slow: the first test waits for every module's distributed cases (tests/conftest.py)
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+# one xdist worker for every distributed module: one pair of gloo processes (tests/conftest.py)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.xdist_group("distributed")]
 
 STEPS = 3
 TOL = 1e-5

@@ -1,7 +1,7 @@
 """One command for a CUDA machine: tests, kernel timings, memory and speed, appended to RESULTS.md.
 
     python benchmarks/gpu_suite [--out benchmarks/RESULTS.md]
-        [--parts tests ops bert llama estimate offload head steps long profile]
+        [--parts tests ops bert llama estimate offload head steps long profile compiled]
 
 Parts (each in its own process with its own time limit, so a crash, a hang or a poisoned CUDA
 context in one part leaves the others running; every part says whether it ran, failed or timed
@@ -59,6 +59,10 @@ not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
    BERT-Large and Llama steps, HF sdpa and leanact, one step each under torch.profiler after a
    warm-up step: the step's kernels by device time (:data:`PROFILE_TOP` of them), launches and wall
    time. Where a step-time gap comes from.
+11. ``compiled`` (only when named: ``--parts compiled``; up to 4 minutes): the ``steps`` part's
+   steps with every model under ``torch.compile`` (inductor): Llama-3.2-1B geometry (HF sdpa, Liger,
+   leanact) and BERT-Large (HF sdpa, leanact), each model's first step (tracing and compiling) noted
+   (targets: leanact ≤ 0.90x HF sdpa's compiled step and ≤ Liger's, Llama peak ≤ 0.5x, BERT ≤ 0.6x).
 
 The default run (parts 1-8) stays under 9.5 minutes (the per-part limits add up to :data:`TOTAL_S`). Rows go to
 ``--out`` under a header with the device, torch / triton / transformers / liger-kernel versions, the
@@ -71,7 +75,7 @@ Without CUDA it exits with a message and writes nothing.
 The package: ``__main__`` (the command line, and the ``--worker`` process of a part), ``common`` (the
 parts' limits, sizes, titles and columns; the rows a part records; device, memory and timing helpers;
 a part's process; the markdown), a module per part (``tests``, ``ops``, ``bert``, ``llama``,
-``estimate``, ``offload``, ``head``, ``steps``, ``long``, ``profile``), and what parts share: ``models``
+``estimate``, ``offload``, ``head``, ``steps``, ``long``, ``profile``, ``compiled``), and what parts share: ``models``
 (the models and their training steps), ``side_by_side`` (modes timed in turns), ``liger``
 (Liger-Kernel's ops and patches).
 """

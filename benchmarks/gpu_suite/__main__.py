@@ -20,6 +20,7 @@ if __name__ == "__main__":
 
 import gpu_suite  # noqa: E402
 from gpu_suite.bert import part_bert  # noqa: E402
+from gpu_suite.compiled import part_compiled  # noqa: E402
 from gpu_suite.common import (BENCHMARKS, COLUMNS, LIMITS, OPTIONAL, PARTS, SMOKE_ENV, Recorder,  # noqa: E402
                               freeze_imports, markdown, run_part, versions)
 from gpu_suite.estimate import part_estimate  # noqa: E402
@@ -55,7 +56,7 @@ def _selftest(kind: str):
 
 WORKERS = {"tests": part_tests, "ops": part_ops, "bert": part_bert, "llama": part_llama,
            "estimate": part_estimate, "offload": part_offload, "head": part_head, "steps": part_steps,
-           "long": part_long, "profile": part_profile,
+           "long": part_long, "profile": part_profile, "compiled": part_compiled,
            "_selftest_ok": _selftest("ok"), "_selftest_fail": _selftest("fail"), "_selftest_hang": _selftest("hang")}
 
 

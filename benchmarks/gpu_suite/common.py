@@ -24,12 +24,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parent  # benchmarks/gpu_suite, run a
 BENCHMARKS = PACKAGE.parent  # benchmarks/
 ROOT = BENCHMARKS.parent
 PARTS = ["tests", "ops", "bert", "llama", "estimate", "offload", "head", "steps"]
-OPTIONAL = ["long", "profile"]  # run only when named in --parts (the default run stays under 9.5 minutes)
+OPTIONAL = ["long", "profile", "compiled"]  # run only when named in --parts (the default run stays under 9.5 minutes)
 # seconds; the first H200 run took tests 62 (82 tests), ops 23, estimate 27, offload 32 (bert died at 22);
 # the H100 runs: tests 88 (255 tests, 4 processes), ops 27, bert 64-68, steps 38-45, profile 36; estimate
 # over 35 once its leanact row ran (the estimate, then a real step under the memory history)
 LIMITS = {"tests": 140, "ops": 50, "bert": 100, "llama": 50, "estimate": 60, "offload": 35, "head": 40, "steps": 90,
-          "long": 240, "profile": 60}
+          "long": 240, "profile": 60, "compiled": 240}
 TOTAL_S = sum(LIMITS[p] for p in PARTS)  # 565 s, under 9.5 minutes
 #: The longest sequence of the Llama-3.2-1B geometry (bf16, AdamW, batch 1) whose step
 #: leanact.estimate(device="cuda") fits 16 GiB less maximize's reserve with offload+recompute+tiled_mlp
@@ -62,6 +62,8 @@ TITLES = {
     "head": "Head + causal-LM loss forward+backward, 8,192 tokens, hidden 2048, V=128,256, bf16",
     "steps": "Whole training steps side by side, interleaved (fp32 weights + bf16 autocast, fused AdamW)",
     "profile": "Where a training step's GPU time goes: kernels by device time (HF sdpa and leanact)",
+    "compiled": "Whole training steps under torch.compile, side by side, interleaved (fp32 weights + bf16 autocast, "
+                "fused AdamW)",
     "long": "Long context, Llama-3.2-1B geometry, bf16 weights, AdamW, batch 1: recompute vs offload, predicted vs "
             "measured",
 }
@@ -411,6 +413,8 @@ COLUMNS = {
     "head": ["mode", "ms", "vs HF", "transient GiB", "% of HF fp32 logits", "without dx, dW", "max rel. diff vs HF",
              "timed runs"],
     "steps": ["model", "mode", "batch x seq", "step ms", "vs HF sdpa", "peak GiB", "peak vs HF sdpa", "timed steps"],
+    "compiled": ["model", "mode", "batch x seq", "step ms", "vs HF sdpa", "peak GiB", "peak vs HF sdpa",
+                 "timed steps"],
     "profile": ["model", "mode", "kernel", "calls per step", "ms per step", "% of the step's kernel time"],
     "long": ["strategy (every layer)", "cap GiB", "seq", "step ms", "vs full+tiled_mlp", "peak GiB",
              "predicted GiB", "measured/predicted", "host GiB", "predicted host GiB"],

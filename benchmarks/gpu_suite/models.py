@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .common import Recorder, bench_module, dev, size
+from .common import Recorder, bench_module, dev, size, sync
 from .liger import AttributeSwap, liger_llama_patch
 
 
@@ -50,23 +50,48 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev() == "cuda")
 
 
-def llama_builders(rec: Recorder, batch: int, seq: int) -> list:
+def compiled(rec: Recorder, label: str, model, backend: str | None):
+    """``model`` as torch.compile's module (``backend`` None: the model itself), its compile time noted
+    at its first step (:func:`first_step_noted`)."""
+    import torch
+
+    if backend is None:
+        return model
+    rec.note(f"{label}: torch.compile(model, backend={backend!r})")
+    return torch.compile(model, backend=backend)
+
+
+def first_step_noted(rec: Recorder, label: str, step):
+    """``step`` after running it once and noting how long that first step took (with torch.compile:
+    tracing and compiling included)."""
+    import time
+
+    t0 = time.perf_counter()
+    step()
+    sync()
+    rec.note(f"{label}: first step (tracing and compiling included) {time.perf_counter() - t0:.1f} s")
+    return step
+
+
+def llama_builders(rec: Recorder, batch: int, seq: int, backend: str | None = None) -> list:
     """(label, build) of the steps part's Llama modes: HF sdpa, Liger (when it imports), leanact; each
-    build makes its model with the same seed, fused AdamW and the same batch, and returns its step."""
+    build makes its model with the same seed, fused AdamW and the same batch, and returns its step.
+    ``backend``: each model under torch.compile with it (the compiled part), its compile time noted."""
     import torch
 
     import leanact
 
-    def train(model):
+    def train(model, label="model"):
         torch.manual_seed(1)
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=dev())
-        return train_step(model, _adamw(model), dict(input_ids=ids, labels=ids), True)
+        step = train_step(compiled(rec, label, model, backend), _adamw(model), dict(input_ids=ids, labels=ids), True)
+        return step if backend is None else first_step_noted(rec, label, step)
 
     def hf():
-        return train(llama_model("sdpa"))
+        return train(llama_model("sdpa"), "HF sdpa")
 
     def lean():
-        return train(leanact.patch(llama_model("sdpa")))
+        return train(leanact.patch(llama_model("sdpa")), "leanact")
 
     builders = [("HF sdpa", hf)]
     patch, what = liger_llama_patch()
@@ -90,7 +115,8 @@ def llama_builders(rec: Recorder, batch: int, seq: int) -> list:
                     kinds[type(mod).__name__] = kinds.get(type(mod).__name__, 0) + 1
             rec.note(f"Liger: {what}; it rebound {swap.describe()} (in place only while its model builds and steps); "
                      f"its model has {', '.join(f'{n} {k}' for k, n in kinds.items()) or 'no Liger modules'}")
-            step = train(model)
+            with swap.active():
+                step = train(model, "Liger")
 
             def liger_step():
                 with swap.active():
@@ -103,8 +129,9 @@ def llama_builders(rec: Recorder, batch: int, seq: int) -> list:
     return builders
 
 
-def bert_builders(rec: Recorder, batch: int, seq: int) -> list:
-    """(label, build) of the steps part's BERT-Large modes: HF sdpa, leanact (Liger has no BERT patch)."""
+def bert_builders(rec: Recorder, batch: int, seq: int, backend: str | None = None) -> list:
+    """(label, build) of the steps part's BERT-Large modes: HF sdpa, leanact (Liger has no BERT patch);
+    ``backend``: as :func:`llama_builders` (then without the last, host-time mode)."""
     import torch
 
     import leanact
@@ -117,7 +144,13 @@ def bert_builders(rec: Recorder, batch: int, seq: int) -> list:
         if options is not None:
             leanact.patch(model, **options)
         torch.manual_seed(1)
-        return train_step(model, _adamw(model), gb.make_batch(batch, seq, model.config.vocab_size, dev()), True)
+        label = "HF sdpa" if options is None else "leanact"
+        step = train_step(compiled(rec, label, model, backend), _adamw(model),
+                          gb.make_batch(batch, seq, model.config.vocab_size, dev()), True)
+        return step if backend is None else first_step_noted(rec, label, step)
+
+    if backend is not None:
+        return [("HF sdpa", lambda: build(None)), ("leanact", lambda: build({}))]
 
     # the last mode: without the two autocast memory savings, whose saved-tensor hooks cost host time
     # (benchmarks/host_stub.py): what they cost a host-bound step, and what they save
