@@ -26,9 +26,23 @@ def interpreter_marks(interpreted: bool):
                                reason="Triton imported without the interpreter: see test_in_subprocess"))
 
 
+def interpreting(fresh: bool) -> bool:
+    """Whether kernels built in this process run under the interpreter: ``TRITON_INTERPRET=1``, no CUDA
+    device, and leanact's kernels either not built yet (``triton.jit`` reads the setting when it
+    decorates) or built under the interpreter. ``fresh``: Triton was not imported before the caller
+    set the variable (then nothing was built without it)."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    k = sys.modules.get("leanact.ops.triton.common")
+    return fresh or k is None or type(k._store).__name__ == "InterpretedFunction"
+
+
 def interpreter_setup():
     """Skip the calling module without numpy or triton; set ``TRITON_INTERPRET=1`` when Triton was not
-    imported yet and there is no CUDA device (it must be set before the first import). Returns
+    imported yet and there is no CUDA device (it must be set before the first import; conftest.py sets
+    it at the start of every test process without CUDA, so that the whole suite shares it). Returns
     ``(triton, whether this process runs kernels under the interpreter)``."""
     import torch
 
@@ -37,7 +51,7 @@ def interpreter_setup():
     if fresh and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     triton = pytest.importorskip("triton")
-    return triton, fresh and os.environ.get("TRITON_INTERPRET") == "1"
+    return triton, interpreting(fresh)
 
 
 _BUILD = r'''

@@ -4,10 +4,16 @@ import sys
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per worker: the workers share the cores
-    import torch
+import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per worker: the workers share the cores
     torch.set_num_threads(1)
+# Without CUDA the Triton kernel tests run under Triton's interpreter, which must be chosen before
+# any kernel is built: set here, first, for the whole process, so that they run in this process
+# whatever module imported Triton before them (not in a fresh one each, tests/_triton_run.py).
+# Nothing else runs Triton on the CPU (inductor's CPU code is C++).
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -36,13 +36,17 @@ def test_parse_pytest_summary():
 
 
 @pytest.mark.slow
-def test_a_part_that_works_fails_or_hangs_is_reported_and_the_next_still_runs():
-    ok = common.run_part("_selftest_ok", 60)
+@pytest.mark.parametrize("forked", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not hasattr(__import__("os"), "fork"), reason="no fork"))])
+def test_a_part_that_works_fails_or_hangs_is_reported_and_the_next_still_runs(forked):
+    """Each part in a fresh interpreter, or (a smoke run) forked from this process."""
+    fork = cli.worker if forked else None
+    ok = common.run_part("_selftest_ok", 60, forked=fork)
     assert ok["status"] == "ok" and ok["rows"] == [["first", "1.5"], ["second", "2"]]
-    failed = common.run_part("_selftest_fail", 60)
+    failed = common.run_part("_selftest_fail", 60, forked=fork)
     assert failed["status"] == "failed" and failed["rows"] == [["first", "1.5"]]
     assert any("RuntimeError: boom" in n for n in failed["notes"])
-    hung = common.run_part("_selftest_hang", 3)
+    hung = common.run_part("_selftest_hang", 3, forked=fork)
     assert hung["status"] == "timeout" and hung["rows"] == [["first", "1.5"]]  # what it finished is kept
     assert any("limit of 3 s" in n for n in hung["notes"])
     md = common.markdown({"device": "GPU X", "date": "2030-01-01", "torch": "9.9"},
@@ -55,6 +59,22 @@ def test_a_part_that_works_fails_or_hangs_is_reported_and_the_next_still_runs():
 def test_a_worker_that_dies_without_results():
     res = common.run_part("_no_such_part", 60)
     assert res["status"] == "failed" and res["notes"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+def test_a_forked_part_that_dies_without_results_and_its_environment():
+    res = common.run_part("_no_such_part", 60, forked=cli.worker)
+    assert res["status"] == "failed" and any("KeyError" in n for n in res["notes"]), res["notes"]
+
+    def part(name, path):
+        rec = common.Recorder(path, ["item", "value"])
+        rec.row("X_ENV", __import__("os").environ.get("X_ENV"))
+        rec.done("ok")
+        return 0
+
+    seen = common.run_part("_env", 60, forked=part, extra_env={"X_ENV": "set"})
+    assert seen["status"] == "ok" and seen["rows"] == [["X_ENV", "set"]], seen
+    assert "X_ENV" not in __import__("os").environ  # the child's environment only
 
 
 def test_markdown_of_an_empty_failed_part():

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from leanact.patching import patch  # noqa: E402
-from leanact.patching.attention_hf import EagerMaskedRows  # noqa: E402
+from leanact.ops.attention.masked_rows import EagerMaskedRows  # noqa: E402
 
 import test_patch_families as fam  # noqa: E402
 import test_patch_llama as llama  # noqa: E402
@@ -81,6 +81,27 @@ def test_eager_masked_rows_gradcheck(groups):
     for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         assert a.abs().max() > 0  # eager does give q and k a gradient on those rows
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_dead_rows_grads_op(softcap):
+    """The compiled backward's custom op: ``opcheck``-clean, the eager formula where a row is dead and
+    exact zeros where none is (what it skips)."""
+    from leanact.ops.attention import masked_rows as M
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(2, 2, 6, 3, dtype=torch.float64, generator=gen) for _ in "kv")
+    dout = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=gen)
+    dead = torch.zeros(2, 1, 5, dtype=torch.bool)
+    args = (q, k, v, dead, dout, 0.7, softcap)
+    assert all(t.eq(0).all() for t in M._dead_rows_grads_op(*args))
+    dead[0, 0, :2] = True
+    got, want = M._dead_rows_grads_op(*args), M.dead_rows_grads(*args)
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and torch.equal(a, b)
+    assert got[0].abs().max() > 0
+    torch.library.opcheck(M._dead_rows_grads_op, args)
 
 
 # ---- whole models --------------------------------------------------------------------------------

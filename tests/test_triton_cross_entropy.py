@@ -23,14 +23,9 @@ if _FRESH and not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 
-def _interpreting() -> bool:
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    k = sys.modules.get("leanact.ops.triton.common")
-    return _FRESH or k is None or type(k._store).__name__ == "InterpretedFunction"
+from _triton_run import interpreting  # noqa: E402
 
-
-INTERPRETED = _interpreting()
+INTERPRETED = interpreting(_FRESH)
 
 import leanact.ops.cross_entropy.function as L  # noqa: E402
 from leanact.ops.cross_entropy import launchers as CE  # noqa: E402

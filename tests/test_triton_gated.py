@@ -27,16 +27,9 @@ if _FRESH and not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 
-def _interpreting() -> bool:
-    """Kernels built here run under the interpreter: TRITON_INTERPRET=1, no CUDA, and leanact's
-    kernels module either not imported yet or imported under the interpreter too."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    k = sys.modules.get("leanact.ops.triton.common")
-    return _FRESH or k is None or type(k._store).__name__ == "InterpretedFunction"
+from _triton_run import interpreting  # noqa: E402
 
-
-INTERPRETED = _interpreting()
+INTERPRETED = interpreting(_FRESH)
 
 from leanact.memory import SavedTensorMeter  # noqa: E402
 from leanact.ops.gated_mlp import GATED_ACTIVATIONS, act_grad, gated_act, gated_down  # noqa: E402

@@ -100,9 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     header = {"device": device, "date": datetime.date.today().isoformat(), **versions()}
     results = {}
     t0 = time.perf_counter()
+    # a smoke run (CPU only) forks its parts from this process, which imports their shared modules once
+    forked = worker if args.smoke and hasattr(os, "fork") else None
+    if forked is not None:
+        freeze_imports()
     for name in args.parts:
         print(f"[gpu_suite] {name} (limit {LIMITS[name]} s) ...", flush=True)
-        results[name] = run_part(name, LIMITS[name], extra_env={SMOKE_ENV: "1" if args.smoke else "0"})
+        results[name] = run_part(name, LIMITS[name], extra_env={SMOKE_ENV: "1" if args.smoke else "0"},
+                                 forked=forked)
         print(f"[gpu_suite] {name}: {results[name]['status']} in {results[name]['seconds']:.0f} s", flush=True)
     md = markdown(header, results)
     print(md)

@@ -2,7 +2,7 @@
 sizes (GPU and smoke runs); the rows a part records (:class:`Recorder`, a JSON file rewritten after
 each row); the device, memory and timing helpers (the CPU's in a smoke run); an OOM as a row
 (:func:`attempt`, :func:`unless_oom`); one part in a process of its own under its limit
-(:func:`run_part`); the markdown section; the versions and commit of its header.
+(:func:`run_part`, :func:`run_forked`); the markdown section; the versions and commit of its header.
 """
 from __future__ import annotations
 
@@ -211,22 +211,28 @@ def unless_oom(rec: Recorder, label: str, fn):
     return value
 
 
-def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env: dict | None = None) -> dict:
-    """Run one part in a fresh process (``--worker``); returns its result dict with ``status``
-    "ok", "failed" (with the error) or "timeout", and ``seconds``."""
+def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env: dict | None = None,
+             forked=None) -> dict:
+    """Run one part in a process of its own under its limit; returns its result dict with ``status``
+    "ok", "failed" (with the error) or "timeout", and ``seconds``. The process is a fresh interpreter
+    (``--worker``), or with ``forked`` (a smoke run on the CPU, :func:`run_forked`) a fork of this one,
+    which has imported what the parts share already, running ``forked(name, json_path)``."""
     fd, path = tempfile.mkstemp(suffix=f"-{name}.json")
     os.close(fd)
     os.unlink(path)
-    cmd = [python, str(PACKAGE), "--worker", name, "--json", path]
     t0 = time.perf_counter()
-    env = dict(os.environ, **(extra_env or {}))
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
-        status, tail = None, (proc.stdout[-1500:] + proc.stderr[-2500:])
-        if proc.returncode != 0:
-            status = "failed"
-    except subprocess.TimeoutExpired as e:
-        status, tail = "timeout", _text(e.stdout)[-1500:] + _text(e.stderr)[-1500:]
+    if forked is not None:
+        status, tail = run_forked(lambda: forked(name, path), limit_s, extra_env or {})
+    else:
+        cmd = [python, str(PACKAGE), "--worker", name, "--json", path]
+        env = dict(os.environ, **(extra_env or {}))
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+            status, tail = None, (proc.stdout[-1500:] + proc.stderr[-2500:])
+            if proc.returncode != 0:
+                status = "failed"
+        except subprocess.TimeoutExpired as e:
+            status, tail = "timeout", _text(e.stdout)[-1500:] + _text(e.stderr)[-1500:]
     result = {"columns": [], "rows": [], "notes": [], "status": "failed"}
     try:
         with open(path) as f:
@@ -246,6 +252,47 @@ def run_part(name: str, limit_s: float, python: str = sys.executable, extra_env:
             result["notes"].append("process ended early: " + _last_lines(tail))
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def run_forked(fn, limit_s: float, env: dict) -> tuple[str | None, str]:
+    """``fn()`` in a forked child with ``env`` added to its environment and its output in a file; the
+    child exits with 0 when ``fn`` returns 0. Returns ``(None | "failed" | "timeout", output tail)``;
+    a child past ``limit_s`` is killed. POSIX only, and only where no CUDA context exists yet (a smoke
+    run): a fork shares this process's imports instead of importing them again."""
+    import signal
+
+    with tempfile.TemporaryFile() as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's code
+            code = 1
+            try:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                os.environ.update(env)
+                code = 0 if fn() == 0 else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + limit_s
+        status = "timeout"
+        while time.monotonic() < deadline:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = None if os.waitstatus_to_exitcode(code) == 0 else "failed"
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        log.seek(0)
+        return status, log.read().decode(errors="replace")[-4000:]
 
 
 def _text(b) -> str:

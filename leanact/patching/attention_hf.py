@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..ops.amp import no_autocast_backward
 from ..ops.attention import attention as _lean_attention
+from ..ops.attention.masked_rows import EagerMaskedRows
 
 __all__ = ["NAME", "ATTR", "register", "leanact_attention_forward", "set_config_state", "config_state",
            "module_state", "accept_output_attentions", "release_config"]
@@ -245,70 +245,6 @@ def _original(original, module, query, key, value, attention_mask, dropout, scal
                                   is_causal=is_causal, **kwargs)
 
 
-class EagerMaskedRows(torch.autograd.Function):
-    """What a model's eager attention computes for query rows whose keys are *all* masked.
-
-    The additive mask of dtype-min values absorbs the scores, so the forward is the uniform average
-    of the values; autograd still differentiates softmax(S + min) = softmax(S) at that uniform
-    point, so q and k get gradients: dS_ij = (dO_i·v_j - dO_i·mean(v)) / n. SDPA (and leanact's
-    core) give such rows 0. This Function adds the eager rows on top of the core's output.
-
-    Keeps q, k, v (the core keeps them: same storages) and the (b, 1|H, s_q) bool row mask; the
-    backward forms d x d products (VᵀK, dOᵀQ) instead of any s_q x s_k tensor. No dropout."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, dead, scale, softcap=None):
-        c = torch.float64 if q.dtype == torch.float64 else torch.float32
-        b, h, s_q, d = q.shape
-        g = h // k.size(1)
-        vmean = v.to(c).mean(2).repeat_interleave(g, dim=1)  # (b, H, dv)
-        w = dead.to(c).expand(b, h, s_q).unsqueeze(-1)
-        ctx.save_for_backward(q, k, v, dead)
-        ctx.scale, ctx.softcap = scale, softcap
-        return (w * vmean.unsqueeze(2)).to(v.dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @no_autocast_backward
-    def backward(ctx, dout):
-        q, k, v, dead = ctx.saved_tensors
-        c = torch.float64 if q.dtype == torch.float64 else torch.float32
-        b, h, s_q, d = q.shape
-        hkv, n = k.shape[1], k.shape[2]
-        g = h // hkv
-        kc, vc = k.to(c), v.to(c)
-        w = dead.to(c).expand(b, h, s_q).unsqueeze(-1)
-        do = (dout.to(c) * w).reshape(b, hkv, g * s_q, -1)  # head h = hkv * g + j: groups are contiguous
-        qg = q.to(c).reshape(b, hkv, g * s_q, d)
-        vmean = vc.mean(2, keepdim=True)  # (b, Hkv, 1, dv)
-        m = (do * vmean).sum(-1, keepdim=True)  # dO_i · mean(v)
-        f = ctx.scale / n
-        if ctx.softcap is None:
-            dq = f * (do @ (vc.transpose(-1, -2) @ kc) - m * kc.sum(2, keepdim=True))
-            dk = f * (vc @ (do.transpose(-1, -2) @ qg) - (m * qg).sum(2, keepdim=True))
-        else:
-            dq, dk = _softcapped_dead_rows_grads(qg, kc, vc, do, m, ctx.scale, ctx.softcap)
-        dv = (do.sum(2, keepdim=True) / n).expand(b, hkv, n, -1)
-        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def _softcapped_dead_rows_grads(qg, kc, vc, do, m, scale, softcap, rows=256):
-    """dq, dk of :class:`EagerMaskedRows` under a logit softcap c: the uniform softmax's score gradient
-    (dO_i·v_j - dO_i·mean(v)) / n times 1 - tanh²(scale q_i·k_j / c), in blocks of query rows (the
-    factor depends on each (i, j): no d x d shortcut). Rows of ``do`` that are not dead are 0."""
-    n = kc.size(2)
-    dq = torch.zeros_like(qg)
-    dk = torch.zeros_like(kc)
-    for i0 in range(0, qg.size(2), rows):
-        i1 = min(i0 + rows, qg.size(2))
-        qb, dob = qg[:, :, i0:i1], do[:, :, i0:i1]
-        t = torch.tanh((qb @ kc.transpose(-1, -2)) * (scale / softcap))
-        ds = (dob @ vc.transpose(-1, -2) - m[:, :, i0:i1]).div_(n).mul_(1 - t * t)
-        dq[:, :, i0:i1] = scale * (ds @ kc)
-        dk += scale * (ds.transpose(-1, -2) @ qb)
-    return dq, dk
-
-
 def read_back_once(cache: WeakIdKeyDictionary, t: torch.Tensor, compute):
     """``compute(t)``, which reads ``t`` back to the host (a sync), once per tensor: cached on ``t``'s
     identity and _version. A model passes one mask (or bias) object to all its layers, so the read
@@ -337,9 +273,12 @@ def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softc
     """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself)."""
     if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return out
-    dead = read_back_once(_DEAD_ROWS, attention_mask, _dead_rows)
-    if dead is None:
-        return out
+    if torch.compiler.is_compiling():  # no host read in a graph: rows that are not dead add exact zeros
+        dead = ~attention_mask.any(-1)
+    else:
+        dead = read_back_once(_DEAD_ROWS, attention_mask, _dead_rows)
+        if dead is None:
+            return out
     scale = query.size(-1) ** -0.5 if scaling is None else float(scaling)
     return out + EagerMaskedRows.apply(query, key, value, dead, scale, softcap)
 

@@ -22,7 +22,7 @@ bias instead of any s² tensor. Scores per model (scale = 1/sqrt(d), bias on top
 
 Query rows whose keys are all masked (left padding) get what HF computes: with an additive mask of
 dtype-min values the uniform average of all values (without dropout on those rows), with SDPA's
-bool mask 0 (:class:`leanact.patching.attention_hf.EagerMaskedRows`).
+bool mask 0 (:class:`leanact.ops.attention.masked_rows.EagerMaskedRows`).
 
 Calls run HF's own forward when: no autograd and no dropout (inference is bit-identical), a cache
 (``layer_past``), ``output_attentions=True``, arguments the rewrite does not know (``head_mask``),
@@ -48,7 +48,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.attention import attention as _lean_attention
 from ..ops.transforms import functorch_active
-from .attention_hf import EagerMaskedRows, read_back_once
+from ..ops.attention.masked_rows import EagerMaskedRows
+from .attention_hf import read_back_once
 from .adapter import ModelStep, PatchRun
 from .modules import hooks_reason, reclass
 from .source import forward_body
