@@ -18,10 +18,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def interpreter_marks(interpreted: bool):
-    """``(pytestmark, interp)`` of an interpreter test module: the ``triton`` mark with numpy's notes on
-    inf/nan (RuntimeWarning) ignored, and a mark skipping a test where this process does not run
-    kernels under the interpreter (the module's ``test_in_subprocess`` runs it again there)."""
-    return ([pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")],
+    """``(pytestmark, interp)`` of an interpreter test module: the ``triton`` and ``slow`` marks (the
+    interpreter runs a kernel's every program in Python: a module takes 15-60 s on one core) with
+    numpy's notes on inf/nan (RuntimeWarning) ignored, and a mark skipping a test where this process
+    does not run kernels under the interpreter (the module's ``test_in_subprocess`` runs it again there)."""
+    return ([pytest.mark.triton, pytest.mark.slow, pytest.mark.filterwarnings("ignore::RuntimeWarning")],
             pytest.mark.skipif(not interpreted,
                                reason="Triton imported without the interpreter: see test_in_subprocess"))
 

@@ -101,9 +101,10 @@ def test_compiled_patched_keeps_what_eager_keeps(family):
 
 
 #: (family, padding): Gemma 2 (eager attention, softcap) with left padding, whose first rows have no key;
-#: GPT-2 with ``loss_type`` set (without it Hugging Face's loss-type warning is a graph break of its own)
+#: GPT-2 with ``loss_type`` set (without it Hugging Face's loss-type warning is a graph break of its own);
+#: GPT-OSS (its experts as a custom op; Mixtral's are the other kind)
 FULLGRAPH = ([(f, p) for f in ("llama", "qwen3", "mixtral", "bert") for p in ("none", "right")]
-             + [("gemma2", "left"), ("gpt2", "right")])
+             + [("gemma2", "left"), ("gpt2", "right"), ("gpt_oss", "right")])
 
 
 @pytest.mark.parametrize("family,padding", FULLGRAPH)

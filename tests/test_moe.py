@@ -139,3 +139,50 @@ def test_qwen3_moe_top2_of_4_fp32():
     assert all(type(layer.mlp.experts).__name__ == "LeanQwen3MoeExperts" for layer in lean.model.layers)
     ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
     assert_same_loss_and_grads(ref, lean, 1e-5, input_ids=ids, labels=ids)
+
+
+# ---- under torch.compile: the custom op ---------------------------------------------------------------
+@pytest.mark.parametrize("grouped", [False, True])
+def test_custom_op_opcheck(grouped):
+    from leanact.ops.moe import gated
+
+    idx, w = _routing(dtype=torch.float32)
+    x, gu, down = (t.float() for t in _params(torch.float64))
+    args = (x.requires_grad_(), idx, w.requires_grad_(), gu.requires_grad_(), down.requires_grad_(), "silu",
+            torch.float32, grouped)
+    torch.library.opcheck(gated._op, args)
+    dfinal = torch.randn(T, H)
+    _, gu_all = gated._op(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    torch.library.opcheck(gated._op_backward, (dfinal, x.detach(), idx, w.detach(), gu_all, gu.detach(),
+                                                down.detach(), "silu", [True, False, True, True]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_experts_match_eager_and_keep_the_same(dtype):
+    """``torch.compile`` (inductor, fullgraph) of the patched experts: the eager patched experts' output
+    and gradients, bitwise (the same op, one opaque node each way), and the same bytes kept."""
+    ref = _experts("mixtral", dtype, "grouped_mm")
+    lean, _ = hf_experts_replacement(ref)
+    E_, two_i, h = lean.gate_up_proj.shape
+    idx, w0 = _routing(dtype=torch.float32, k=2)
+    idx = idx % E_
+    idx[:, 1] = (idx[:, 0] + 1) % E_
+    x0 = torch.randn(T, h, generator=torch.Generator().manual_seed(3)).to(dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(lean, fullgraph=True)
+    runs, kept = [], []
+    for fn in (lean, compiled):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        lean.zero_grad()
+        meter = SavedTensorMeter(lean, exclude=[x, idx])
+        with meter:
+            y = fn(x, idx, w)
+        kept.append(meter.total_bytes)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(dtype))
+        runs.append((y.detach(), x.grad, w.grad, lean.gate_up_proj.grad.clone(), lean.down_proj.grad.clone()))
+        meter.release()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    e = torch.finfo(dtype).bits // 8
+    assert kept[0] == kept[1] == T * 2 * two_i * e + T * 2 * 4, kept

@@ -198,3 +198,39 @@ def test_whole_model_fp32(impl):
     ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
     assert_same_loss_and_grads(ref, lean, 1e-5, input_ids=ids, labels=ids)
     assert not any(old == "GptOssExperts" for _, old, _ in leanact.summary(lean).left)
+
+
+# ---- under torch.compile: the custom op ---------------------------------------------------------------
+@pytest.mark.parametrize("grouped", [False, True])
+def test_custom_op_opcheck(grouped):
+    from leanact.ops.moe import clamped
+
+    x, gu, gub, down, db = (t.float() for t in _params())
+    idx, w = _routing(dtype=torch.float32)
+    args = (x, idx, w, gu, gub, down, db, 1.702, LIMIT, grouped)
+    torch.library.opcheck(clamped._clamped_op, tuple(a.requires_grad_() if isinstance(a, torch.Tensor)
+                                                            and a.is_floating_point() else a for a in args))
+    _, gu_all = clamped._clamped_op(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    torch.library.opcheck(clamped._clamped_op_backward, (torch.randn(T, H), x.detach(), idx, w.detach(), gu_all,
+                                                        gu.detach(), down.detach(), db.detach(), 1.702, LIMIT,
+                                                        grouped, [True, True, False, True, True, False]))
+
+
+@pytest.mark.slow
+def test_compiled_experts_match_eager_and_keep_the_same():
+    """``torch.compile`` (inductor, fullgraph) of the patched experts: the eager patched experts' output
+    and gradients, bitwise, and the same bytes kept."""
+    lean, _ = hf_clamped_experts_replacement(_experts(torch.float32, "grouped_mm"))
+    x0, idx, w0 = _inputs(torch.float32, lean.gate_up_proj.shape[1])
+    torch._dynamo.reset()
+    compiled = torch.compile(lean, fullgraph=True)
+    runs, kept = [], []
+    for fn in (lean, compiled):
+        meter = SavedTensorMeter(lean, exclude=[idx])
+        with meter:
+            runs.append([t.detach() for t in _run(fn, x0, idx, w0)])
+        kept.append(meter.total_bytes)
+        meter.release()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert kept[0] == kept[1] > 0, kept

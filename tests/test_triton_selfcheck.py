@@ -27,7 +27,8 @@ from leanact.ops.triton import dispatch  # noqa: E402
 
 from _triton_run import run_interpreted  # noqa: E402
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore:.*encountered in.*:RuntimeWarning")]
+pytestmark = [pytest.mark.triton, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:.*encountered in.*:RuntimeWarning")]
 interp = pytest.mark.skipif(not INTERPRETED, reason="Triton imported without the interpreter: see test_in_subprocess")
 
 

@@ -7,8 +7,9 @@ transformers 5 dispatches the experts' forward on ``config._experts_implementati
 (a loop over experts) or ``"grouped_mm"`` (the default: tokens sorted by expert, grouped matmuls
 in the weights' dtype, the k outputs summed in the routing weights' dtype). The replacement
 follows the arithmetic of whichever of the two is configured; any other implementation (a hub
-kernel, ``batched_mm``), expert parallelism, no autograd, ``torch.compile``, ``torch.func``
-transforms, or an activation changed or hooked since patching run HF's own forward.
+kernel, ``batched_mm``), expert parallelism, no autograd, ``torch.func`` transforms, or an
+activation changed or hooked since patching run HF's own forward. While compiling, the experts run
+as the custom op ``leanact::gated_experts`` (:mod:`leanact.ops.moe.custom_op`).
 
 Recognised from structure and code, whatever the class name: a module of ``transformers.models.*``
 with exactly the Parameters ``gate_up_proj`` (E, 2I, h) and ``down_proj`` (E, h, I), one activation
@@ -89,7 +90,7 @@ class _LeanHFExperts:
         hf_forward = type(self).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         act_cls, kind = self._leanact_experts
         act = self._modules.get("act_fn")
-        if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or functorch_active()
+        if (not torch.is_grad_enabled() or functorch_active()
                 or type(act) is not act_cls or activation_kind(act)[1] is not None or flags_reason(self) is not None
                 or hidden_states.dim() != 2):
             return hf_forward(self, hidden_states, top_k_index, top_k_weights)

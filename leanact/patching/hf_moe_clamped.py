@@ -5,8 +5,9 @@ copies, no product, no expert outputs.
 
 Follows the arithmetic of the configured ``config._experts_implementation`` (``"eager"``: HF's loop
 over experts; ``"grouped_mm"``: tokens sorted by expert, the k outputs summed per token). Any other
-implementation, expert parallelism, autocast, no autograd, ``torch.compile``, ``torch.func``
-transforms, parameters of mixed dtypes or a gate replaced since patching run HF's own forward.
+implementation, expert parallelism, autocast, no autograd, ``torch.func`` transforms, parameters of
+mixed dtypes or a gate replaced since patching run HF's own forward. While compiling, the experts run
+as the custom op ``leanact::clamped_experts`` (:mod:`leanact.ops.moe.custom_op`).
 
 Recognised from structure and code, whatever the class name: a module of ``transformers.models.*``
 with exactly the Parameters ``gate_up_proj`` (E, h, 2I), ``gate_up_proj_bias`` (E, 2I),
@@ -89,7 +90,7 @@ class _LeanHFClampedExperts:
     def forward(self, hidden_states, router_indices=None, routing_weights=None):
         hf_forward = type(self).__mro__[2].forward  # the original HF class (Lean subclass -> HF class)
         params = [self._parameters.get(k) for k in _PARAMS]
-        if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or functorch_active()
+        if (not torch.is_grad_enabled() or functorch_active()
                 or autocast_dtype(hidden_states.device.type) is not None or _state_reason(self) is not None
                 or hidden_states.dim() != 2 or any(p is None for p in params)
                 or len({p.dtype for p in params}) != 1):

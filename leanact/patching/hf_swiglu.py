@@ -89,6 +89,21 @@ def _forward_reason(t: type, act: str, fused: bool) -> str | None:
     return _checked[key]
 
 
+#: an activation class's forward function -> whether it is ``nn.functional.silu(x)`` (read once per
+#: function: a compiled forward that checks its activation looks it up here, where reading the source
+#: would be a graph break)
+_SILU_FORWARD: dict = {}
+
+
+def _silu_forward(t: type) -> bool:
+    fn = t.forward
+    ok = _SILU_FORWARD.get(fn)
+    if ok is None:
+        body = forward_body(fn)
+        ok = _SILU_FORWARD[fn] = body is not None and body[1] == f"returnnn.functional.silu({body[0][0]})"
+    return ok
+
+
 def activation_kind(act: nn.Module | None) -> tuple[str | None, str | None]:
     """("silu" / "gelu" / "gelu_tanh", None) for an activation module computed by torch's kernel,
     else (None, reason)."""
@@ -103,8 +118,7 @@ def activation_kind(act: nn.Module | None) -> tuple[str | None, str | None]:
     elif t.__module__ == "transformers.activations":
         fn = getattr(act, "act", None)
         if t.__name__ == "SiLUActivation":
-            body = forward_body(t.forward)
-            kind = "silu" if body is not None and body[1] == f"returnnn.functional.silu({body[0][0]})" else None
+            kind = "silu" if _silu_forward(t) else None
         elif t.__name__ == "GELUActivation" and fn is F.gelu:
             kind = "gelu"
         elif (t.__name__ in ("GELUTanh", "PytorchGELUTanh") and isinstance(fn, functools.partial)
