@@ -9,7 +9,7 @@ patched model with the same weights.
   default), fused head included: every kept floating-point tensor larger than one value per token,
   bytes for bytes, but RoPE's cos and sin, which inductor recomputes. The documented exception
   (docs/patching.md, "torch.compile"): BERT's loss (``nn.CrossEntropyLoss()`` built in its forward,
-  which Dynamo inlines without ``__torch_function__``) runs unfused while compiling (compared here
+  which Dynamo rewrites into a direct call, without ``__torch_function__``) runs unfused while compiling (compared here
   with ``fused_loss=False``).
 """
 from __future__ import annotations

@@ -16,8 +16,8 @@ own forward, in the graph) as a tensor subclass whose ``__torch_function__`` Dyn
   them, exactly as in the unfused model.
 
 Each ``LazyLogits`` is attached to the autograd graph of the logits it holds (:class:`_Attach`), so
-code that reaches them without ``__torch_function__`` -- Dynamo inlines a ``nn.CrossEntropyLoss()``
-built inside the forward (BERT's masked LM) without dispatching it -- computes the unfused loss and
+code that reaches them without ``__torch_function__`` -- Dynamo rewrites a ``nn.CrossEntropyLoss()``
+built inside the forward (BERT's masked LM) into a direct call, without dispatching -- computes the unfused loss and
 its gradients: such a call is exact, not fused. The model returns ``logits=None`` when the loss was
 fused, the real logits otherwise, as the eager head does. ``leanact.summary``'s counts of fused calls
 and fallbacks are the eager head's (a compiled graph runs without Python).

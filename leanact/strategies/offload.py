@@ -39,6 +39,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake
 
 from leanact._local import setting
+from leanact.ops import fake_rules
 from leanact.saved import SavedTensorTransform
 
 __all__ = ["HostPool", "HostMemoryError", "OffloadTransform", "KeptSplit", "split_kept", "is_host_copy",
@@ -375,3 +376,21 @@ class OffloadTransform(SavedTensorTransform):
 
     def kept_tensors(self, h: _Handle) -> list[torch.Tensor]:
         return list(h.copy.bufs)
+
+
+@contextlib.contextmanager
+def _fake_rule(run: fake_rules.FakeRun):
+    """On fake tensors a copy into the host buffers (or back into the device buffer) allocates
+    nothing: the piece-by-piece copies are skipped (a million tokens of a 1B model are a thousand
+    pieces per layer). The buffers themselves are taken as on a real run."""
+    copy = _HostCopy._copy_pieces
+
+    def copy_pieces(self, dev, to_host, non_blocking=False):
+        if not (fake_rules.faking() and is_fake(dev)):
+            copy(self, dev, to_host, non_blocking)
+
+    with fake_rules.swapped(_HostCopy, _copy_pieces=copy_pieces if run.fewer_iterations else None):
+        yield
+
+
+fake_rules.register("offload copies", rule=_fake_rule)

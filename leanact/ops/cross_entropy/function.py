@@ -150,6 +150,26 @@ def _starts(n: int, step: int):
     return range(0, n, step)
 
 
+def _rows(t, step: int):
+    """``t.split(step)`` (one dispatch for every piece), None for ``t`` None. On fake tensors
+    (``leanact.estimate``) the pieces are made when indexed instead, :class:`_LazyRows`."""
+    return None if t is None else t.split(step)
+
+
+class _LazyRows:
+    """``t.split(step)`` made lazily: piece ``i`` is the view of rows ``i·step`` on, made when indexed.
+    A million tokens are a thousand pieces, every fake view made costs, and the loops on fake tensors
+    touch few of them (:func:`_starts`)."""
+
+    __slots__ = ("t", "step")
+
+    def __init__(self, t, step):
+        self.t, self.step = t, step
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.t[i * self.step:(i + 1) * self.step]
+
+
 def _matmul(xc, wt, bt, out=None):
     """A chunk's raw logits in the matmul dtype (into ``out`` when given); ``wt``: the weight
     transposed (H, V), ``bt`` the bias."""
@@ -294,18 +314,15 @@ class _Chunks:
         group = step if dw is None or self.one else product_rows(na, v, h, step, self.cdtype)
         buf = torch.empty((min(group, na), v), dtype=self.cdtype, device=dev) if na else None
         neg = torch.full((min(step, na), 1), -(1.0 - eps), dtype=acc, device=dev)
-        ys, cs, lses = self.y.split(step), coef.split(step), lse.split(step)
-        zys = None if zy is None else zy.split(step)
-        zsums = None if zsum is None else zsum.split(step)
-        xgs, cgs = self.xa.split(group), coef.split(group)
-        dxgs = None if dx is None else dx.split(group)
+        ys, cs, lses, zys, zsums = (_rows(t, step) for t in (self.y, coef, lse, zy, zsum))
+        xgs, cgs, dxgs = (_rows(t, group) for t in (self.xa, coef, dx))
         xg = xc = zc = zg = xcs = zcs = None
         for g0 in _starts(na, group):
             gi, rows = g0 // group, min(group, na - g0)
             xg = xc = zc = zg = xcs = zcs = None  # (one product's copy of x alive at a time)
             xg = xgs[gi].to(self.cdtype)  # (a copy of one product's rows only, when the dtypes differ)
             zg = buf if rows == buf.shape[0] else buf[:rows]
-            xcs, zcs = ((xg,), (zg,)) if rows <= step else (xg.split(step), zg.split(step))
+            xcs, zcs = ((xg,), (zg,)) if rows <= step else (_rows(xg, step), _rows(zg, step))
             raw, starts = [], _starts(rows, step)
             for c0 in starts:
                 i, j = (g0 + c0) // step, c0 // step
@@ -338,7 +355,7 @@ class _Chunks:
             if raw:  # fp32 chunks of the PyTorch path: their row factor is still to apply
                 r = cgs[gi][:, None] * scale if scale != 1.0 else cgs[gi][:, None]
                 if len(raw) < len(starts):  # (some chunks ran the kernel: scale the others)
-                    rs = r.split(step)
+                    rs = _rows(r, step)
                     for j in raw:
                         zcs[j].mul_(rs[j])
                     r = None
@@ -377,8 +394,7 @@ class _Chunks:
         lse = torch.empty(na, dtype=acc, device=dev)
         zy = torch.empty((na, 1), dtype=acc, device=dev)
         zsum = torch.empty(na, dtype=acc, device=dev) if eps else None
-        xs, ys, lses, zys = self.xa.split(step), self.y.split(step), lse.split(step), zy.split(step)
-        zsums = None if zsum is None else zsum.split(step)
+        xs, ys, lses, zys, zsums = (_rows(t, step) for t in (self.xa, self.y, lse, zy, zsum))
         for r0 in _starts(na, step):
             i = r0 // step
             z = t = None
@@ -656,7 +672,11 @@ def _fake_rule(run):
         else:
             _upcast_accumulate_mm_(out, a, b, step)
 
+    def lazy_rows(t, step):
+        return None if t is None else _LazyRows(t, step) if fake_rules.faking() else t.split(step)
+
     with fake_rules.swapped(sys.modules[__name__], _starts=some_tiles if run.fewer_iterations else None,
+                            _rows=lazy_rows if run.fewer_iterations else None,
                             _matmul_dtype=matmul_dtype, _accumulate_mm_=accumulate_mm_):
         yield
 
