@@ -1,6 +1,7 @@
 """Hugging Face language-model heads: the loss through leanact's fused linear + cross-entropy.
 
-``*ForCausalLM``, ``*LMHeadModel`` (GPT-2) and ``*ForMaskedLM`` models compute
+``*ForCausalLM``, ``*LMHeadModel`` (GPT-2), ``*ForMaskedLM`` and ``*ForConditionalGeneration``
+(vision-language models such as LLaVA; T5, Whisper) models compute
 ``logits = lm_head(hidden)`` (possibly soft-capped, as Gemma 2/3) and then the loss from the
 logits: ``self.loss_function`` (``ForCausalLMLoss``: shift, ``num_items_in_batch``, upcast, then
 ``F.cross_entropy``) or ``CrossEntropyLoss()`` directly (BERT, RoBERTa masked LM). All paths end in
@@ -81,7 +82,7 @@ from .hf_head_compiled import CompiledWindow, LazyLogits
 __all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES", "STEP"]
 
 ATTR = "_leanact_head"
-ELIGIBLE_SUFFIXES = ("ForCausalLM", "ForMaskedLM", "LMHeadModel")
+ELIGIBLE_SUFFIXES = ("ForCausalLM", "ForMaskedLM", "LMHeadModel", "ForConditionalGeneration")
 
 _local = threading.local()
 
