@@ -1,7 +1,8 @@
-"""Vision-language models (LLaVA: a CLIP vision tower, a projector, a Llama language model), patched
-against the unpatched model of identical weights: fp32 loss and every gradient, the fused head
-(``*ForConditionalGeneration``: logits None, the model's own loss with its image-token masking), eval
-and ``generate`` bit-identical, with the images made in the test."""
+"""Vision-language models, patched against the unpatched model of identical weights: LLaVA (a CLIP
+vision tower, a projector, a Llama language model) and Qwen2-VL (a vision tower with 2-D rotary
+embeddings and patch merging, M-RoPE in the language model). fp32 loss and every gradient, the fused
+head (``*ForConditionalGeneration``: logits None, the model's own loss with its image-token masking),
+eval and ``generate`` bit-identical; the images are made in the test."""
 import copy
 import warnings
 
@@ -13,12 +14,12 @@ transformers = pytest.importorskip("transformers")
 import leanact  # noqa: E402
 from _tol import assert_grads_close  # noqa: E402
 
-IMAGE, PATCH, IMAGE_TOKEN = 16, 4, 100
+IMAGE_TOKEN = 100
 
 
 def _llava(attn):
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, image_size=IMAGE, patch_size=PATCH)
+                                           num_attention_heads=4, image_size=16, patch_size=4)
     text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=120)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
@@ -26,51 +27,79 @@ def _llava(attn):
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(cfg).float()
     model.set_attn_implementation(attn)
-    return model
-
-
-def _batch(padding):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 90, (2, 30), generator=g)
-    ids[:, 2:2 + (IMAGE // PATCH) ** 2] = IMAGE_TOKEN  # one image's tokens per sample
+    ids[:, 2:2 + 16] = IMAGE_TOKEN  # one 16x16 image of 4x4 patches per sample
+    return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g))
+
+
+def _qwen2_vl(attn):
+    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
+        pytest.skip(f"no Qwen2-VL in transformers {transformers.__version__}")
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=160, max_position_embeddings=256,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                                     video_token_id=101, vision_start_token_id=102)
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg).float()
+    model.set_attn_implementation(attn)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 90, (2, 24), generator=g)
+    ids[:, 3] = 102
+    ids[:, 4:8] = IMAGE_TOKEN  # 4x4 patches merged 2x2: 4 tokens per image
+    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
+    return model, dict(input_ids=ids, pixel_values=torch.randn(32, 3 * 2 * 4 * 4, generator=g), image_grid_thw=grid,
+                       mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+
+
+MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl}
+
+
+def _with_labels(batch, padding):
+    ids = batch["input_ids"]
     mask = torch.ones_like(ids)
     if padding:
         mask[1, -5:] = 0
-    labels = ids.masked_fill((ids == IMAGE_TOKEN) | (mask == 0), -100)
-    return dict(input_ids=ids, pixel_values=torch.randn(2, 3, IMAGE, IMAGE, generator=g), attention_mask=mask,
-                labels=labels)
+    labels = ids.masked_fill((ids >= IMAGE_TOKEN) | (mask == 0), -100)
+    return dict(batch, attention_mask=mask, labels=labels)
 
 
 def _step(model, batch):
     model.zero_grad(set_to_none=True)
-    out = model(**batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(**batch)
     out.loss.backward()
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_llava_fp32_exact_and_fused(attn, padding):
-    ref = _llava(attn).train()
+@pytest.mark.parametrize("family", MODELS)
+def test_fp32_exact_and_fused(family, attn, padding):
+    ref, batch = MODELS[family](attn)
+    ref.train()
     lean = leanact.patch(copy.deepcopy(ref)).train()
-    batch = _batch(padding)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        (r_out, r_grads), (l_out, l_grads) = _step(ref, batch), _step(lean, batch)
+    batch = _with_labels(batch, padding)
+    (r_out, r_grads), (l_out, l_grads) = _step(ref, batch), _step(lean, batch)
     assert l_out.logits is None and r_out.logits is not None  # the fused head ran
     assert leanact.summary(lean).loss_states[""].fused_calls == 1
     assert abs(l_out.loss - r_out.loss) <= 1e-5 * abs(r_out.loss)
     assert_grads_close(r_grads, l_grads)
-    replaced = {path for path, _, _ in leanact.summary(lean).replaced}
-    assert any(p.startswith("model.vision_tower.") for p in replaced)
-    assert any(p.startswith("model.language_model.") for p in replaced)
+    replaced = [path for path, _, _ in leanact.summary(lean).replaced]
+    tower = "model.vision_tower." if family == "llava" else "model.visual."
+    assert any(p.startswith(tower) for p in replaced) and any(p.startswith("model.language_model.") for p in replaced)
 
 
-def test_llava_eval_and_generate_bit_identical():
-    ref = _llava("sdpa").eval()
+@pytest.mark.parametrize("family", MODELS)
+def test_eval_and_generate_bit_identical(family):
+    ref, batch = MODELS[family]("sdpa")
+    ref.eval()
     lean = leanact.patch(copy.deepcopy(ref)).eval()
-    batch = _batch(False)
-    batch.pop("labels")
+    batch = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
     with torch.no_grad():
         assert torch.equal(ref(**batch).logits, lean(**batch).logits)
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
