@@ -1,6 +1,7 @@
 """Vision-language models, patched against the unpatched model of identical weights: LLaVA (a CLIP
 vision tower, a projector, a Llama language model) and Qwen2-VL (a vision tower with 2-D rotary
-embeddings and patch merging, M-RoPE in the language model). fp32 loss and every gradient, the fused
+embeddings and patch merging, M-RoPE in the language model) and Gemma 3 (a SigLIP tower, image
+tokens attending to each other in a causal language model). fp32 loss and every gradient, the fused
 head (``*ForConditionalGeneration``: logits None, the model's own loss with its image-token masking),
 eval and ``generate`` bit-identical; the images are made in the test."""
 import copy
@@ -55,7 +56,28 @@ def _qwen2_vl(attn):
                        mm_token_type_ids=(ids == IMAGE_TOKEN).long())
 
 
-MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl}
+def _gemma3(attn):
+    if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
+        pytest.skip(f"no Gemma 3 in transformers {transformers.__version__}")
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=16, patch_size=4)
+    text = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=160,
+                                         sliding_window=8)
+    cfg = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
+                                    image_token_index=IMAGE_TOKEN, boi_token_index=101, eoi_token_index=102)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).float()
+    model.set_attn_implementation(attn)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 90, (2, 24), generator=g)
+    ids[:, 3], ids[:, 4:8], ids[:, 8] = 101, IMAGE_TOKEN, 102  # the image's 4 tokens attend to each other
+    return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g),
+                       token_type_ids=(ids == IMAGE_TOKEN).long())
+
+
+MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl, "gemma3": _gemma3}
+TOWERS = {"llava": "model.vision_tower.", "qwen2_vl": "model.visual.", "gemma3": "model.vision_tower."}
 
 
 def _with_labels(batch, padding):
@@ -90,8 +112,8 @@ def test_fp32_exact_and_fused(family, attn, padding):
     assert abs(l_out.loss - r_out.loss) <= 1e-5 * abs(r_out.loss)
     assert_grads_close(r_grads, l_grads)
     replaced = [path for path, _, _ in leanact.summary(lean).replaced]
-    tower = "model.vision_tower." if family == "llava" else "model.visual."
-    assert any(p.startswith(tower) for p in replaced) and any(p.startswith("model.language_model.") for p in replaced)
+    assert any(p.startswith(TOWERS[family]) for p in replaced)
+    assert any(p.startswith("model.language_model.") for p in replaced)
 
 
 @pytest.mark.parametrize("family", MODELS)
