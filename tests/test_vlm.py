@@ -1,7 +1,8 @@
 """Vision-language models, patched against the unpatched model of identical weights: LLaVA (a CLIP
 vision tower, a projector, a Llama language model) and Qwen2-VL (a vision tower with 2-D rotary
 embeddings and patch merging, M-RoPE in the language model) and Gemma 3 (a SigLIP tower, image
-tokens attending to each other in a causal language model). fp32 loss and every gradient, the fused
+tokens attending to each other in a causal language model), PaliGemma (a prefix language model) and
+Idefics3 (SmolVLM's architecture: pixel shuffle, a Llama language model). fp32 loss and every gradient, the fused
 head (``*ForConditionalGeneration``: logits None, the model's own loss with its image-token masking),
 eval and ``generate`` bit-identical; the images are made in the test."""
 import copy
@@ -18,6 +19,15 @@ from _tol import assert_grads_close  # noqa: E402
 IMAGE_TOKEN = 100
 
 
+def _model(cls, cfg, attn, length):
+    """(the model with random weights and ``attn``, a generator for its inputs, 2 x ``length`` token ids)."""
+    torch.manual_seed(0)
+    model = cls(cfg).float()
+    model.set_attn_implementation(attn)
+    g = torch.Generator().manual_seed(1)
+    return model, g, torch.randint(1, 90, (2, length), generator=g)
+
+
 def _llava(attn):
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, image_size=16, patch_size=4)
@@ -25,11 +35,7 @@ def _llava(attn):
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=120)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
                                    projector_hidden_act="gelu", vision_feature_layer=-1)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(cfg).float()
-    model.set_attn_implementation(attn)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 90, (2, 30), generator=g)
+    model, g, ids = _model(transformers.LlavaForConditionalGeneration, cfg, attn, 30)
     ids[:, 2:2 + 16] = IMAGE_TOKEN  # one 16x16 image of 4x4 patches per sample
     return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g))
 
@@ -44,11 +50,7 @@ def _qwen2_vl(attn):
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
     cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
                                      video_token_id=101, vision_start_token_id=102)
-    torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(cfg).float()
-    model.set_attn_implementation(attn)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 90, (2, 24), generator=g)
+    model, g, ids = _model(transformers.Qwen2VLForConditionalGeneration, cfg, attn, 24)
     ids[:, 3] = 102
     ids[:, 4:8] = IMAGE_TOKEN  # 4x4 patches merged 2x2: 4 tokens per image
     grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
@@ -66,18 +68,45 @@ def _gemma3(attn):
                                          sliding_window=8)
     cfg = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
                                     image_token_index=IMAGE_TOKEN, boi_token_index=101, eoi_token_index=102)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).float()
-    model.set_attn_implementation(attn)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 90, (2, 24), generator=g)
+    model, g, ids = _model(transformers.Gemma3ForConditionalGeneration, cfg, attn, 24)
     ids[:, 3], ids[:, 4:8], ids[:, 8] = 101, IMAGE_TOKEN, 102  # the image's 4 tokens attend to each other
     return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g),
                        token_type_ids=(ids == IMAGE_TOKEN).long())
 
 
-MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl, "gemma3": _gemma3}
-TOWERS = {"llava": "model.vision_tower.", "qwen2_vl": "model.visual.", "gemma3": "model.vision_tower."}
+def _paligemma(attn):
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=16, patch_size=4, projection_dim=64)
+    text = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=160)
+    cfg = transformers.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                                       projection_dim=64)
+    model, g, ids = _model(transformers.PaliGemmaForConditionalGeneration, cfg, attn, 30)
+    ids[:, :16] = IMAGE_TOKEN  # the image, then the prefix (bidirectional), then the suffix (causal)
+    kinds = torch.zeros_like(ids)
+    kinds[:, 20:] = 1
+    return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g), token_type_ids=kinds)
+
+
+def _idefics3(attn):
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=4)
+    text = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=160)
+    cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                                      scale_factor=2)
+    model, g, ids = _model(transformers.Idefics3ForConditionalGeneration, cfg, attn, 30)
+    ids[:, 2:6] = IMAGE_TOKEN  # 4x4 patches, pixel-shuffled by 2: 4 tokens per image
+    return model, dict(input_ids=ids, pixel_values=torch.randn(2, 1, 3, 16, 16, generator=g))
+
+
+MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "paligemma": _paligemma, "idefics3": _idefics3}
+#: family -> (the vision tower's path, the language model's path)
+PARTS = {"llava": ("model.vision_tower.", "model.language_model."),
+         "qwen2_vl": ("model.visual.", "model.language_model."),
+         "gemma3": ("model.vision_tower.", "model.language_model."),
+         "paligemma": ("model.vision_tower.", "model.language_model."),
+         "idefics3": ("model.vision_model.", "model.text_model.")}
 
 
 def _with_labels(batch, padding):
@@ -86,6 +115,8 @@ def _with_labels(batch, padding):
     if padding:
         mask[1, -5:] = 0
     labels = ids.masked_fill((ids >= IMAGE_TOKEN) | (mask == 0), -100)
+    if "token_type_ids" in batch and (batch["token_type_ids"] != (ids == IMAGE_TOKEN)).any():  # PaliGemma: the suffix
+        labels = labels.masked_fill(batch["token_type_ids"] == 0, -100)
     return dict(batch, attention_mask=mask, labels=labels)
 
 
@@ -112,8 +143,8 @@ def test_fp32_exact_and_fused(family, attn, padding):
     assert abs(l_out.loss - r_out.loss) <= 1e-5 * abs(r_out.loss)
     assert_grads_close(r_grads, l_grads)
     replaced = [path for path, _, _ in leanact.summary(lean).replaced]
-    assert any(p.startswith(TOWERS[family]) for p in replaced)
-    assert any(p.startswith("model.language_model.") for p in replaced)
+    tower, language = PARTS[family]
+    assert any(p.startswith(tower) for p in replaced) and any(p.startswith(language) for p in replaced)
 
 
 @pytest.mark.parametrize("family", MODELS)
