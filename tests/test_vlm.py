@@ -1,10 +1,14 @@
-"""Vision-language models, patched against the unpatched model of identical weights: LLaVA (a CLIP
-vision tower, a projector, a Llama language model) and Qwen2-VL (a vision tower with 2-D rotary
-embeddings and patch merging, M-RoPE in the language model) and Gemma 3 (a SigLIP tower, image
-tokens attending to each other in a causal language model), PaliGemma (a prefix language model) and
-Idefics3 (SmolVLM's architecture: pixel shuffle, a Llama language model). fp32 loss and every gradient, the fused
-head (``*ForConditionalGeneration``: logits None, the model's own loss with its image-token masking),
-eval and ``generate`` bit-identical; the images are made in the test."""
+"""Vision-language models, patched, against the unpatched model of identical weights:
+
+- LLaVA: a CLIP vision tower, a projector, a Llama language model;
+- Qwen2-VL: a tower with 2-D rotary embeddings and patch merging, M-RoPE in the language model;
+- Qwen2.5-VL: the same with windowed attention in the tower;
+- Gemma 3: a SigLIP tower, image tokens attending to each other in a causal language model;
+- PaliGemma: a prefix language model;
+- Idefics3 (SmolVLM's architecture): pixel shuffle, a Llama language model.
+
+fp32 loss and every gradient, the fused head (``*ForConditionalGeneration``: logits None, the model's
+own loss with its image-token masking), eval and ``generate`` bit-identical; images made in the test."""
 import copy
 import warnings
 
@@ -58,6 +62,24 @@ def _qwen2_vl(attn):
                        mm_token_type_ids=(ids == IMAGE_TOKEN).long())
 
 
+def _qwen2_5_vl(attn):
+    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
+        pytest.skip(f"no Qwen2.5-VL in transformers {transformers.__version__}")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1])
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=160, max_position_embeddings=256,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                                        video_token_id=101, vision_start_token_id=102)
+    model, g, ids = _model(transformers.Qwen2_5_VLForConditionalGeneration, cfg, attn, 40)
+    ids[:, 3] = 102
+    ids[:, 4:20] = IMAGE_TOKEN  # 8x8 patches merged 2x2: 16 tokens; windowed attention in block 0
+    grid = torch.tensor([[1, 8, 8], [1, 8, 8]])
+    return model, dict(input_ids=ids, pixel_values=torch.randn(128, 3 * 2 * 4 * 4, generator=g), image_grid_thw=grid,
+                       mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+
+
 def _gemma3(attn):
     if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
         pytest.skip(f"no Gemma 3 in transformers {transformers.__version__}")
@@ -100,10 +122,12 @@ def _idefics3(attn):
     return model, dict(input_ids=ids, pixel_values=torch.randn(2, 1, 3, 16, 16, generator=g))
 
 
-MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "paligemma": _paligemma, "idefics3": _idefics3}
+MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3,
+          "paligemma": _paligemma, "idefics3": _idefics3}
 #: family -> (the vision tower's path, the language model's path)
 PARTS = {"llava": ("model.vision_tower.", "model.language_model."),
          "qwen2_vl": ("model.visual.", "model.language_model."),
+         "qwen2_5_vl": ("model.visual.", "model.language_model."),
          "gemma3": ("model.vision_tower.", "model.language_model."),
          "paligemma": ("model.vision_tower.", "model.language_model."),
          "idefics3": ("model.vision_model.", "model.text_model.")}
