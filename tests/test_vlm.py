@@ -5,7 +5,8 @@
 - Qwen2.5-VL: the same with windowed attention in the tower;
 - Gemma 3: a SigLIP tower, image tokens attending to each other in a causal language model;
 - PaliGemma: a prefix language model;
-- Idefics3 (SmolVLM's architecture): pixel shuffle, a Llama language model.
+- Idefics3 (SmolVLM's architecture): pixel shuffle, a Llama language model;
+- Mllama (Llama 3.2 Vision): tiles, a language model reading the image through cross-attention layers.
 
 fp32 loss and every gradient, the fused head (``*ForConditionalGeneration``: logits None, the model's
 own loss with its image-token masking), eval and ``generate`` bit-identical; images made in the test."""
@@ -122,15 +123,31 @@ def _idefics3(attn):
     return model, dict(input_ids=ids, pixel_values=torch.randn(2, 1, 3, 16, 16, generator=g))
 
 
+def _mllama(attn):
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
+                  image_size=16, patch_size=4, max_num_tiles=1, intermediate_layers_indices=[0], vision_output_dim=64,
+                  num_channels=3, supported_aspect_ratios=[[1, 1]])
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=160, cross_attention_layers=[1], pad_token_id=0)
+    cfg = transformers.MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+    model, g, ids = _model(transformers.MllamaForConditionalGeneration, cfg, attn, 20)
+    ids[:, 1] = IMAGE_TOKEN  # one tile per image, seen by the text through a cross-attention layer
+    return model, dict(input_ids=ids, pixel_values=torch.randn(2, 1, 1, 3, 16, 16, generator=g),
+                       aspect_ratio_ids=torch.ones(2, 1, dtype=torch.long),
+                       aspect_ratio_mask=torch.ones(2, 1, 1, dtype=torch.long),
+                       cross_attention_mask=torch.ones(2, 20, 1, 1, dtype=torch.long))
+
+
 MODELS = {"llava": _llava, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3,
-          "paligemma": _paligemma, "idefics3": _idefics3}
+          "paligemma": _paligemma, "idefics3": _idefics3, "mllama": _mllama}
 #: family -> (the vision tower's path, the language model's path)
 PARTS = {"llava": ("model.vision_tower.", "model.language_model."),
          "qwen2_vl": ("model.visual.", "model.language_model."),
          "qwen2_5_vl": ("model.visual.", "model.language_model."),
          "gemma3": ("model.vision_tower.", "model.language_model."),
          "paligemma": ("model.vision_tower.", "model.language_model."),
-         "idefics3": ("model.vision_model.", "model.text_model.")}
+         "idefics3": ("model.vision_model.", "model.text_model."),
+         "mllama": ("model.vision_model.", "model.language_model.")}
 
 
 def _with_labels(batch, padding):
