@@ -77,6 +77,31 @@ def test_a_forked_part_that_dies_without_results_and_its_environment():
     assert "X_ENV" not in __import__("os").environ  # the child's environment only
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+def test_an_interrupted_smoke_run_leaves_no_forked_part_behind(monkeypatch):
+    """Ctrl-C while a forked part runs: the part is killed and reaped, not left running."""
+    import os
+
+    pids, fork = [], os.fork
+
+    def recording_fork():
+        pid = fork()
+        if pid:
+            pids.append(pid)
+        return pid
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fork", recording_fork)
+    monkeypatch.setattr(common.time, "sleep", interrupt)  # the parent's wait, interrupted at once
+    with pytest.raises(KeyboardInterrupt):
+        common.run_forked(lambda: next(iter(int, 1)), 60, {})  # a part that never ends
+    assert len(pids) == 1
+    with pytest.raises(ChildProcessError):  # killed and reaped already
+        os.waitpid(pids[0], os.WNOHANG)
+
+
 def test_markdown_of_an_empty_failed_part():
     md = common.markdown({"device": "d", "date": "x"}, {"ops": {"status": "failed", "notes": ["no CUDA"]}})
     assert "### Per-op forward+backward time (ms, median) — failed" in md and "(no rows)" in md and "- no CUDA" in md

@@ -281,16 +281,18 @@ def run_forked(fn, limit_s: float, env: dict) -> tuple[str | None, str]:
                 sys.stderr.flush()
                 os._exit(code)
         deadline = time.monotonic() + limit_s
-        status = "timeout"
-        while time.monotonic() < deadline:
-            done, code = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = None if os.waitstatus_to_exitcode(code) == 0 else "failed"
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        status, running = "timeout", True
+        try:
+            while time.monotonic() < deadline:
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status, running = None if os.waitstatus_to_exitcode(code) == 0 else "failed", False
+                    break
+                time.sleep(0.05)
+        finally:  # past its limit, or this process interrupted (Ctrl-C): the child goes too
+            if running:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         log.seek(0)
         return status, log.read().decode(errors="replace")[-4000:]
 
