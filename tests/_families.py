@@ -13,6 +13,7 @@ transformers = __import__("pytest").importorskip("transformers")
 T = transformers
 
 V = 96  # vocabulary of every text model
+IMAGE_TOKEN = V - 1  # the vision-language models' image token (text ids stay below it)
 S = 10  # text length
 H, L, HEADS = 32, 2, 4
 
@@ -90,6 +91,12 @@ def _configs():
                              vocab_size=V, max_position_embeddings=S, bos_token_id=0, eos_token_id=1, pad_token_id=1),
             vision_config=dict(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=HEADS,
                                image_size=16, patch_size=8), projection_dim=16), "CLIPModel", "clip"),
+        # vision-language: a CLIP tower (16x16 images of 8x8 patches: 4 image tokens), a Llama language model
+        "llava": (lambda: T.LlavaConfig(
+            vision_config=T.CLIPVisionConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L,
+                                             num_attention_heads=HEADS, image_size=16, patch_size=8),
+            text_config=_dec(T.LlamaConfig), image_token_id=IMAGE_TOKEN, vision_feature_layer=-1),
+            "LlavaForConditionalGeneration", "vlm"),
         "t5": (lambda: T.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=64, num_layers=L, num_heads=HEADS,
                                   feed_forward_proj="gated-gelu"),
                "T5ForConditionalGeneration", "seq2seq"),
@@ -167,10 +174,14 @@ def batch(family: str, padding: str = "none", seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     k = kind(family)
     b = 4 if k == "clip" else 2  # a contrastive loss over 2 pairs is too degenerate to compare roundings
-    ids = torch.randint(3, V, (b, S), generator=g)
+    ids = torch.randint(3, V - 1, (b, S), generator=g)
     mask = _mask(b, S, padding)
     out = {}
-    if k in ("mlm", "clm"):
+    if k == "vlm":  # one image per sample, its 4 tokens after the first; the model's loss skips none of them
+        ids[:, 1:5] = IMAGE_TOKEN
+        out = dict(input_ids=ids, pixel_values=torch.randn(b, 3, 16, 16, generator=g),
+                   labels=ids.masked_fill(ids == IMAGE_TOKEN, -100))
+    elif k in ("mlm", "clm"):
         out = dict(input_ids=ids, labels=ids.clone())
         if k == "mlm":
             out["labels"][torch.rand(b, S, generator=g) < 0.5] = -100

@@ -198,3 +198,20 @@ def test_eval_and_generate_bit_identical(family):
         assert torch.equal(ref(**batch).logits, lean(**batch).logits)
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(ref.generate(**batch, **kw), lean.generate(**batch, **kw))
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_lora_gradients_exact(family):
+    """PEFT LoRA on every linear layer (tower, projector, language model): patched after
+    ``get_peft_model``, the loss and every LoRA gradient as the unpatched LoRA model's (fp32)."""
+    peft = pytest.importorskip("peft")
+    base, batch = MODELS[family]("sdpa")
+    batch = _with_labels(batch, True)
+    torch.manual_seed(3)  # init_lora_weights=False: random B, so that A's gradient is not zero
+    cfg = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    ref = peft.get_peft_model(base.train(), cfg)
+    lean = leanact.patch(copy.deepcopy(ref))
+    (r_out, r_grads), (l_out, l_grads) = _step(ref, batch), _step(lean, batch)
+    assert l_out.logits is None and abs(l_out.loss - r_out.loss) <= 1e-5 * abs(r_out.loss)
+    assert r_grads and all("lora_" in name for name in r_grads)
+    assert_grads_close(r_grads, l_grads)

@@ -53,5 +53,5 @@ FAMILIES: dict[str, str] = {
     "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "olmo2": "OLMo 2",
     "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS",
     "bloom": "Bloom", "falcon": "Falcon", "t5": "T5", "bart": "BART", "whisper": "Whisper",
-    "vit": "ViT", "clip": "CLIP",
+    "vit": "ViT", "clip": "CLIP", "llava": "LLaVA",
 }
