@@ -94,7 +94,8 @@ def test_an_interrupted_smoke_run_leaves_no_forked_part_behind(monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "fork", recording_fork)
-    monkeypatch.setattr(common.time, "sleep", interrupt)  # the parent's wait, interrupted at once
+    # the parent's wait, interrupted at once (common's own view of the time module: other threads keep theirs)
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(monotonic=common.time.monotonic, sleep=interrupt))
     with pytest.raises(KeyboardInterrupt):
         common.run_forked(lambda: next(iter(int, 1)), 60, {})  # a part that never ends
     assert len(pids) == 1

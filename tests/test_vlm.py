@@ -45,40 +45,40 @@ def _llava(attn):
     return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g))
 
 
+def _qwen_vl(name, vision, patches):
+    """Qwen2-VL or Qwen2.5-VL (``name``) with the ``vision`` config, one image of ``patches`` x ``patches``
+    patches per sample (merged 2x2 into tokens), M-RoPE in the language model."""
+    if not hasattr(transformers, f"{name}ForConditionalGeneration"):
+        pytest.skip(f"no {name} in transformers {transformers.__version__}")
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=160, max_position_embeddings=256,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    cfg = getattr(transformers, f"{name}Config")(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                                                 video_token_id=101, vision_start_token_id=102)
+    tokens = patches * patches // 4
+    return cfg, tokens, torch.tensor([[1, patches, patches]] * 2)
+
+
+def _qwen_vl_model(name, vision, patches, attn, length):
+    cfg, tokens, grid = _qwen_vl(name, vision, patches)
+    model, g, ids = _model(getattr(transformers, f"{name}ForConditionalGeneration"), cfg, attn, length)
+    ids[:, 3] = 102
+    ids[:, 4:4 + tokens] = IMAGE_TOKEN
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)  # (t=2) x 4x4-pixel patches
+    return model, dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+
+
 def _qwen2_vl(attn):
-    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
-        pytest.skip(f"no Qwen2-VL in transformers {transformers.__version__}")
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=160, max_position_embeddings=256,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-    cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
-                                     video_token_id=101, vision_start_token_id=102)
-    model, g, ids = _model(transformers.Qwen2VLForConditionalGeneration, cfg, attn, 24)
-    ids[:, 3] = 102
-    ids[:, 4:8] = IMAGE_TOKEN  # 4x4 patches merged 2x2: 4 tokens per image
-    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
-    return model, dict(input_ids=ids, pixel_values=torch.randn(32, 3 * 2 * 4 * 4, generator=g), image_grid_thw=grid,
-                       mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+    return _qwen_vl_model("Qwen2VL", vision, 4, attn, 24)
 
 
-def _qwen2_5_vl(attn):
-    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
-        pytest.skip(f"no Qwen2.5-VL in transformers {transformers.__version__}")
+def _qwen2_5_vl(attn):  # windowed attention in block 0 (8x8 patches, windows of 16 pixels)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1])
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=160, max_position_embeddings=256,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-    cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
-                                        video_token_id=101, vision_start_token_id=102)
-    model, g, ids = _model(transformers.Qwen2_5_VLForConditionalGeneration, cfg, attn, 40)
-    ids[:, 3] = 102
-    ids[:, 4:20] = IMAGE_TOKEN  # 8x8 patches merged 2x2: 16 tokens; windowed attention in block 0
-    grid = torch.tensor([[1, 8, 8], [1, 8, 8]])
-    return model, dict(input_ids=ids, pixel_values=torch.randn(128, 3 * 2 * 4 * 4, generator=g), image_grid_thw=grid,
-                       mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+    return _qwen_vl_model("Qwen2_5_VL", vision, 8, attn, 40)
 
 
 def _gemma3(attn):
@@ -183,7 +183,9 @@ def test_fp32_exact_and_fused(family, attn, padding):
     assert leanact.summary(lean).loss_states[""].fused_calls == 1
     assert abs(l_out.loss - r_out.loss) <= 1e-5 * abs(r_out.loss)
     assert_grads_close(r_grads, l_grads)
-    replaced = [path for path, _, _ in leanact.summary(lean).replaced]
+    summary = leanact.summary(lean)
+    assert summary.attention and all(after.startswith("leanact") for _, _, after in summary.attention)  # towers too
+    replaced = [path for path, _, _ in summary.replaced]
     tower, language = PARTS[family]
     assert any(p.startswith(tower) for p in replaced) and any(p.startswith(language) for p in replaced)
 
