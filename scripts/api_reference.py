@@ -55,6 +55,8 @@ CONSTANTS = {
                                      "`offload+recompute`, `full`, `lossy:*`)",
     "leanact.lossy.OPTIONS": "the option names of `lossy=`: `fewbit`, `randomized_linear`, `compress`",
     "leanact.parallel.SUPPORTED": "layer class names `parallelize` knows, and the plan it applies to each",
+    "leanact.parallel.SUPPORTED_CONTEXT": "model types `context_parallel` takes, and how each one's head reads its "
+                                          "labels (causal: shifted, masked: as they are)",
 }
 
 

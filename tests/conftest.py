@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 #: test module -> (function running its distributed cases, seconds they may take on 2 loaded cores)
-DISTRIBUTED = {"test_parallel_fsdp": ("_all", 170), "test_parallel_gpt2": ("_all_cases", 150),
-               "test_parallel_tp": ("_all_cases", 150)}
+DISTRIBUTED = {"test_parallel_context": ("_all", 150), "test_parallel_fsdp": ("_all", 170),
+               "test_parallel_gpt2": ("_all_cases", 150), "test_parallel_tp": ("_all_cases", 150)}
 
 
 @pytest.fixture(scope="session")

@@ -26,12 +26,14 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
+from .context import SUPPORTED_CONTEXT, SequenceExchange, average_gradients, context_parallel
 from .dropout import SequenceShardedDropout, ShardedDropoutStyle, fork_rng_per_rank
 from .norm import LocalSequenceParallel
 from .plans import SUPPORTED, GatherSequence, PrepareFirstInput, detect, layer_plan, stack_entry_exit
 from .regather import RegatherTransform
 
-__all__ = ["parallelize", "SUPPORTED", "LocalSequenceParallel", "SequenceShardedDropout",
+__all__ = ["parallelize", "context_parallel", "average_gradients", "SequenceExchange", "SUPPORTED_CONTEXT",
+           "SUPPORTED", "LocalSequenceParallel", "SequenceShardedDropout",
            "ShardedDropoutStyle", "PrepareFirstInput", "GatherSequence", "RegatherTransform", "fork_rng_per_rank"]
 
 

@@ -60,8 +60,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..ops.attention import attention as _lean_attention
 from ..ops.attention.masked_rows import EagerMaskedRows
 
-__all__ = ["NAME", "ATTR", "register", "leanact_attention_forward", "set_config_state", "config_state",
-           "module_state", "accept_output_attentions", "release_config"]
+__all__ = ["NAME", "ATTR", "EXCHANGE", "local_masks_off", "register", "leanact_attention_forward", "set_config_state",
+           "config_state", "module_state", "accept_output_attentions", "release_config"]
 
 NAME = "leanact"
 _UNSUPPORTED_KWARGS = ("sliding_window_pattern",)
@@ -114,10 +114,51 @@ def module_state(module) -> _ConfigState | None:
 def register() -> None:
     """Register ``"leanact"`` with transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, leanact_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, _mask)
+
+
+# ---- context parallelism (leanact.parallel.context): the exchange protocol, the model's own masks off ----
+#: The keyword argument that carries a context-parallel exchange from the model's call down to each
+#: attention call (transformers passes a model's extra keyword arguments to its attention functions,
+#: and torch.utils.checkpoint keeps them for the recompute).
+EXCHANGE = "leanact_context_parallel"
+_CORE = "_leanact_core"  # (internal) leanact's core for this call, whatever the grad mode
+_LOCAL_MASKS_OFF = [0]  # > 0 while a context-parallel forward runs (a list: read by Dynamo as a guarded global)
+
+
+def _mask(*args, **kwargs):
+    """transformers' ``sdpa_mask``; None while a context-parallel forward runs: the model would build
+    its mask for the local shard only, which the exchange replaces with the whole sequence's."""
+    if _LOCAL_MASKS_OFF[0]:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def local_masks_off(on: bool) -> None:
+    """Enter (True) or leave (False) a context-parallel forward (nested calls counted)."""
+    _LOCAL_MASKS_OFF[0] = max(0, _LOCAL_MASKS_OFF[0] + (1 if on else -1))
+
+
+def _exchanged(exchange, module, query, key, value, dropout, scaling, is_causal, kwargs):
+    """Context parallelism: ``exchange`` (see :mod:`leanact.parallel.context`) turns q, k, v of the local
+    sequence shard and every head into the whole sequence of this rank's heads (all-to-all), the
+    attention runs on that with the whole sequence's mask, and the output goes back (all-to-all)."""
+    if _weights_requested(kwargs):
+        raise ValueError("leanact.parallel.context_parallel: output_attentions is not supported "
+                         "(each rank holds a share of the heads); call the model without it")
+    causal = _causal(module, is_causal, exchange.length)
+    query, key, value = exchange.gather(query, key, value)
+    mask = exchange.mask(causal, kwargs.get("sliding_window"), query.device)
+    # leanact's core for every call, with or without autograd: after repeating key/value heads the
+    # group ratio is not the module's, which the model's own functions would use (num_key_value_groups)
+    out, _ = leanact_attention_forward(module, query, key, value, mask, dropout, scaling, is_causal, **kwargs,
+                                       **{_CORE: True})
+    return exchange.scatter(out), None
 
 
 # ---- configs that accept output_attentions where the original implementation does (module doc) ----
@@ -316,6 +357,10 @@ def leanact_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``AttentionInterface`` function: q, k, v (b, H, s, d) -> ((b, s, H, d) output, weights or None)."""
+    exchange = kwargs.pop(EXCHANGE, None)
+    if exchange is not None:
+        return _exchanged(exchange, module, query, key, value, dropout, scaling, is_causal, kwargs)
+    core = kwargs.pop(_CORE, False)
     state = module_state(module)
     original = state.original if state is not None else "sdpa"
     mode = state.mode if state is not None else "recompute"
@@ -325,7 +370,7 @@ def leanact_attention_forward(
     # Without dropout, no-autograd calls use the original implementation (bit-identical inference).
     # With dropout they stay on leanact's core: the first forward of a reentrant checkpoint runs
     # without autograd and the recompute with it, and both must draw the same dropout mask.
-    if not needs_grad and not dropout:
+    if not needs_grad and not dropout and not core:
         return _original(original, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     bias = kwargs.pop("position_bias", None)
     if bias is not None:  # T5's relative position bias: an additive (learned) mask for the core

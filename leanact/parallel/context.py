@@ -1,0 +1,329 @@
+"""Context parallelism (DeepSpeed-Ulysses): the sequence split over ranks, attention by all-to-all.
+
+>>> model = leanact.parallel.context_parallel(leanact.patch(model), group)   # every rank
+>>> loss = model(input_ids=ids, labels=ids).loss      # the same full batch on every rank
+>>> loss.backward(); leanact.parallel.average_gradients(model, group); opt.step()
+
+Each of the P ranks of ``group`` runs the model on its contiguous 1/P of the sequence: embeddings,
+norms, MLPs, residual adds and the (fused) head on s/P tokens. Attention needs every token, so
+around each attention call (:func:`leanact.patching.attention_hf` with the exchange in its keyword
+arguments) q, k and v go through an all-to-all from (all heads, s/P tokens) to (H/P heads, all s
+tokens), leanact's attention runs on that with the whole sequence's mask, and its output goes back
+by the inverse all-to-all. Nothing is gathered whole: per rank the layer keeps what the
+single-process layer keeps at s/P tokens (the exchanged q, k, v, output are H/P heads × s tokens,
+the same bytes). Key/value heads that do not divide by P are repeated to lcm(Hkv, P) first.
+
+The wrapped ``forward`` takes the full batch (every rank the same, as for tensor parallelism), cuts
+each rank's shard (``input_ids``/``inputs_embeds``, ``position_ids``, ``token_type_ids``,
+``labels``) and keeps the whole-sequence ``attention_mask`` (padding) and the ``position_ids``
+restarts (packed sequences, always kept apart) for the attention masks. The loss is exact: a causal
+LM gets its labels shifted over the whole sequence before the cut (``shift_labels``) and the global
+count of predicted tokens as ``num_items_in_batch`` (the caller's, when given, is respected); a
+masked LM's per-rank mean is reweighted by its count. The returned ``loss`` is the global loss on
+every rank; its gradient on each rank is P times that rank's share, so the *average* of the ranks'
+gradients is the exact gradient: what DDP and FSDP2 compute over a group that includes the
+context-parallel ranks, or :func:`average_gradients` alone. Logits (when not fused away) and hidden
+states come back for the rank's own tokens.
+
+Dropout: every rank draws from a generator forked per rank (a synchronised draw mixed with the
+rank) inside the forward, so ranks drop independently; torch.utils.checkpoint's recompute redraws
+the same masks. The masks are not the single-process model's.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.random import draw_seed
+from ..patching.attention_hf import EXCHANGE, NAME, local_masks_off
+from ..recompute.context_forward import ContextForward
+from .dropout import _generator_state, _mix
+
+__all__ = ["context_parallel", "average_gradients", "SequenceExchange", "SUPPORTED_CONTEXT"]
+
+#: config.model_type -> how the model's head reads its labels ("causal": shifted, "masked": as they are)
+SUPPORTED_CONTEXT = {"llama": "causal", "mistral": "causal", "qwen2": "causal", "qwen3": "causal",
+                     "gpt2": "causal", "bert": "masked"}
+_SHARDED = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids", "labels")
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``x`` in P pieces along ``scatter_dim``, send piece j to rank j, and join the pieces
+    received from ranks 0..P-1 along ``gather_dim``."""
+    p = dist.get_world_size(group)
+    send = x.unflatten(scatter_dim, (p, -1)).movedim(scatter_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all with autograd (its adjoint is the inverse all-to-all); keeps nothing."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.args = (group, scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        group, scatter_dim, gather_dim = ctx.args
+        return _all_to_all(dy, group, gather_dim, scatter_dim), None, None, None
+
+
+def _packed(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Sequence number of each token where ``position_ids`` restart inside a row (packed
+    sequences, as transformers finds them), else None."""
+    if position_ids is None:
+        return None
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    starts = step != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts.cumsum(-1)
+
+
+class SequenceExchange:
+    """One forward's exchange: q, k, v of the local shard ↔ this rank's heads of the whole
+    sequence (:meth:`gather`, :meth:`scatter`), and the whole sequence's attention mask
+    (:meth:`mask`, made once per kind and shared by the layers). ``padding`` (b, s) bool, True =
+    a real token; ``segments`` (b, s) the packed-sequence number of each token."""
+
+    def __init__(self, group, length: int, padding: torch.Tensor | None, segments: torch.Tensor | None):
+        self.group, self.length, self.padding, self.segments = group, length, padding, segments
+        self.size = dist.get_world_size(group)
+        self._masks: dict = {}
+
+    def gather(self, q, k, v):
+        """(b, H, s/P, d) each -> (b, H/P, s, d); key/value heads repeated to a multiple of P first."""
+        repeat = self.size // math.gcd(k.shape[1], self.size)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        return tuple(_AllToAll.apply(x, self.group, 1, 2) for x in (q, k, v))
+
+    def scatter(self, out):
+        """The attention output (b, s, H/P, d) -> (b, s/P, H, d)."""
+        return _AllToAll.apply(out, self.group, 1, 2)
+
+    def mask(self, causal: bool, window: int | None, device) -> torch.Tensor | None:
+        """(b, 1, s, s) bool, True = attend (transformers' rules: causal, sliding window
+        ``j > i - window``, padded keys, packed sequences apart); None where ``is_causal`` or no
+        mask says it all."""
+        s = self.length
+        window = window if causal and window is not None and window < s else None
+        if self.padding is None and self.segments is None and window is None:
+            return None
+        key = (causal, window)
+        if key not in self._masks:
+            i = torch.arange(s, device=device)
+            allowed = (i[None, :] <= i[:, None]) if causal else torch.ones(s, s, dtype=torch.bool, device=device)
+            if window is not None:
+                allowed = allowed & (i[None, :] > i[:, None] - window)
+            allowed = allowed[None, None]
+            if self.segments is not None:
+                seg = self.segments.to(device)
+                allowed = allowed & (seg[:, None, :, None] == seg[:, None, None, :])
+            if self.padding is not None:
+                allowed = allowed & self.padding.to(device)[:, None, None, :]
+            self._masks[key] = allowed
+        return self._masks[key]
+
+
+class _GlobalLoss(torch.autograd.Function):
+    """Forward: the all-reduced ``total``; backward: P × the gradient to the rank's ``part``."""
+
+    @staticmethod
+    def forward(ctx, part, total, size):
+        ctx.size = size
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.size, None, None
+
+
+def _heads(config) -> tuple[int, int]:
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def _attention_implementations(model: nn.Module) -> set:
+    """The attention implementations named by the configs of ``model``'s modules."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    return {c._attn_implementation for c in configs.values() if hasattr(c, "_attn_implementation")}
+
+
+def _check(model: nn.Module, size: int) -> str | None:
+    """What :func:`context_parallel` refuses (module doc); returns how the model's head reads its
+    labels ("causal", "masked") or None for a model without an LM head."""
+    if isinstance(model.__dict__.get("forward"), _ContextForward):
+        raise ValueError("leanact.parallel.context_parallel: the model is already context-parallel")
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_CONTEXT:
+        raise ValueError(f"leanact.parallel.context_parallel: model type {family!r} is not supported; supported: "
+                         f"{', '.join(sorted(SUPPORTED_CONTEXT))} (their label and position handling is tested)")
+    kind = SUPPORTED_CONTEXT[family]
+    name = type(model).__name__
+    head = ("causal" if name.endswith(("ForCausalLM", "LMHeadModel")) else
+            "masked" if name.endswith("ForMaskedLM") else None)
+    if head is not None and head != kind:
+        raise ValueError(f"leanact.parallel.context_parallel: {name} is not supported (a {kind} LM head is)")
+    implementations = _attention_implementations(model)
+    if implementations != {NAME}:
+        raise ValueError("leanact.parallel.context_parallel: patch the model first (model = leanact.patch(model)): "
+                         f"its attention must be leanact's, found {sorted(map(str, implementations))}")
+    heads, _ = _heads(config)
+    if heads % size:
+        raise ValueError(f"leanact.parallel.context_parallel: {heads} attention heads do not divide by the "
+                         f"group size {size}; use a group whose size divides the head count")
+    return head
+
+
+def context_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Run ``model`` (patched by :func:`leanact.patch`) context-parallel over ``group`` (default:
+    the world); returns ``model``, whose ``forward`` now takes the full batch (module doc).
+
+    Raises ValueError for a model that is not patched, of an unsupported family
+    (:data:`SUPPORTED_CONTEXT`), already context-parallel, or whose attention heads do not divide
+    by the group size.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("leanact.parallel.context_parallel: initialise torch.distributed first "
+                         "(torch.distributed.init_process_group, e.g. under torchrun)")
+    size = dist.get_world_size(group)
+    head = _check(model, size)
+    config = model.config
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+        float(getattr(config, a, 0) or 0) > 0 for a in ("attention_dropout", "attention_probs_dropout_prob",
+                                                          "attn_pdrop"))
+    wrapper = _ContextForward(model, group, head, dropout, model.__dict__.get("forward"))
+    model.__dict__["forward"] = wrapper
+    return model
+
+
+class _ContextForward(ContextForward):
+    """The model's ``forward`` (set on the instance): the full batch in, the rank's shard run with
+    the exchange, the global loss out; the model's local masks are off and the generator forked
+    inside ``try``/``finally`` (nothing leaks on an exception or ``KeyboardInterrupt``)."""
+
+    def __init__(self, module, group, head, dropout, previous):
+        super().__init__(module, None, previous)
+        self.group, self.head, self.dropout = group, head, dropout
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def __call__(self, *args, **kwargs):
+        forward = self._forward()
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+        call = dict(bound.arguments)
+        for name, p in inspect.signature(forward).parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(call.pop(name, {}))
+            elif p.kind is inspect.Parameter.VAR_POSITIONAL and call.get(name):
+                raise TypeError("leanact.parallel.context_parallel: pass the model's inputs by keyword")
+        call, reduce = self._shard(call, "use_cache" in inspect.signature(forward).parameters)
+        local_masks_off(True)
+        fork = self.dropout and self.module.training
+        if fork:
+            device = next(self.module.parameters()).device
+            state, restore, seed = _generator_state(device)
+            seed(_mix(int(draw_seed(device)), self.rank))
+        try:
+            output = forward(**call)
+        finally:
+            local_masks_off(False)
+            if fork:
+                restore(state)
+        return self._loss(output, *reduce)
+
+    def _shard(self, call: dict, takes_use_cache: bool):
+        if call.get("past_key_values") is not None:
+            raise ValueError("leanact.parallel.context_parallel: a KV cache (past_key_values) is not supported; "
+                             "generate with the model outside context parallelism")
+        mask = call.pop("attention_mask", None)
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("leanact.parallel.context_parallel: give attention_mask as (batch, seq) padding "
+                             f"(1 = token, 0 = padding), got {mask.dim()}-D")
+        tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("leanact.parallel.context_parallel: pass input_ids or inputs_embeds")
+        b, s = tokens.shape[:2]
+        if s % self.size:
+            raise ValueError(f"leanact.parallel.context_parallel: sequence length {s} does not divide by the "
+                             f"group size {self.size}; pad the batch to a multiple of {self.size}")
+        positions = call.get("position_ids")
+        segments = _packed(positions)
+        if positions is None:
+            positions = torch.arange(s, device=tokens.device)[None]
+        call["position_ids"] = positions.expand(b, s) if positions.shape[0] == 1 else positions
+        padding = None if mask is None or bool(mask.all()) else mask.bool()
+        exchange = SequenceExchange(self.group, s, padding, segments)
+        labels, reduce = call.get("labels"), (None, None)
+        if labels is not None and self.head is not None:
+            if self.head == "causal":
+                shifted = call.pop("shift_labels", None)
+                if shifted is None:
+                    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+                labels = shifted
+                call["shift_labels"] = shifted  # the loss reads these (transformers' ForCausalLMLoss)
+            count = call.pop("num_items_in_batch", None)
+            count = (labels != -100).sum() if count is None else torch.as_tensor(count, device=labels.device)
+            if self.head == "causal":
+                call["num_items_in_batch"] = count  # each rank's loss: its sum / the global count
+            call["labels"] = labels
+            reduce = (count, None)
+        lo, hi = self.rank * (s // self.size), (self.rank + 1) * (s // self.size)
+        for key in _SHARDED:
+            if call.get(key) is not None and call[key].dim() >= 2 and call[key].shape[1] == s:
+                call[key] = call[key][:, lo:hi]
+        if "shift_labels" in call:  # the same tensor as labels (one copy); transformers views it flat
+            call["labels"] = call["shift_labels"] = call["labels"].contiguous()
+        elif call.get("labels") is not None:
+            call["labels"] = call["labels"].contiguous()
+        if self.head == "masked" and reduce[0] is not None:
+            reduce = (reduce[0], (call["labels"] != -100).sum())
+        if takes_use_cache:
+            call["use_cache"] = False
+        call[EXCHANGE] = exchange
+        return call, reduce
+
+    def _loss(self, output, count, local):
+        loss = output.get("loss") if isinstance(output, dict) else (output[0] if isinstance(output, tuple) else None)
+        if count is None or loss is None:
+            return output
+        if local is not None:  # a masked LM's mean over its own tokens, as a share of the global mean
+            part = torch.where(local > 0, loss * local, torch.zeros_like(loss)) / count
+        else:  # a causal LM's sum over its tokens / the global count
+            part = loss
+        total = part.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        loss = _GlobalLoss.apply(part, total, self.size)
+        if isinstance(output, dict):
+            output["loss"] = loss
+            return output
+        return (loss, *output[1:])
+
+
+def average_gradients(model: nn.Module, group=None) -> None:
+    """Average the gradients of ``model``'s trainable parameters over ``group`` in place (one
+    all-reduce per dtype and device): the exact gradient of a context-parallel step, for a script
+    without DDP or FSDP. A trainable parameter without a gradient counts as zeros."""
+    size = dist.get_world_size(group)
+    buckets: dict = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,313 @@
+"""leanact.parallel.context_parallel (Ulysses): patched HF models on 2 and 4 CPU ranks (gloo).
+
+Each rank builds the same model (same seed), keeps a single-process copy as the reference and
+runs the other context-parallel on the same full batch: the loss (the global one, on every rank)
+and every parameter gradient (averaged over the ranks) equal the single-process step's (fp32,
+1e-5). Causal references run with ``use_cache=False``: transformers then keeps packed sequences
+apart, as context parallelism always does.
+"""
+import copy
+import traceback
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from _dist import distributed_results, spawn  # noqa: E402
+from test_parallel_tp import grad_errors, rel  # noqa: E402
+
+# slow: the first test waits for every module's distributed cases (tests/conftest.py)
+# one xdist worker for every distributed module: one pair of gloo processes (tests/conftest.py)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.xdist_group("distributed")]
+
+TOL = 1e-5
+V = 100
+
+
+def build(family, *, heads=4, kv_heads=2, hidden=64, fused_loss=True, window=None, dropout=0.0):
+    import leanact
+
+    torch.manual_seed(0)
+    T = transformers
+    common = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=96,
+                  vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa")
+    if family == "bert":
+        model = T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                                               **common))
+    elif family == "gpt2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=heads, vocab_size=V, n_positions=64,
+                                               resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                               attn_implementation="sdpa", loss_type="ForCausalLM"))
+    else:
+        cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+               "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM), "mistral": (T.MistralConfig, T.MistralForCausalLM)}
+        config_cls, model_cls = cls[family]
+        extra = {"head_dim": 16} if family == "qwen3" else {}
+        if family == "mistral":
+            extra["sliding_window"] = window
+        model = model_cls(config_cls(num_key_value_heads=kv_heads, attention_dropout=dropout, **extra, **common))
+    with torch.no_grad():  # non-trivial norm weights and biases (HF initialises them to 1 and 0)
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return leanact.patch(model, fused_loss=fused_loss).train()
+
+
+def batch(family, layout, b=2, s=16):
+    """``layout``: "plain", "padding" (right padding in row 1, left padding in row 0 for causal
+    models), "packed" (position_ids restarting inside each row, no attention mask)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (b, s), generator=g)
+    out = dict(input_ids=ids)
+    if layout == "padding":
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[1, s - 5:] = 0
+        if family != "bert":
+            mask[0, :3] = 0
+        out["attention_mask"] = mask
+    if layout == "packed":
+        out["position_ids"] = torch.cat([torch.arange(5), torch.arange(s - 5)]).expand(b, s).clone()
+        out["position_ids"][1] = torch.cat([torch.arange(11), torch.arange(s - 11)])
+    if family == "bert":
+        labels = torch.where(torch.rand(b, s, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+        labels[:, s // 2:] = -100  # the second rank's (of 2) tokens have no label at all
+        labels[0, 0] = ids[0, 0]
+    else:
+        labels = ids.clone()
+        if "attention_mask" in out:
+            labels = labels.masked_fill(out["attention_mask"] == 0, -100)
+    out["labels"] = labels
+    return out
+
+
+def _checkpointing(model, reentrant):
+    """transformers' activation checkpointing."""
+    with warnings.catch_warnings():  # (transformers 5.24 renames it; 5.17 has only this name)
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
+def _ref_call(family, model, data, **kw):
+    return model(**data, **kw) if family == "bert" else model(**data, use_cache=False, **kw)
+
+
+def _compare(world, rank, family, layout, *, recompute=None, wrap=None, count=None, fused_loss=True, **kw):
+    import torch.distributed as dist
+
+    import leanact.parallel
+
+    model = build(family, fused_loss=fused_loss, **kw)
+    ref = copy.deepcopy(model)
+    data = batch(family, layout)
+    extra = {} if count is None else {"num_items_in_batch": torch.tensor(count)}
+    want = _ref_call(family, ref, data, **extra)
+    want.loss.backward()
+    if recompute in ("hf", "hf-reentrant"):
+        _checkpointing(model, reentrant=recompute == "hf-reentrant")
+    elif recompute is not None:
+        import leanact.strategies
+
+        leanact.strategies.uniform(model, recompute).apply(model)
+    leanact.parallel.context_parallel(model)
+    run = model
+    if wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        run = DistributedDataParallel(model)
+    out = run(**data, **extra)
+    out.loss.backward()
+    if wrap is None:
+        leanact.parallel.average_gradients(model)
+    result = {"loss": rel(out.loss.detach(), want.loss.detach()), **grad_errors(model, ref)}
+    if not fused_loss:  # this rank's logits: its slice of the single-process logits
+        s = data["input_ids"].shape[1] // world
+        result["logits"] = rel(out.logits.detach(), want.logits.detach()[:, rank * s:(rank + 1) * s])
+    with torch.no_grad():  # evaluation: the global loss too
+        model.eval(), ref.eval()
+        result["eval_loss"] = rel(model(**data).loss, _ref_call(family, ref, data).loss)
+    dist.barrier()
+    return result
+
+
+def _memory(world, rank, family):
+    """Bytes this rank keeps for backward = what one process keeps for the rank's s/P tokens."""
+    import leanact.parallel
+    from leanact.memory import SavedTensorMeter
+
+    model = build(family)
+    single = copy.deepcopy(model)
+    data = batch(family, "plain")
+    b, s = data["input_ids"].shape
+    lo, hi = rank * s // world, (rank + 1) * s // world
+    shifted = torch.nn.functional.pad(data["labels"][:, 1:], (0, 1), value=-100)
+    # what the rank's shard is given: its tokens and positions, its share of the shifted labels
+    mine = shifted[:, lo:hi].contiguous()
+    part = dict(input_ids=data["input_ids"][:, lo:hi], position_ids=torch.arange(s).expand(b, -1)[:, lo:hi],
+                labels=mine, shift_labels=mine, num_items_in_batch=(shifted != -100).sum(), use_cache=False)
+    leanact.parallel.context_parallel(model)
+    kept = {}
+    for name, m, d in (("rank", model, data), ("single", single, part)):
+        with SavedTensorMeter(m) as meter:
+            loss = m(**d).loss
+        kept[name] = meter.activation_bytes
+        loss.backward()
+    return kept
+
+
+def _dropout(world, rank):
+    """Attention and hidden dropout: masks differ across ranks; HF's recompute redraws the same ones."""
+    import torch.distributed as dist
+
+    import leanact.parallel
+
+    grads = {}
+    for recompute in (False, True):
+        model = build("bert", dropout=0.3)
+        if recompute:
+            _checkpointing(model, reentrant=False)
+        leanact.parallel.context_parallel(model)
+        torch.manual_seed(5)
+        out = model(**batch("bert", "plain"), output_hidden_states=True)
+        out.loss.backward()
+        grads[recompute] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        hidden = out.hidden_states[-1].detach()
+    mine = hidden.sum()
+    others = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(others, mine)
+    return {"recompute_same": torch.equal(grads[False], grads[True]),
+            "hidden": [o.item() for o in others]}
+
+
+def _errors(world, rank):
+    import leanact.parallel
+
+    errors = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = str(e)
+
+    unpatched = build("llama")
+    import leanact
+
+    leanact.unpatch(unpatched)
+    catch("unpatched", lambda: leanact.parallel.context_parallel(unpatched))
+    catch("heads", lambda: leanact.parallel.context_parallel(build("llama", heads=3, kv_heads=3, hidden=48)))
+    model = leanact.parallel.context_parallel(build("llama"))
+    catch("twice", lambda: leanact.parallel.context_parallel(model))
+    ids = torch.randint(0, V, (2, 15))
+    catch("length", lambda: model(input_ids=ids))
+    catch("mask4d", lambda: model(input_ids=ids[:, :14], attention_mask=torch.ones(2, 1, 14, 14)))
+    catch("positional", lambda: model(ids[:, :14]))
+    return errors
+
+
+def _all(rank, world, cases):
+    kinds = {"memory": _memory, "dropout": _dropout, "errors": _errors}
+    out = {}
+    for case in cases:  # one case's failure is reported to its own test (the ranks stay in step)
+        name, *args = case
+        try:
+            if name in kinds:
+                out[case] = kinds[name](world, rank, *args)
+            else:
+                family, layout, options = case
+                out[case] = _compare(world, rank, family, layout, **dict(options))
+        except Exception:
+            out[case] = {"error": traceback.format_exc()}
+    return out
+
+
+def _result(results, case, rank=0):
+    r = results[rank][case]
+    if isinstance(r, dict) and "error" in r:
+        pytest.fail(f"rank {rank}:\n{r['error']}")
+    return r
+
+
+CASES = [
+    ("llama", "plain", ()), ("llama", "padding", ()), ("llama", "packed", ()),
+    ("llama", "padding", (("fused_loss", False),)),
+    ("llama", "padding", (("count", 40),)),
+    ("llama", "padding", (("recompute", "hf"),)), ("llama", "packed", (("recompute", "hf-reentrant"),)),
+    ("llama", "padding", (("recompute", "offload+recompute+tiled_mlp"),)),
+    ("llama", "padding", (("wrap", "ddp"),)),
+    ("qwen2", "padding", ()), ("qwen3", "packed", ()),
+    ("mistral", "padding", (("window", 5),)),
+    ("gpt2", "padding", ()), ("gpt2", "packed", ()),
+    ("bert", "padding", ()), ("bert", "plain", (("fused_loss", False),)),
+    ("memory", "llama"), ("memory", "gpt2"), ("dropout",), ("errors",),
+]
+COMPARED = [c for c in CASES if c[0] not in ("memory", "dropout", "errors")]
+
+
+@pytest.fixture(scope="module")
+def results(dist_results):
+    return distributed_results(dist_results, __name__)
+
+
+def _id(case):
+    return "-".join([case[0], case[1]] + [f"{k}={v}" for k, v in case[2]])
+
+
+@pytest.mark.parametrize("case", COMPARED, ids=_id)
+def test_context_parallel_matches_single_process(results, case):
+    for rank in range(len(results)):
+        bad = {k: v for k, v in _result(results, case, rank).items() if v > TOL}
+        assert not bad, (rank, bad)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_each_rank_keeps_what_one_process_keeps_for_its_tokens(results, family):
+    for rank in range(len(results)):
+        kept = _result(results, ("memory", family), rank)
+        assert kept["rank"] == kept["single"] > 0, kept
+
+
+def test_dropout_differs_across_ranks_and_recompute_redraws_it(results):
+    for rank in range(len(results)):
+        assert _result(results, ("dropout",), rank)["recompute_same"]
+    sums = _result(results, ("dropout",))["hidden"]
+    assert len(set(sums)) == len(sums)  # different tokens, different masks: no two ranks alike
+
+
+def test_bad_input_errors(results):
+    errors = _result(results, ("errors",))
+    assert "patch the model first" in errors["unpatched"]
+    assert "3 attention heads do not divide by the group size 2" in errors["heads"]
+    assert "already context-parallel" in errors["twice"]
+    assert "sequence length 15 does not divide by the group size 2" in errors["length"]
+    assert "(batch, seq) padding" in errors["mask4d"]
+    assert errors["positional"] is None  # input_ids by position works too
+
+
+def _four(rank, world):
+    return {case: _compare(world, rank, *case[:2], **dict(case[2])) for case in FOUR}
+
+
+FOUR = [("llama", "padding", ()), ("llama", "packed", (("kv_heads", 1),)), ("gpt2", "padding", ()),
+        ("bert", "padding", ())]
+
+
+def test_four_ranks_match_single_process():
+    """4 ranks: key/value heads (2, and 1) repeated to 4 before the exchange."""
+    results = spawn(_four, world_size=4, timeout=300)
+    for rank, r in enumerate(results):
+        for case, errs in r.items():
+            bad = {k: v for k, v in errs.items() if v > TOL}
+            assert not bad, (rank, case, bad)
+
+
+def test_unsupported_family_is_refused():
+    import leanact
+    import leanact.parallel.context as context
+
+    model = leanact.patch(transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=V)))
+    with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
+        context._check(model, 2)
