@@ -3,6 +3,12 @@ whole step counted (parameters, gradients, optimizer state, activations, tempora
 protocol), AdamW, bf16 weights. Models are built on the meta device; nothing runs for real.
 
     python benchmarks/long_context.py [--budgets 24 80] [--multiple 1024] [--models 1b 8b-lora 8b-lora-fp32]
+    python benchmarks/long_context.py --ranks 8 --budgets 80     # context parallelism: per rank of 8
+
+With ``--ranks P`` the rows are leanact's with :func:`leanact.parallel.context_parallel` over P ranks
+(DeepSpeed-Ulysses): the sequence is the whole one, each rank runs s/P tokens, the budget and the
+host memory are per rank, weights, gradients and optimizer state replicated on every rank (with
+FSDP they would be sharded: more room).
 
 Models:
 * ``1b``: Llama-3.2-1B geometry (llama-1b-like: h=2048, 16 layers, 32/8 heads, SwiGLU 8192, vocab
@@ -72,14 +78,15 @@ def build(geometry: str, variant: str, lora_fp32: bool | None = None):
     return model.train()
 
 
-def longest(model, sample, strategy: str, budgets: list[int], multiple: int) -> tuple[list[str], int]:
+def longest(model, sample, strategy: str, budgets: list[int], multiple: int,
+            ranks: int | None = None) -> tuple[list[str], int]:
     """One row: per budget, the longest sequence that fits (and the pinned host memory it needs); and
     the number of estimates run."""
     memo: dict[int, object] = {}  # one estimate per size, shared by the budgets
 
     def cost(n: int) -> int:
         if n not in memo:
-            memo[n] = step_estimate(model, sample, strategy, "seq", n, device="cuda")
+            memo[n] = step_estimate(model, sample, strategy, "seq", n, device="cuda", context_parallel=ranks)
         return memo[n].peak
 
     cells = []
@@ -95,21 +102,27 @@ def main(argv=None) -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GiB")
     ap.add_argument("--multiple", type=int, default=1024, help="sequence lengths searched in multiples of this")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--ranks", type=int, default=None, help="context-parallel ranks (leanact's rows only)")
     args = ap.parse_args(argv)
+    if args.ranks is not None and args.multiple % args.ranks:
+        ap.error(f"--multiple {args.multiple} must be a multiple of --ranks {args.ranks}")
     ids = torch.zeros(1, 1024, dtype=torch.long)
     sample = dict(input_ids=ids, labels=ids)
     budgets = [int(b * GIB) for b in args.budgets]
     tables = []
     for key in args.models:
         title, geometry, lora_fp32 = MODELS[key]
+        per = f", {args.ranks} ranks with context parallelism: budget and host memory per rank" if args.ranks else ""
         lines = [f"\n**{title}** (batch 1, bf16, AdamW; predicted longest sequence, pinned host memory "
-                 "where offloaded)\n",
+                 f"where offloaded{per})\n",
                  "| model | " + " | ".join(f"{b:g} GiB" for b in args.budgets) + " |",
                  "|---|" + "---:|" * len(budgets)]
         for label, variant, strategy in ROWS[key]:
+            if args.ranks is not None and variant != "leanact":
+                continue
             model = build(geometry, variant, lora_fp32)
             t0 = time.perf_counter()
-            cells, estimates = longest(model, sample, strategy, budgets, args.multiple)
+            cells, estimates = longest(model, sample, strategy, budgets, args.multiple, args.ranks)
             print(f"{title} / {label}: {cells} ({estimates} estimates, {time.perf_counter() - t0:.0f} s)", flush=True)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
             del model

@@ -84,6 +84,9 @@ def _add_profile(sub) -> None:
     p.add_argument("--budget", type=_size, help="activation memory budget, e.g. 16GiB, 512MiB, 10GB, 1e9: "
                                                 "adds the largest batch that fits, per mode, and leanact.plan's "
                                                 "plan for the unpatched model")
+    p.add_argument("--context-parallel", type=_positive, metavar="P",
+                   help="with --budget: the longest sequence shared by P GPUs (leanact.parallel.context_parallel; "
+                        "the budget per GPU)")
     p.add_argument("--plot", type=_png, metavar="FILE.png", help="write a bar chart of the per-op breakdown")
     p.add_argument("--ops", action="store_true", help="also print the per-layer breakdown by autograd op")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
@@ -160,7 +163,10 @@ def _profile(parser: argparse.ArgumentParser, args) -> int:
         geo = resolve(args.model)
         dtype = args.dtype or ("fp32" if args.autocast else profile_cmd.default_dtype())
         cfg = profile_cmd.ProfileConfig(args.model, args.seq, args.batch, dtype, args.dropout, args.repeats,
-                                        args.budget, autocast=args.autocast).resolved(geo)
+                                        args.budget, autocast=args.autocast,
+                                        context_parallel=args.context_parallel).resolved(geo)
+        if args.context_parallel and not args.budget:
+            raise ValueError("--context-parallel goes with --budget (the longest sequence over P GPUs)")
         geo.check_seq(cfg.seq)
     except ValueError as e:
         parser.error(str(e))

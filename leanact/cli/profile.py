@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 import time
 from collections import OrderedDict
@@ -81,6 +82,7 @@ class ProfileConfig:
     budget: int | None = None  # bytes of activation memory for the largest-batch column
     seed: int = 0
     autocast: str | None = None  # "bf16" / "fp16": fp32 weights (dtype "fp32"), forward under torch.autocast
+    context_parallel: int | None = None  # ranks sharing each sequence in the --budget longest-sequence search
 
     def __post_init__(self) -> None:
         if self.autocast is not None:
@@ -94,7 +96,7 @@ class ProfileConfig:
         """A copy with the geometry's defaults filled in."""
         return ProfileConfig(self.model, self.seq or geo.seq, self.batch or geo.batch, self.dtype, self.dropout,
                              geo.repeats if self.repeats is None else self.repeats, self.budget, self.seed,
-                             self.autocast)
+                             self.autocast, self.context_parallel)
 
     def amp(self):
         """The autocast context of the forwards (a no-op without ``autocast``)."""
@@ -349,8 +351,10 @@ def longest_sequence(cfg: ProfileConfig) -> dict | None:
     dtype = DTYPES[cfg.dtype]
     with torch.device("meta"):  # (the config's own positions: the search may go past cfg.seq)
         model = patch(geo.build(geo.layers, "sdpa", dtype, cfg.dropout, None, cfg.seed)).train()
+    ranks = cfg.context_parallel
     found = maximize(model, geo.batch_inputs(cfg.batch, cfg.seq, dtype, cfg.seed + 1), cfg.budget, "seq",
-                     strategies=list(LONGEST_CANDIDATES), device="cuda")
+                     strategies=list(LONGEST_CANDIDATES), device="cuda", context_parallel=ranks,
+                     multiple=None if ranks is None else math.lcm(128, ranks))
     peak = found.estimate.peak if found.estimate is not None else 0
     return {"seq": found.value, "strategy": found.strategy, "peak": peak, "host": found.host,
             "reserve": found.reserve, "by_strategy": dict(found.by_strategy)}
@@ -361,7 +365,9 @@ def longest_text(longest: dict, cfg: ProfileConfig) -> str:
     if longest["seq"] == 0:
         return f"longest sequence: none fits {format_bytes(cfg.budget)} at batch {cfg.batch}"
     host = f", {format_bytes(longest['host'])} pinned host memory" if longest["host"] else ""
-    return (f"longest sequence whose step fits {format_bytes(cfg.budget)} on CUDA (batch {cfg.batch}, leanact.patch + "
+    ranks = f" on each of {cfg.context_parallel} ranks (context parallelism)" if cfg.context_parallel else ""
+    return (f"longest sequence whose step fits {format_bytes(cfg.budget)}{ranks} on CUDA (batch {cfg.batch}, "
+            f"leanact.patch + "
             f"{longest['strategy']} on every layer): {longest['seq']:,} tokens (GPU peak "
             f"{format_bytes(longest['peak'])}{host}; {format_bytes(longest['reserve'])} left for the allocator)")
 

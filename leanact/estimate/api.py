@@ -161,7 +161,7 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
          mode, optimizer: Any, loss_fn: Callable | None, autocast: torch.dtype | None = None,
-         keep_output: bool = False) -> Estimate:
+         keep_output: bool = False, context_parallel: int | None = None) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
     fake_model.train()
     fake_rules.warm(fake_model, dtype)
@@ -177,6 +177,10 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
             if own_pool is not None:
                 plan.pool = own_pool
             raise
+    if context_parallel is not None:  # one rank's step; the collectives allocate their results
+        from leanact.parallel.context import SimulatedGroup, context_parallel as split
+
+        split(fake_model, SimulatedGroup(context_parallel))
     cuda = kind == "cuda"
     blas = BlasUse() if cuda else None
     run = fake_rules.FakeRun(kind, sms=target().sms if cuda else 0, real_of=real_of,
@@ -207,10 +211,15 @@ def _add_held(mem: StepMemory, held: int) -> None:
         mem.at_peak = {**mem.at_peak, "Workspace": held, "Total": mem.at_peak.get("Total", 0) + held}
 
 
+def _ranks_arg(ranks) -> None:
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+        raise ValueError(f"context_parallel must be a number of ranks >= 1 (or None), got {ranks!r}")
+
+
 def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None, device: Any = None, *,
              dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
              batch: int | None = None, seq: int | None = None, autocast: Any = None,
-             keep_output: bool = False) -> Estimate:
+             keep_output: bool = False, context_parallel: int | None = None) -> Estimate:
     """Predict the memory of one training step of ``model`` without running it for real.
 
     The model (real or already fake; patched or not; never modified) is copied with fake weights,
@@ -227,6 +236,9 @@ def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None,
     ``autocast``: "bf16" / "fp16" (or torch.bfloat16 / torch.float16) runs the forward and the loss
     under ``torch.autocast`` of that dtype (fp32 weights: mixed precision); None (default) does so
     when the call itself is inside ``torch.autocast`` (CPU or CUDA), with its dtype; False never.
+    ``context_parallel=P``: one rank's step of :func:`leanact.parallel.context_parallel` over P ranks
+    (a patched model; ``seq`` is the whole sequence, each rank runs s/P tokens; the all-to-alls'
+    buffers are counted, nothing is sent).
     Bad arguments (``batch=0``, ``seq`` beyond the model's learned positions, ...) raise first.
     """
     if not isinstance(model, nn.Module):
@@ -234,20 +246,21 @@ def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None,
     dtype = _dtype_arg(dtype)
     autocast = autocast_arg(autocast, "estimate")
     _check_sizes(model, batch, seq)
+    _ranks_arg(context_parallel)
     kind = _device_kind(device, model)
     mode = new_mode()
     fake_model, real_of = fake_copy(model, mode, dtype)
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
     return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn,
-                autocast, keep_output)
+                autocast, keep_output, context_parallel)
 
 
 def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, strategy_or_plan: Any = None,
                     device: Any = "cpu", *, model_class: type | None = None, patch: bool | str = False,
                     dtype: torch.dtype | None = None, optimizer: Any = "adamw", loss_fn: Callable | None = None,
                     batch: int | None = None, seq: int | None = None, autocast: Any = None,
-                    keep_output: bool = False) -> Estimate:
+                    keep_output: bool = False, context_parallel: int | None = None) -> Estimate:
     """Like :func:`estimate` for a model that is never built for real: ``build()`` (or
     ``model_class(build)`` when ``build`` is a config) runs under ``FakeTensorMode``. ``patch``:
     True / "recompute" / "tempo" applies ``leanact.patch`` to the fake model first. Norm weights
@@ -261,6 +274,7 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
     autocast = autocast_arg(autocast, "estimate_config")
     _size_arg("batch", batch)
     _size_arg("seq", seq)
+    _ranks_arg(context_parallel)
     kind = "cpu" if device is None else _device_kind(device, nn.Module())
     mode = new_mode()
     fake_model = build_fake(build, mode, dtype)
@@ -272,4 +286,4 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
     fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
     plan = _resolve_plan(fake_model, strategy_or_plan)
     return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn,
-                autocast, keep_output)
+                autocast, keep_output, context_parallel)

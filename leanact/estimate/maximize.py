@@ -111,21 +111,24 @@ def step_estimate(model: nn.Module, sample_inputs: Any, strategy: str, what: str
     sequence (``what="seq"``) or batch ``n``; ``options``: :func:`leanact.estimate`'s keywords."""
     b0, s0 = _sizes(sample_inputs)
     sizes = dict(seq=n, batch=b0) if what == "seq" else dict(batch=n, seq=s0)
-    plan = None if strategy == "lean" else strategy_plan(model, strategy, sizes["seq"] * sizes["batch"])
+    ranks = options.get("context_parallel") or 1
+    plan = None if strategy == "lean" else strategy_plan(model, strategy, sizes["seq"] * sizes["batch"] // ranks)
     return estimate(model, sample_inputs, plan, options.pop("device", "cuda"), **options, **sizes)
 
 
 def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq", *,
              strategies: list[str] | None = None, device: Any = "cuda", dtype: Any = None, optimizer: Any = "adamw",
              loss_fn: Callable | None = None, multiple: int | None = None, limit: int | None = None,
-             keep_output: bool = False, reserve: int | None = None, host_budget: int | None = None) -> Maximized:
+             keep_output: bool = False, reserve: int | None = None, host_budget: int | None = None,
+             context_parallel: int | None = None) -> Maximized:
     """The largest ``what`` ("seq": sequence length at the sample's batch; "batch": batch at the
     sample's sequence length) whose whole step fits ``budget`` bytes on ``device`` (module doc),
     less ``reserve`` bytes kept free for the caching allocator (None: :func:`reserve_for`, 2% of
     the budget and at least 1 GiB on CUDA, 0 on the CPU).
     ``multiple``: search in multiples of this (default 128 tokens for "seq", 1 for "batch");
     ``limit``: the largest size considered (default: the model's learned positions for "seq").
-    ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``: as :func:`leanact.estimate`.
+    ``device``, ``dtype``, ``optimizer``, ``loss_fn``, ``keep_output``, ``context_parallel`` (ranks
+    sharing each sequence; the budgets are per rank): as :func:`leanact.estimate`.
     ``strategies``: the candidates (default :data:`CANDIDATES`, without the offload ones on the
     CPU, where host memory is the device's). ``host_budget``: the most pinned host memory an
     offloading candidate may need (bytes; None: no bound)."""
@@ -151,11 +154,15 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
         raise ValueError(f"maximize: host_budget must be a number of bytes >= 0 or None, got {host_budget!r}")
     b0, s0 = _sizes(sample_inputs)
     multiple = multiple or (SEQ_MULTIPLE if what == "seq" else 1)
+    if context_parallel and what == "seq" and multiple % context_parallel:
+        raise ValueError(f"maximize: with context_parallel={context_parallel} the sequence is searched in multiples "
+                         f"of a multiple of {context_parallel}; got multiple={multiple}")
     if limit is None and what == "seq":
         found = _position_limit(model)
         limit = found[0] if found else None
 
-    opts = dict(device=device, dtype=dtype, optimizer=optimizer, loss_fn=loss_fn, keep_output=keep_output)
+    opts = dict(device=device, dtype=dtype, optimizer=optimizer, loss_fn=loss_fn, keep_output=keep_output,
+                context_parallel=context_parallel)
 
     def peak(strategy: str, n: int) -> Estimate:
         return step_estimate(model, sample_inputs, strategy, what, n, **opts)

@@ -1,4 +1,5 @@
-"""Tensor + sequence parallelism for (leanact-patched) Hugging Face models, on torch's DTensor styles.
+"""Tensor + sequence parallelism for (leanact-patched) Hugging Face models, on torch's DTensor styles;
+context parallelism (the sequence over ranks, DeepSpeed-Ulysses): :mod:`leanact.parallel.context`.
 
 Families: BERT/RoBERTa, LLaMA/Mistral/Qwen2, GPT-2 (fused ``Conv1D`` q|k|v split per block).
 
@@ -26,14 +27,14 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from .context import SUPPORTED_CONTEXT, SequenceExchange, average_gradients, context_parallel
+from .context import SUPPORTED_CONTEXT, SequenceExchange, SimulatedGroup, average_gradients, context_parallel
 from .dropout import SequenceShardedDropout, ShardedDropoutStyle, fork_rng_per_rank
 from .norm import LocalSequenceParallel
 from .plans import SUPPORTED, GatherSequence, PrepareFirstInput, detect, layer_plan, stack_entry_exit
 from .regather import RegatherTransform
 
-__all__ = ["parallelize", "context_parallel", "average_gradients", "SequenceExchange", "SUPPORTED_CONTEXT",
-           "SUPPORTED", "LocalSequenceParallel", "SequenceShardedDropout",
+__all__ = ["parallelize", "context_parallel", "average_gradients", "SequenceExchange", "SimulatedGroup",
+           "SUPPORTED_CONTEXT", "SUPPORTED", "LocalSequenceParallel", "SequenceShardedDropout",
            "ShardedDropoutStyle", "PrepareFirstInput", "GatherSequence", "RegatherTransform", "fork_rng_per_rank"]
 
 

@@ -37,13 +37,14 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..ops.random import draw_seed
 from ..patching.attention_hf import EXCHANGE, NAME, local_masks_off
 from ..recompute.context_forward import ContextForward
 from .dropout import _generator_state, _mix
 
-__all__ = ["context_parallel", "average_gradients", "SequenceExchange", "SUPPORTED_CONTEXT"]
+__all__ = ["context_parallel", "average_gradients", "SequenceExchange", "SimulatedGroup", "SUPPORTED_CONTEXT"]
 
 #: config.model_type -> how the model's head reads its labels ("causal": shifted, "masked": as they are)
 SUPPORTED_CONTEXT = {"llama": "causal", "mistral": "causal", "qwen2": "causal", "qwen3": "causal",
@@ -51,13 +52,32 @@ SUPPORTED_CONTEXT = {"llama": "causal", "mistral": "causal", "qwen2": "causal", 
 _SHARDED = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids", "labels")
 
 
+class SimulatedGroup:
+    """A stand-in for a process group of ``size`` ranks, seen from rank ``rank``, for predictions
+    on fake tensors (``leanact.estimate(..., context_parallel=P)``): the collectives allocate
+    their results and communicate nothing."""
+
+    def __init__(self, size: int, rank: int = 0):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not 0 <= rank < size:
+            raise ValueError(f"SimulatedGroup: need a size >= 1 and 0 <= rank < size, got size={size!r}, rank={rank!r}")
+        self.size, self.rank = size, rank
+
+
+def _size(group) -> int:
+    return group.size if isinstance(group, SimulatedGroup) else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return group.rank if isinstance(group, SimulatedGroup) else dist.get_rank(group)
+
+
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``x`` in P pieces along ``scatter_dim``, send piece j to rank j, and join the pieces
     received from ranks 0..P-1 along ``gather_dim``."""
-    p = dist.get_world_size(group)
-    send = x.unflatten(scatter_dim, (p, -1)).movedim(scatter_dim, 0).contiguous()
+    send = x.unflatten(scatter_dim, (_size(group), -1)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    if not isinstance(group, SimulatedGroup):
+        dist.all_to_all_single(recv, send, group=group)
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
@@ -80,6 +100,8 @@ def _packed(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     sequences, as transformers finds them), else None."""
     if position_ids is None:
         return None
+    if is_fake(position_ids):  # (a prediction: counted as packed, the mask's bytes included)
+        return torch.zeros_like(position_ids).cumsum(-1)
     step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
     starts = step != 1
     if not bool(starts[:, 1:].any()):
@@ -95,15 +117,17 @@ class SequenceExchange:
 
     def __init__(self, group, length: int, padding: torch.Tensor | None, segments: torch.Tensor | None):
         self.group, self.length, self.padding, self.segments = group, length, padding, segments
-        self.size = dist.get_world_size(group)
+        self.size = _size(group)
         self._masks: dict = {}
 
     def gather(self, q, k, v):
-        """(b, H, s/P, d) each -> (b, H/P, s, d); key/value heads repeated to a multiple of P first."""
+        """(b, H, s/P, d) each -> (b, H/P, s, d), a view of a (b, s, H/P, d) buffer as the model's own
+        q, k, v are (so attention kernels see the layout they see in one process); key/value heads
+        repeated to a multiple of P first."""
         repeat = self.size // math.gcd(k.shape[1], self.size)
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-        return tuple(_AllToAll.apply(x, self.group, 1, 2) for x in (q, k, v))
+        return tuple(_AllToAll.apply(x.transpose(1, 2), self.group, 2, 1).transpose(1, 2) for x in (q, k, v))
 
     def scatter(self, out):
         """The attention output (b, s, H/P, d) -> (b, s/P, H, d)."""
@@ -186,16 +210,17 @@ def _check(model: nn.Module, size: int) -> str | None:
 
 def context_parallel(model: nn.Module, group=None) -> nn.Module:
     """Run ``model`` (patched by :func:`leanact.patch`) context-parallel over ``group`` (default:
-    the world); returns ``model``, whose ``forward`` now takes the full batch (module doc).
+    the world; a :class:`SimulatedGroup` for predictions); returns ``model``, whose ``forward``
+    now takes the full batch (module doc).
 
     Raises ValueError for a model that is not patched, of an unsupported family
     (:data:`SUPPORTED_CONTEXT`), already context-parallel, or whose attention heads do not divide
     by the group size.
     """
-    if not dist.is_available() or not dist.is_initialized():
+    if not isinstance(group, SimulatedGroup) and (not dist.is_available() or not dist.is_initialized()):
         raise ValueError("leanact.parallel.context_parallel: initialise torch.distributed first "
                          "(torch.distributed.init_process_group, e.g. under torchrun)")
-    size = dist.get_world_size(group)
+    size = _size(group)
     head = _check(model, size)
     config = model.config
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
@@ -214,7 +239,7 @@ class _ContextForward(ContextForward):
     def __init__(self, module, group, head, dropout, previous):
         super().__init__(module, None, previous)
         self.group, self.head, self.dropout = group, head, dropout
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.size, self.rank = _size(group), _rank(group)
 
     def __call__(self, *args, **kwargs):
         forward = self._forward()
@@ -260,7 +285,7 @@ class _ContextForward(ContextForward):
         if positions is None:
             positions = torch.arange(s, device=tokens.device)[None]
         call["position_ids"] = positions.expand(b, s) if positions.shape[0] == 1 else positions
-        padding = None if mask is None or bool(mask.all()) else mask.bool()
+        padding = None if mask is None or (not is_fake(mask) and bool(mask.all())) else mask.bool()
         exchange = SequenceExchange(self.group, s, padding, segments)
         labels, reduce = call.get("labels"), (None, None)
         if labels is not None and self.head is not None:
@@ -300,7 +325,8 @@ class _ContextForward(ContextForward):
         else:  # a causal LM's sum over its tokens / the global count
             part = loss
         total = part.detach().clone()
-        dist.all_reduce(total, group=self.group)
+        if not isinstance(self.group, SimulatedGroup):
+            dist.all_reduce(total, group=self.group)
         loss = _GlobalLoss.apply(part, total, self.size)
         if isinstance(output, dict):
             output["loss"] = loss

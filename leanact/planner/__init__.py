@@ -87,7 +87,8 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
          loss_fn: Callable | None = None, allow_lossy: bool = False, layers: list[str] | None = None,
          costs: ModelCosts | None = None, reps: int = 3, time_model: str = "measure",
          offload_threshold: int = DEFAULT_THRESHOLD, autocast: Any = None, maximize: str | None = None,
-         device: Any = "cuda", dtype: Any = None, host_budget: str | int | None = None) -> Plan:
+         device: Any = "cuda", dtype: Any = None, host_budget: str | int | None = None,
+         context_parallel: int | None = None) -> Plan:
     """Choose a strategy per layer of ``model`` minimising the estimated step time with the
     predicted peak activation memory ≤ ``budget`` (module doc: what it covers).
 
@@ -125,9 +126,14 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
     (:class:`~leanact.estimate.maximize.Maximized`) holds the size, the estimate there and what
     each candidate reached. On CUDA the candidates include offloading every layer's input to
     pinned host memory (``maximized.host`` says how much); ``host_budget`` (a size) bounds it.
+    ``context_parallel=P``: the sequence shared by P ranks (:func:`leanact.parallel.context_parallel`;
+    budgets per rank, the model patched).
     """
     if maximize is not None:
-        return _maximize(model, sample_inputs, budget, maximize, strategies, loss_fn, device, dtype, host_budget)
+        return _maximize(model, sample_inputs, budget, maximize, strategies, loss_fn, device, dtype, host_budget,
+                         context_parallel)
+    if context_parallel is not None:
+        raise ValueError("plan(context_parallel=...) goes with maximize='seq' or 'batch'")
     del loss_fn
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan(model=...) must be a torch.nn.Module, got {type(model).__name__}: pass the model")
@@ -179,7 +185,8 @@ def plan(model: nn.Module, sample_inputs: Any, budget: str | int, *, strategies:
                 explain=explain_table)
 
 
-def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, dtype, host_budget=None) -> Plan:
+def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, dtype, host_budget=None,
+              context_parallel=None) -> Plan:
     if what not in ("seq", "batch"):
         raise ValueError(f"plan(maximize={what!r}): use 'seq' (the longest sequence) or 'batch' (the largest batch)")
     if not isinstance(model, nn.Module):
@@ -189,7 +196,8 @@ def _maximize(model, sample_inputs, budget, what, strategies, loss_fn, device, d
         raise RuntimeError("plan(maximize=...) needs leanact.estimate: `import leanact.estimate` first")
     found = _MAXIMIZER[0](model, sample_inputs, budget_bytes, what, strategies=None if strategies is None else
                           list(strategies), device=device, dtype=dtype, loss_fn=loss_fn,
-                          host_budget=None if host_budget is None else parse_budget(host_budget))
+                          host_budget=None if host_budget is None else parse_budget(host_budget),
+                          context_parallel=context_parallel)
     found.plan.maximized = found
     return found.plan
 
