@@ -500,3 +500,27 @@ def test_default_dtype_follows_the_cpus_bf16_matmul(native, bert_json, capsys, m
     captured = capsys.readouterr()
     assert json.loads(captured.out)["config"]["dtype"] == ("bf16" if native else "fp32")
     assert ("leanact layers: fp32" in captured.err) is not native
+
+
+def test_context_parallel_goes_to_the_longest_sequence_search(tmp_path, capsys, monkeypatch):
+    """--context-parallel P: the longest-sequence search predicts one of P ranks (the estimator's own
+    test: tests/test_parallel_context.py), in multiples of lcm(128, P); without --budget it is refused."""
+    from types import SimpleNamespace
+
+    from leanact.cli import profile as profile_cmd
+
+    seen = {}
+
+    def fake_maximize(model, inputs, budget, what, **kw):
+        seen.update(kw)
+        return SimpleNamespace(value=4096, strategy="full+tiled_mlp", estimate=None, host=0, reserve=1 << 20,
+                               by_strategy={"full+tiled_mlp": 4096})
+
+    monkeypatch.setattr(sys.modules["leanact.estimate.maximize"], "maximize", fake_maximize)
+    cfg = profile_cmd.ProfileConfig(model="llama-1b-like", seq=128, batch=1, budget=80 << 30, context_parallel=6)
+    found = profile_cmd.longest_sequence(cfg)
+    assert seen["context_parallel"] == 6 and seen["multiple"] == 384 and found["seq"] == 4096
+    assert "on each of 6 ranks (context parallelism)" in profile_cmd.longest_text(found, cfg)
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--context-parallel", "2"])
+    assert exc.value.code == 2 and "--context-parallel goes with --budget" in capsys.readouterr().err
