@@ -186,6 +186,8 @@ def _errors(world, rank):
     catch("length", lambda: model(input_ids=ids))
     catch("mask4d", lambda: model(input_ids=ids[:, :14], attention_mask=torch.ones(2, 1, 14, 14)))
     catch("positional", lambda: model(ids[:, :14]))
+    leanact.unpatch(model)  # attention back to sdpa: each rank would attend to its own tokens only
+    catch("unpatched_after", lambda: model(input_ids=ids[:, :14]))
     return errors
 
 
@@ -294,6 +296,7 @@ def test_bad_input_errors(results):
     assert "sequence length 15 does not divide by the group size 2" in errors["length"]
     assert "(batch, seq) padding" in errors["mask4d"]
     assert errors["positional"] is None  # input_ids by position works too
+    assert "attention is 'sdpa' now, not leanact's" in errors["unpatched_after"]
 
 
 def _four(rank, world):

@@ -49,12 +49,14 @@ not a crash: its row says "OOM" (with a note), memory is freed (``gc.collect``,
    BERT-Large MLM b=32 s=512, HF sdpa / leanact. Targets: Llama leanact ≤ 1.00x HF's step and ≤
    Liger's, peak ≤ 0.55x HF's; BERT-Large ≤ 1.05x, peak ≤ 0.6x.
 
-9. ``long`` (only when named: ``--parts long``; up to 4 minutes): the Llama-3.2-1B geometry in bf16,
-   batch 1, AdamW, at 32,768 tokens with ``full+tiled_mlp`` and with ``offload+recompute+tiled_mlp``
-   on every layer (target: offload ≤ 1.10x, its copies hidden under compute), each measured peak
-   against ``leanact.estimate(device="cuda")`` and the offload pool's host memory against the
-   prediction; then :data:`LONG_CAP_SEQ` tokens, the longest predicted to fit 16 GiB, run for real
-   under a 16 GiB cap (target: no OOM, peak within 5%).
+9. ``long`` (only when named: ``--parts long``; up to 9 minutes, a device call of its own): the
+   Llama-3.2-1B geometry in bf16, batch 1, AdamW, with ``full+tiled_mlp`` and with
+   ``offload+recompute+tiled_mlp`` on every layer at 8,192, 16,384 and 32,768 tokens (target: offload ≤
+   1.10x from the length where its copies fit under compute), each measured peak and host memory
+   against ``leanact.estimate(device="cuda")``; then the planner's edge: the longest sequence predicted
+   to fit with offload under 16 GiB (:data:`LONG_CAP_SEQ`) and 24 GiB (1B) and 24 GiB (Llama-3.1-8B
+   geometry, LoRA r=16) runs under that cap (target: no OOM, peak within 3%), and 10% more is
+   predicted over the cap and runs out of memory when forced.
 10. ``profile`` (only when named: ``--parts profile``; about a minute): the ``steps`` part's
    BERT-Large and Llama steps, HF sdpa and leanact, one step each under torch.profiler after a
    warm-up step: the step's kernels by device time (:data:`PROFILE_TOP` of them), launches and wall

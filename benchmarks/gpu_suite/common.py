@@ -29,12 +29,13 @@ OPTIONAL = ["long", "profile", "compiled"]  # run only when named in --parts (th
 # the H100 runs: tests 88 (255 tests, 4 processes), ops 27, bert 64-68, steps 38-45, profile 36; estimate
 # over 35 once its leanact row ran (the estimate, then a real step under the memory history)
 LIMITS = {"tests": 140, "ops": 50, "bert": 100, "llama": 50, "estimate": 60, "offload": 35, "head": 40, "steps": 90,
-          "long": 240, "profile": 60, "compiled": 240}
+          "long": 540, "profile": 60, "compiled": 240}
 TOTAL_S = sum(LIMITS[p] for p in PARTS)  # 565 s, under 9.5 minutes
 #: The longest sequence of the Llama-3.2-1B geometry (bf16, AdamW, batch 1) whose step
 #: leanact.estimate(device="cuda") fits 16 GiB less maximize's reserve with offload+recompute+tiled_mlp
 #: on every layer (leanact.plan(maximize="seq", strategies=[...]), multiples of 1024 tokens).
 LONG_CAP_SEQ = 144_384
+# (the 24 GiB rows, 1B 342,016 and 8B LoRA 94,208 tokens: python benchmarks/long_context.py, the same rule)
 SMOKE_ENV = "LEANACT_GPU_SUITE_SMOKE"  # "1" in the workers of a --smoke run
 _TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
 SIZES = {  # per run kind: model sizes and batch / sequence / search limits of the parts
@@ -42,7 +43,8 @@ SIZES = {  # per run kind: model sizes and batch / sequence / search limits of t
                 llama_seq=1024, est_bert={}, est_batch=8, est_seq=512, offload_batch=8, offload_threshold={},
                 head_batch=4, head_seq=2048, head_hidden=2048, head_vocab=128256, head_rounds=10,
                 steps_llama_batch=4, steps_llama_seq=2048, steps_bert_batch=32, steps_bert_seq=512, steps_rounds=5,
-                long_seq=32768, long_cap_gib=16, long_cap_seq=LONG_CAP_SEQ),
+                long_overlap=(8192, 16384, 32768),
+                long_edges=[("1b", 16, LONG_CAP_SEQ), ("1b", 24, 342_016), ("8b-lora", 24, 94_208)]),
     "smoke": dict(tokens=4, iters=1, bert=_TINY_BERT, bert_seq=32, bert_limit=2, bert_steps=1,
                   llama=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, intermediate_size=172, vocab_size=1000),
@@ -50,7 +52,7 @@ SIZES = {  # per run kind: model sizes and batch / sequence / search limits of t
                   offload_threshold=dict(offload_threshold=0),  # tiny tensors are offloaded too
                   head_batch=2, head_seq=8, head_hidden=32, head_vocab=300, head_rounds=2,
                   steps_llama_batch=1, steps_llama_seq=16, steps_bert_batch=2, steps_bert_seq=16, steps_rounds=2,
-                  long_seq=64, long_cap_gib=None, long_cap_seq=128),
+                  long_overlap=(64,), long_edges=[("1b", None, 128), ("8b-lora", None, 64)]),
 }
 TITLES = {
     "tests": "CUDA tests",
@@ -64,8 +66,8 @@ TITLES = {
     "profile": "Where a training step's GPU time goes: kernels by device time (HF sdpa and leanact)",
     "compiled": "Whole training steps under torch.compile, side by side, interleaved (fp32 weights + bf16 autocast, "
                 "fused AdamW)",
-    "long": "Long context, Llama-3.2-1B geometry, bf16 weights, AdamW, batch 1: recompute vs offload, predicted vs "
-            "measured",
+    "long": "Long context, bf16 weights, AdamW, batch 1: recompute vs offload (Llama-3.2-1B geometry), the planner's "
+            "longest sequence under 16 and 24 GiB caps (1B, 8B LoRA) and 10% more; predicted vs measured",
 }
 
 
@@ -465,6 +467,6 @@ COLUMNS = {
     "compiled": ["model", "mode", "batch x seq", "step ms", "vs HF sdpa", "peak GiB", "peak vs HF sdpa",
                  "timed steps"],
     "profile": ["model", "mode", "kernel", "calls per step", "ms per step", "% of the step's kernel time"],
-    "long": ["strategy (every layer)", "cap GiB", "seq", "step ms", "vs full+tiled_mlp", "peak GiB",
-             "predicted GiB", "measured/predicted", "host GiB", "predicted host GiB"],
+    "long": ["model", "strategy (every layer)", "cap GiB", "seq", "expected", "step ms", "vs full+tiled_mlp",
+             "peak GiB", "predicted GiB", "measured/predicted", "host GiB", "predicted host GiB"],
 }

@@ -243,6 +243,10 @@ class _ContextForward(ContextForward):
 
     def __call__(self, *args, **kwargs):
         forward = self._forward()
+        implementation = getattr(self.module.config, "_attn_implementation", None)
+        if implementation != NAME:  # (unpatched, or set_attn_implementation since: attention would stay local)
+            raise ValueError(f"leanact.parallel.context_parallel: the model's attention is {implementation!r} now, "
+                             "not leanact's; context parallelism needs it (leanact.patch the model again)")
         bound = inspect.signature(forward).bind_partial(*args, **kwargs)
         call = dict(bound.arguments)
         for name, p in inspect.signature(forward).parameters.items():
