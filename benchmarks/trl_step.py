@@ -1,6 +1,7 @@
 """One TRL post-training step (DPO, GRPO) on the Llama-3.2-1B geometry: TRL alone against leanact + TRL.
 
-    python benchmarks/trl_step.py [--layers 2] [--tokens 1024] [--trainers dpo grpo] [--dtype fp32] [--markdown]
+    python benchmarks/trl_step.py [--layers 2] [--tokens 1024] [--trainers dpo grpo] [--dtype fp32]
+                                  [--no-checkpointing] [--markdown]
 
 The model: the Llama-3.2-1B geometry (h=2048, 32/8 heads, SwiGLU 8192, its 128,256-token vocabulary, tied
 embeddings) at ``--layers`` layers, ``--dtype`` weights (bf16 by default; fp32 on CPUs without native
@@ -8,7 +9,8 @@ bf16 matrix products, where a bf16 step takes hours), random; a word-level token
 DPO: 2 preference pairs of ``--tokens`` tokens each (prompt + completion; TRL runs chosen and rejected as one
 batch of 4), with the reference model. GRPO: 2 prompts × 2 generations of ``--tokens`` tokens (prompt +
 16 generated), beta 0. Each side runs one step on the CPU, TRL's own fused LM head in both; the second
-side has ``leanact.patch`` on the policy (and the reference). Measured in that step:
+side has ``leanact.patch`` on the policy (and the reference). Both keep TRL's default gradient
+checkpointing (every layer recomputed in backward) unless ``--no-checkpointing``. Measured in that step:
 
 * ``peak``: the most bytes of CPU tensor storage made during ``training_step`` and alive at once
   (generation for GRPO, forward and backward: gradients, activations, temporaries; the weights and
@@ -131,13 +133,15 @@ def reward_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def run(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype) -> tuple[int, int, float]:
+def run(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype,
+        checkpointing: bool = True) -> tuple[int, int, float]:
     import trl
 
     model = build(layers, patched, dtype)
     vocab = model.config.vocab_size
     common = dict(output_dir="trl_step_out", per_device_train_batch_size=2, max_steps=1, learning_rate=1e-6,
-                  report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=1, seed=0)
+                  report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=1, seed=0,
+                  gradient_checkpointing=checkpointing)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "dpo":
@@ -162,19 +166,21 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--trainers", nargs="+", default=["dpo", "grpo"], choices=["dpo", "grpo"])
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--no-checkpointing", action="store_true", help="turn TRL's default gradient checkpointing off")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     rows = []
     for kind in args.trainers:
-        trl_alone = run(kind, args.layers, args.tokens, False, DTYPES[args.dtype])
-        lean = run(kind, args.layers, args.tokens, True, DTYPES[args.dtype])
+        trl_alone = run(kind, args.layers, args.tokens, False, DTYPES[args.dtype], not args.no_checkpointing)
+        lean = run(kind, args.layers, args.tokens, True, DTYPES[args.dtype], not args.no_checkpointing)
         print(f"{kind}: TRL peak {trl_alone[0] / MIB:.0f} MiB, kept {trl_alone[1] / MIB:.0f} MiB "
               f"({trl_alone[2]:.0f} s); leanact + TRL peak {lean[0] / MIB:.0f} MiB, kept {lean[1] / MIB:.0f} MiB "
               f"({lean[2]:.0f} s)", flush=True)
         rows.append((kind, trl_alone, lean))
     if args.markdown:
-        print(f"\n| step ({args.layers} layers, {args.tokens} tokens per sequence, {args.dtype}) | TRL peak MiB | "
-              "leanact + TRL | ratio | TRL kept MiB | leanact + TRL | ratio |")
+        ckpt = "no checkpointing" if args.no_checkpointing else "TRL's checkpointing"
+        print(f"\n| step ({args.layers} layers, {args.tokens} tokens per sequence, {args.dtype}, {ckpt}) | "
+              "TRL peak MiB | leanact + TRL | ratio | TRL kept MiB | leanact + TRL | ratio |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for kind, a, b in rows:
             print(f"| {kind.upper()} | {a[0] / MIB:.0f} | {b[0] / MIB:.0f} | {b[0] / a[0]:.2f}x | {a[1] / MIB:.0f} | "
