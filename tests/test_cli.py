@@ -98,11 +98,13 @@ def _no_step_search(monkeypatch):
 
 @pytest.mark.slow
 def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys, monkeypatch):
+    from leanact.cli.profile import step_max_batch
+
     _no_longest(monkeypatch)
-    out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "1.5MiB"))
-    budget = out["config"]["budget"]
-    assert budget == 3 * 2**19
-    assert all(m["step_max_batch"] == 0 for m in out["modes"])  # weights, grads and AdamW state alone exceed it
+    geo = resolve(bert_json)
+    tight = ProfileConfig(bert_json, seq=S, batch=2, dtype="bf16", budget=3 * 2**19).resolved(geo)  # 1.5 MiB
+    for _, attn, lean in MODES:  # weights, grads and AdamW state alone exceed it
+        assert step_max_batch(geo, tight, attn, lean) == 0
     # 88 MiB: on CUDA the whole step also holds two 32 MiB cuBLAS workspaces (leanact.estimate.cuda_runtime)
     out = _json(capsys, _profile(bert_json, "--repeats", "0", "--budget", "88MiB"))
     budget = out["config"]["budget"]
@@ -116,7 +118,6 @@ def test_budget_gives_the_largest_batch_that_fits(bert_json, capsys, monkeypatch
     best = {m["name"]: m["max_batch"] for m in out["modes"]}
     # the whole step (weights, grads, AdamW state too) on CUDA: leanact.estimate at the batch and the next
     step = {m["name"]: m["step_max_batch"] for m in out["modes"]}
-    geo = resolve(bert_json)
     for name, attn, lean in MODES:
         with torch.device("meta"):
             model = mode_model(geo.build(geo.layers, "eager", torch.bfloat16, None, S), attn, lean)
