@@ -255,18 +255,19 @@ class _ContextForward(ContextForward):
             elif p.kind is inspect.Parameter.VAR_POSITIONAL and call.get(name):
                 raise TypeError("leanact.parallel.context_parallel: pass the model's inputs by keyword")
         call, reduce = self._shard(call, "use_cache" in inspect.signature(forward).parameters)
-        local_masks_off(True)
-        fork = self.dropout and self.module.training
-        if fork:
-            device = next(self.module.parameters()).device
-            state, restore, seed = _generator_state(device)
-            seed(_mix(int(draw_seed(device)), self.rank))
+        restore = None
         try:
+            local_masks_off(True)
+            if self.dropout and self.module.training:
+                device = next(self.module.parameters()).device
+                state, set_state, seed = _generator_state(device)
+                restore = (set_state, state)
+                seed(_mix(int(draw_seed(device)), self.rank))
             output = forward(**call)
         finally:
             local_masks_off(False)
-            if fork:
-                restore(state)
+            if restore is not None:
+                restore[0](restore[1])
         return self._loss(output, *reduce)
 
     def _shard(self, call: dict, takes_use_cache: bool):
@@ -292,6 +293,9 @@ class _ContextForward(ContextForward):
         padding = None if mask is None or (not is_fake(mask) and bool(mask.all())) else mask.bool()
         exchange = SequenceExchange(self.group, s, padding, segments)
         labels, reduce = call.get("labels"), (None, None)
+        if labels is None and call.get("shift_labels") is not None:
+            raise ValueError("leanact.parallel.context_parallel: pass labels with shift_labels (the model computes "
+                             "its loss only when it gets labels)")
         if labels is not None and self.head is not None:
             if self.head == "causal":
                 shifted = call.pop("shift_labels", None)
