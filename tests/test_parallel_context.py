@@ -139,27 +139,36 @@ def _compare(world, rank, family, layout, *, recompute=None, wrap=None, count=No
 
 
 def _dropout(world, rank):
-    """Attention and hidden dropout: masks differ across ranks; HF's recompute redraws the same ones."""
+    """Dropout under context parallelism: inside the forward each rank draws from a generator seeded
+    for that rank (read by a hook on a dropout module), after it the default generator is where it
+    would be on every rank (restored: ranks stay in step); the masks are in effect (the training loss
+    is not the eval one) and HF's recompute redraws the same ones (bitwise the same gradients)."""
     import torch.distributed as dist
 
     import leanact.parallel
 
-    grads = {}
+    grads, seen = {}, {}
+    data = batch("bert", "plain")
     for recompute in (False, True):
         model = build("bert", dropout=0.3)
         if recompute:
             _checkpointing(model, reentrant=False)
         leanact.parallel.context_parallel(model)
+        dropout = next(m for m in model.modules() if isinstance(m, torch.nn.Dropout))
+        dropout.register_forward_pre_hook(lambda *_: seen.setdefault(recompute, torch.initial_seed()) and None)
         torch.manual_seed(5)
-        out = model(**batch("bert", "plain"), output_hidden_states=True)
-        out.loss.backward()
+        loss = model(**data).loss
+        after = torch.get_rng_state().double().sum()
+        loss.backward()
         grads[recompute] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        hidden = out.hidden_states[-1].detach()
-    mine = hidden.sum()
-    others = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(others, mine)
-    return {"recompute_same": torch.equal(grads[False], grads[True]),
-            "hidden": [o.item() for o in others]}
+    with torch.no_grad():
+        model.eval()
+        eval_loss = model(**data).loss
+    mine = torch.tensor([float(seen[False]), after.item()], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return {"recompute_same": torch.equal(grads[False], grads[True]), "active": bool(loss != eval_loss),
+            "seeds": [e[0].item() for e in every], "after": [e[1].item() for e in every]}
 
 
 def _errors(world, rank):
@@ -186,6 +195,7 @@ def _errors(world, rank):
     catch("length", lambda: model(input_ids=ids))
     catch("mask4d", lambda: model(input_ids=ids[:, :14], attention_mask=torch.ones(2, 1, 14, 14)))
     catch("positional", lambda: model(ids[:, :14]))
+    catch("positions", lambda: model(input_ids=ids[:, :14], position_ids=torch.arange(14)))
     leanact.unpatch(model)  # attention back to sdpa: each rank would attend to its own tokens only
     catch("unpatched_after", lambda: model(input_ids=ids[:, :14]))
     return errors
@@ -283,9 +293,11 @@ def test_each_rank_keeps_what_one_process_keeps_for_its_tokens(dtype, kv_heads, 
 
 def test_dropout_differs_across_ranks_and_recompute_redraws_it(results):
     for rank in range(len(results)):
-        assert _result(results, ("dropout",), rank)["recompute_same"]
-    sums = _result(results, ("dropout",))["hidden"]
-    assert len(set(sums)) == len(sums)  # different tokens, different masks: no two ranks alike
+        r = _result(results, ("dropout",), rank)
+        assert r["recompute_same"] and r["active"]
+    r = _result(results, ("dropout",))
+    assert len(set(r["seeds"])) == len(r["seeds"])  # each rank its own generator inside the forward
+    assert len(set(r["after"])) == 1  # and the same default generator on every rank after it
 
 
 def test_bad_input_errors(results):
@@ -296,6 +308,7 @@ def test_bad_input_errors(results):
     assert "sequence length 15 does not divide by the group size 2" in errors["length"]
     assert "(batch, seq) padding" in errors["mask4d"]
     assert errors["positional"] is None  # input_ids by position works too
+    assert "give position_ids as (batch or 1, seq)" in errors["positions"]
     assert "attention is 'sdpa' now, not leanact's" in errors["unpatched_after"]
 
 

@@ -166,17 +166,24 @@ def test_dpo_with_lora(tmp_path, monkeypatch):
     check("dpo", lora=True)
 
 
-def test_policy_under_trl_keeps_trl_head_and_lean_backbone(tmp_path, monkeypatch):
-    """Under TRL the fused head is TRL's (its forward replaces the model's when called with
-    ``fused_lm_head=True``); leanact's patched modules are the backbone it calls."""
-    monkeypatch.chdir(tmp_path)
-    model = leanact.patch(base_model())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir="out", report_to=[], use_cpu=True, bf16=False),
-                       train_dataset=dataset("sft"), processing_class=tokenizer())
-    ids = torch.randint(3, V, (2, 9))
-    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
-    assert type(out).__name__ == "FusedCausalLMOutput" and out.log_probs.shape == (2, 8)
-    summary = leanact.summary(model)
-    assert summary is not None
+def test_policy_under_trl_keeps_trl_head_and_lean_backbone():
+    """Under TRL the fused head is TRL's (``add_fused_lm_head``, as every trainer above installs it: the
+    forward returns per-token log-probabilities, no logits); the backbone under it is leanact's and
+    keeps less for backward than the unpatched backbone under the same head."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from leanact.memory import SavedTensorMeter
+
+    ids = torch.randint(3, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for patched in (False, True):
+        model = base_model().train()
+        if patched:
+            model = leanact.patch(model)
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+        with SavedTensorMeter(model) as meter:
+            out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        assert type(out).__name__ == "FusedCausalLMOutput" and out.log_probs.shape == (2, 8)
+        kept[patched] = meter.activation_bytes
+        out.loss.backward()
+    assert 0 < kept[True] < kept[False], kept

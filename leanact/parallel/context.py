@@ -286,6 +286,9 @@ class _ContextForward(ContextForward):
             raise ValueError(f"leanact.parallel.context_parallel: sequence length {s} does not divide by the "
                              f"group size {self.size}; pad the batch to a multiple of {self.size}")
         positions = call.get("position_ids")
+        if positions is not None and (positions.dim() != 2 or positions.shape[1] != s):
+            raise ValueError("leanact.parallel.context_parallel: give position_ids as (batch or 1, seq) for the "
+                             f"whole sequence of {s} tokens, got shape {tuple(positions.shape)}")
         segments = _packed(positions)
         if positions is None:
             positions = torch.arange(s, device=tokens.device)[None]
