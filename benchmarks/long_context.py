@@ -4,6 +4,7 @@ protocol), AdamW, bf16 weights. Models are built on the meta device; nothing run
 
     python benchmarks/long_context.py [--budgets 24 80] [--multiple 1024] [--models 1b 8b-lora 8b-lora-fp32]
     python benchmarks/long_context.py --ranks 8 --budgets 80     # context parallelism: per rank of 8
+    python benchmarks/long_context.py --plan-times [--budgets 80] # how long leanact.plan(maximize="seq") takes
 
 With ``--ranks P`` the rows are leanact's with :func:`leanact.parallel.context_parallel` over P ranks
 (DeepSpeed-Ulysses): the sequence is the whole one, each rank runs s/P tokens, the budget and the
@@ -25,6 +26,11 @@ Rows: Hugging Face sdpa (flash kernel), + HF gradient checkpointing (non-reentra
 tokens whose predicted peak fits the budget less the caching allocator's reserve
 (leanact.estimate.maximize.reserve_for: 1 GiB at 24 GiB, 1.6 GiB at 80 GiB), and, for offloading
 rows, the pinned host memory that size needs.
+
+``--plan-times``: instead, the time of ``leanact.plan(model, inputs, budget, maximize="seq")`` for
+the patched 1B and 8B-LoRA models (the 6 default CUDA candidates), with the depth-scaled search
+(leanact.estimate.depth) and, with ``--whole``, with whole-model estimates only; the estimates
+counted by depth.
 """
 from __future__ import annotations
 
@@ -97,18 +103,56 @@ def longest(model, sample, strategy: str, budgets: list[int], multiple: int,
     return cells, len(memo)
 
 
+def plan_times(models: list[str], budgets: list[int], whole: bool) -> None:
+    """Print how long ``leanact.plan(maximize="seq")`` takes, and the estimates it ran by depth."""
+    import collections
+
+    maximize_mod = sys.modules["leanact.estimate.maximize"]
+    ids = torch.zeros(1, 1024, dtype=torch.long)
+    sample = dict(input_ids=ids, labels=ids)
+    for key in models:
+        title, geometry, lora_fp32 = MODELS[key]
+        model = build(geometry, "leanact", lora_fp32)
+        for budget in budgets:
+            for scaling in (True, False) if whole else (True,):
+                depths: collections.Counter = collections.Counter()
+                real = maximize_mod.step_estimate
+
+                def counted(m, *a, **k):
+                    depths[len(leanact.strategies.find_layers(m))] += 1
+                    return real(m, *a, **k)
+
+                maximize_mod.step_estimate = counted
+                try:
+                    t0 = time.perf_counter()
+                    found = maximize_mod.maximize(model, sample, budget, "seq", device="cuda", depth_scaling=scaling)
+                    took = time.perf_counter() - t0
+                finally:
+                    maximize_mod.step_estimate = real
+                print(f"{title}, {budget / GIB:g} GiB, {'depth-scaled' if scaling else 'whole-model'} search: "
+                      f"{took:.1f} s; {found.value:,} tokens with {found.strategy} "
+                      f"({found.host / GIB:.0f} GiB host); estimates by depth {dict(sorted(depths.items()))}",
+                      flush=True)
+        del model
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GiB")
     ap.add_argument("--multiple", type=int, default=1024, help="sequence lengths searched in multiples of this")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--ranks", type=int, default=None, help="context-parallel ranks (leanact's rows only)")
+    ap.add_argument("--plan-times", action="store_true", help="time leanact.plan(maximize='seq') instead")
+    ap.add_argument("--whole", action="store_true", help="with --plan-times: also the whole-model search")
     args = ap.parse_args(argv)
     if args.ranks is not None and args.multiple % args.ranks:
         ap.error(f"--multiple {args.multiple} must be a multiple of --ranks {args.ranks}")
+    budgets = [int(b * GIB) for b in args.budgets]
+    if args.plan_times:
+        plan_times([m for m in args.models if m != "8b-lora-fp32"], budgets, args.whole)
+        return
     ids = torch.zeros(1, 1024, dtype=torch.long)
     sample = dict(input_ids=ids, labels=ids)
-    budgets = [int(b * GIB) for b in args.budgets]
     tables = []
     for key in args.models:
         title, geometry, lora_fp32 = MODELS[key]

@@ -381,3 +381,28 @@ def test_fused_loss_multiplies_as_on_the_gpu(monkeypatch):
     monkeypatch.setattr(lce, "_FP32_ADDMM", {"cpu": False})
     again = leanact.estimate(model, _ids(), device="cuda")
     assert again.peak == base.peak and again.at_peak == base.at_peak
+
+
+@pytest.mark.parametrize("dtype,padded", [(torch.float32, False), (torch.bfloat16, True)])
+def test_patched_gqa_never_runs_cuda_math_attention(dtype, padded):
+    """CUDA's SDPA takes grouped-query attention fused only in its flash kernel (fp16/bf16, no mask):
+    fp32 or a padding mask would send it to the math path, which keeps s² scores. leanact's attention
+    then runs its own core instead: the step grows linearly in the sequence, not quadratically."""
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=100, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = leanact.patch(transformers.LlamaForCausalLM(cfg).to(dtype)).train()
+
+    def peak(s):
+        ids = torch.zeros(1, s, dtype=torch.long)
+        x = dict(input_ids=ids, labels=ids)
+        if padded:
+            x["attention_mask"] = torch.ones_like(ids)
+            x["attention_mask"][0, :7] = 0
+        return leanact.estimate(model, x, device="cuda").peak
+
+    p1, p2, p4 = peak(1024), peak(2048), peak(4096)
+    # the math path would keep 4 heads x s² fp32 scores: 64 MiB at s = 2048, 256 MiB at 4096; padding's
+    # own (b, 1, s, s) bool mask (Hugging Face's, one byte per entry) is the only s² term allowed
+    mask = (4096**2 - 2 * 2048**2 + 1024**2) if padded else 0
+    assert p4 - p2 <= 2 * (p2 - p1) + mask + (1 << 20), (p1, p2, p4)

@@ -60,3 +60,30 @@ def test_limit_and_nothing_fits():
         largest_fitting(lambda n: n, 10, multiple=0)
     with pytest.raises(ValueError, match="degree"):
         largest_fitting(lambda n: n, 10, degree=3)
+
+
+@pytest.mark.parametrize("start_at", [0, 1, 50, 99, 100, 101, 150, 400])
+def test_a_start_gives_the_exact_answer(start_at):
+    """``start`` (a likely answer from a cheaper model of the cost): two calls when it is the answer;
+    exact wherever it is; the costs in ``known`` are not computed again."""
+    def cost(n):
+        return max(5000, 1000 + 50 * n)  # a floor, then linear: 100 fits, 101 does not
+
+    for multiple in (1, 4):
+        calls = []
+
+        def counted(n):
+            calls.append(n)
+            return cost(n)
+
+        start = start_at - start_at % multiple
+        n, seen = largest_fitting(counted, 6000, multiple=multiple, start=start)
+        assert n == _brute(cost, 6000, multiple) and len(calls) == len(set(calls))
+        if start == n:
+            assert calls == [n, n + multiple]
+        known = {n: cost(n)}
+        calls.clear()
+        assert largest_fitting(counted, 6000, multiple=multiple, start=n, known=known)[0] == n
+        assert calls == [n + multiple]
+    with pytest.raises(ValueError, match="start must be a multiple of 4"):
+        largest_fitting(cost, 6000, multiple=4, start=6)

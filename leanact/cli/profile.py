@@ -318,16 +318,17 @@ def max_batch(budget: int, fixed: int, per_sample: int) -> int:
 def step_max_batch(geo: Geometry, cfg: ProfileConfig, attn: str, lean: str | None) -> int:
     """The largest batch whose whole training step -- parameters, gradients, AdamW state,
     activations, temporaries (Trainer protocol) -- fits ``cfg.budget`` on a CUDA device, predicted by
-    ``leanact.estimate(device="cuda")`` on a meta-device model of the full geometry (no memory)."""
-    from leanact.estimate import estimate
-    from leanact.estimate.fit import largest_fitting
+    ``leanact.estimate(device="cuda")`` on a meta-device model of the full geometry (no memory),
+    searched as ``leanact.plan(maximize="batch")`` searches (depth-scaled, confirmed on the whole
+    model; no reserve: the budget as given)."""
+    from leanact.estimate.maximize import maximize
 
     dtype = DTYPES[cfg.dtype]
     with torch.device("meta"):
         base = geo.build(geo.layers, "eager", dtype, cfg.dropout, cfg.seq, cfg.seed)
     model = mode_model(base, attn, lean)
     inputs = geo.batch_inputs(1, cfg.seq, dtype, cfg.seed + 1)
-    return largest_fitting(lambda b: estimate(model, inputs, device="cuda", batch=b).peak, cfg.budget, degree=1)[0]
+    return maximize(model, inputs, cfg.budget, "batch", strategies=["lean"], device="cuda", reserve=0).value
 
 
 #: The strategies ``--budget``'s longest-sequence search tries (every layer the same).

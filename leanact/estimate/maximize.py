@@ -4,12 +4,27 @@ plan that reaches it: ``leanact.plan(model, inputs, "80GiB", maximize="seq")``.
 For each candidate strategy (applied to every layer: :func:`leanact.strategies.uniform`) the step's
 predicted peak -- parameters, gradients, optimizer state, activations, temporaries: the whole
 :func:`leanact.estimate` -- is searched for the largest size that fits (:func:`.fit.largest_fitting`:
-a quadratic fit in s, then checked by estimates on either side of the answer). The strategy that
+fits in s, then checked by estimates on either side of the answer). The strategy that
 reaches the largest size wins; among equals, the cheapest in time (the order of
 :data:`CANDIDATES`). On CUDA the candidates include ``offload+recompute+tiled_mlp``: every layer's
 input (but the last layer's) in pinned host memory, which the estimate counts apart
 (``Estimate.host``; ``host_budget`` bounds it). What the head keeps (the fused linear +
 cross-entropy of a patched model, or the logits) is part of the estimate.
+
+**Depth scaling.** When the model's layers are alike (:func:`.depth.alike_layers`: Llama, Qwen,
+GPT-2, BERT and most others; not Gemma 2's alternating ones), each candidate is searched with the
+line through estimates of the model cut to 2 and 3 layers, 3 and 4 for the offloading strategies
+(:mod:`.depth`: exact wherever one moment of the step sets the peak at these depths and the whole
+model's; an estimate's time grows with the layers it traces), each search starting at the size
+where the candidate before it stopped. Then the candidate that reached furthest is estimated on
+the whole model at its answer: when that estimate equals the line's to the byte, the answer
+stands (the line was exact there; the next size, over the budget by the line, is not estimated
+again), else the search goes on with whole-model estimates from there. So is every other
+candidate whose line reached as far as the confirmed best. The answer, its estimate and the plan
+always come from the whole model; ``Maximized.confirmed`` names the candidates whose reach is the
+whole model's, the others' in ``by_strategy`` are the line's. ``depth_scaling=False`` searches
+every candidate with whole-model estimates (several times slower:
+``python benchmarks/long_context.py --plan-times --whole``).
 
 **The reserve.** A step whose predicted peak (``torch.cuda.max_memory_allocated``: the bytes of
 live tensors and the runtime's workspaces) equals the budget still runs out of memory: the caching
@@ -30,6 +45,7 @@ from typing import Any, Callable
 from torch import nn
 
 from .api import _position_limit, estimate
+from .depth import alike_layers, depths_for, scaled
 from .fit import largest_fitting
 from .result import Estimate
 
@@ -58,9 +74,11 @@ def reserve_for(budget: int, device: Any = "cuda") -> int:
 class Maximized:
     """What :func:`maximize` found: ``value`` (the longest sequence or largest batch, 0 if nothing
     fits) reached with ``strategy`` on every layer (``plan``), the estimate there, and the value
-    each candidate reached (``by_strategy``). ``reserve``: the bytes of ``budget`` left free for the
-    caching allocator; the estimate's peak is at most ``limit`` = ``budget - reserve``.
-    ``host``: the pinned host memory the plan's offload needs (0 without offload)."""
+    each candidate reached (``by_strategy``: from whole-model estimates for the candidates named in
+    ``confirmed``, from the depth-scaled line for the others; module doc). ``reserve``: the bytes of
+    ``budget`` left free for the caching allocator; the estimate's peak is at most ``limit`` =
+    ``budget - reserve``. ``host``: the pinned host memory the plan's offload needs (0 without
+    offload)."""
 
     what: str
     value: int
@@ -70,6 +88,7 @@ class Maximized:
     budget: int
     by_strategy: dict[str, int] = field(default_factory=dict)
     reserve: int = 0
+    confirmed: tuple[str, ...] = ()
 
     @property
     def host(self) -> int:
@@ -120,7 +139,7 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
              strategies: list[str] | None = None, device: Any = "cuda", dtype: Any = None, optimizer: Any = "adamw",
              loss_fn: Callable | None = None, multiple: int | None = None, limit: int | None = None,
              keep_output: bool = False, reserve: int | None = None, host_budget: int | None = None,
-             context_parallel: int | None = None) -> Maximized:
+             context_parallel: int | None = None, depth_scaling: bool = True) -> Maximized:
     """The largest ``what`` ("seq": sequence length at the sample's batch; "batch": batch at the
     sample's sequence length) whose whole step fits ``budget`` bytes on ``device`` (module doc),
     less ``reserve`` bytes kept free for the caching allocator (None: :func:`reserve_for`, 2% of
@@ -131,7 +150,9 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     sharing each sequence; the budgets are per rank): as :func:`leanact.estimate`.
     ``strategies``: the candidates (default :data:`CANDIDATES`, without the offload ones on the
     CPU, where host memory is the device's). ``host_budget``: the most pinned host memory an
-    offloading candidate may need (bytes; None: no bound)."""
+    offloading candidate may need (bytes; None: no bound). ``depth_scaling``: search with the line
+    through two shallow estimates and confirm with the whole model (module doc; used only when the
+    layers are alike); False: whole-model estimates throughout."""
     from leanact.strategies import STRATEGIES
 
     if what not in ("seq", "batch"):
@@ -167,23 +188,57 @@ def maximize(model: nn.Module, sample_inputs: Any, budget: int, what: str = "seq
     def peak(strategy: str, n: int) -> Estimate:
         return step_estimate(model, sample_inputs, strategy, what, n, **opts)
 
-    best: tuple[int, str, Estimate | None] = (-1, names[0], None)
-    reached: dict[str, int] = {}
-    for strategy in names:
+    def search(cost: Callable[[int], int], start: int | None = None, known: dict[int, int] | None = None
+               ) -> tuple[int, dict[int, int]]:
+        return largest_fitting(cost, limit_bytes, probes=(1, 128, 1024) if what == "seq" else (1, 2, 4),
+                               multiple=multiple, limit=limit, degree=2 if what == "seq" else 1, start=start,
+                               known=known)
+
+    def whole(strategy: str, start: int | None = None, line: dict[int, int] | None = None
+              ) -> tuple[int, Estimate | None]:
         found_at: dict[int, Estimate] = {}
 
-        def cost(n: int, strategy=strategy, found_at=found_at) -> int:
+        def cost(n: int) -> int:
             found_at[n] = peak(strategy, n)
             if host_budget is not None and found_at[n].host > host_budget:
                 return budget + 1  # does not fit: too much host memory
             return found_at[n].peak
 
-        value, _ = largest_fitting(cost, budget - reserve, probes=(1, 8, 32) if what == "seq" else (1, 2, 4),
-                                   multiple=multiple, limit=limit, degree=2 if what == "seq" else 1)
-        reached[strategy] = value
-        if value > best[0]:
-            best = (value, strategy, found_at.get(value))
-    value, strategy, est = best
+        known = {}
+        if line is not None and start:  # the line's answer: the whole model's cost there, then maybe done
+            known[start] = cost(start)
+            if known[start] == line[start] <= limit_bytes < line.get(start + multiple, -1):
+                return start, found_at[start]  # the line is exact at its answer: the next size is over
+        value = search(cost, start, known)[0]
+        return value, found_at.get(value)
+
+    limit_bytes = budget - reserve
+    layers = alike_layers(model) if depth_scaling else None
+    reached: dict[str, int] = {}
+    if layers is None:  # every candidate searched with estimates of the whole model
+        results = {s: whole(s) for s in names}
+        reached = {s: v for s, (v, _) in results.items()}
+        value, strategy = max((v, -names.index(s)) for s, v in reached.items())
+        strategy = names[-strategy]
+        est, confirmed = results[strategy][1], tuple(names)
+    else:  # the line through two shallow estimates (module doc); the winner confirmed whole
+        start, lines = None, {}
+        for strategy in names:  # each search starts where the one before ended (its cost grows there)
+            def line(n: int, strategy=strategy) -> int:
+                got = scaled(lambda: peak(strategy, n), layers, depths_for(strategy))
+                return budget + 1 if host_budget is not None and got.host > host_budget else got.peak
+            reached[strategy], lines[strategy] = search(line, start)
+            start = reached[strategy] or None
+        confirmed, best = (), (-1, names[0], None)
+        for strategy in sorted(names, key=lambda s: (-reached[s], names.index(s))):
+            if reached[strategy] < best[0] or (reached[strategy] == best[0]
+                                               and names.index(strategy) > names.index(best[1])):
+                break  # cannot win (where the peak is convex in the depth, the line reaches at least as far)
+            value, est = whole(strategy, reached[strategy], lines[strategy])
+            reached[strategy], confirmed = value, (*confirmed, strategy)
+            if value > best[0] or (value == best[0] and names.index(strategy) < names.index(best[1])):
+                best = (value, strategy, est)
+        value, strategy, est = best
     plan = strategy_plan(model, strategy, value * (b0 if what == "seq" else s0))
     plan.budget = budget
-    return Maximized(what, value, strategy, plan, est, budget, reached, reserve)
+    return Maximized(what, value, strategy, plan, est, budget, reached, reserve, confirmed)

@@ -26,6 +26,7 @@ from leanact.strategies.offload import allocating_host, is_host_copy_key
 
 __all__ = ["RoundingMemTracker", "StepMemory", "make_optimizer", "run_step", "default_loss"]
 
+_DEVICE = torch.ops.prim.device.default
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
 
 
@@ -53,6 +54,11 @@ class RoundingMemTracker(MemTracker):
     def __init__(self, block: int = 1):
         super().__init__()
         self.block = block
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a tensor's device (asked by C++ code: autograd, foreach): nothing to track
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         if getattr(winfo, "leanact_host", False):

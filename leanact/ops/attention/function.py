@@ -105,11 +105,16 @@ def _as4d(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask[(None,) * (4 - mask.dim())] if mask.dim() < 4 else mask
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _sdpa_is_lean(q, k, v, mask4) -> bool:
     """Whether SDPA (with autograd, dropout 0) keeps no s² tensor and returns a (b, s, H, d)-layout
     output. Measured (tests/test_attention.py): the CPU flash kernel keeps q, k, v, out, lse (the
     caller's q, k, v, no copies; GQA included); a float mask of q's dtype is kept as is, a bool
-    mask is converted to a float copy (kept), hence only bool masks without a query dimension."""
+    mask is converted to a float copy (kept), hence only bool masks without a query dimension. On
+    CUDA, grouped-query attention (fewer key/value heads) runs fused only in the flash kernel
+    (fp16/bf16, no mask): otherwise CUDA's SDPA falls back to its math path, which keeps s² scores."""
     if q.dtype not in _SDPA_DTYPES or not (q.dtype == k.dtype == v.dtype):
         return False
     if not torch.compiler.is_compiling() and not torch.backends.cuda.flash_sdp_enabled():  # e.g. sdpa_kernel(MATH)
@@ -131,7 +136,11 @@ def _sdpa_is_lean(q, k, v, mask4) -> bool:
         # The CPU flash kernel's 16-bit backward loses accuracy (measured: gradients 10x further from
         # fp32 than the eager composition's on a tiny OPT); leanact's core accumulates in fp32.
         return q.dtype in (torch.float32, torch.float64) and q.stride(1) <= q.stride(2)  # (b, s, H, d) layout
-    return device == "cuda" and q.dtype != torch.float64  # no fused fp64 kernels; checked after the call
+    if device != "cuda" or q.dtype == torch.float64:  # no fused fp64 kernels
+        return False
+    if k.size(1) != q.size(1):  # GQA: only the flash kernel takes it; else CUDA's SDPA runs math (keeps s²)
+        return q.dtype in _HALF and mask4 is None and q.size(-1) == v.size(-1) <= 256
+    return True  # flash or memory-efficient; checked after the call
 
 
 def attention(
