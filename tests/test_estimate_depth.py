@@ -37,6 +37,13 @@ def test_alike_layers():
     q = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=128, vocab_size=128, use_sliding_window=True, max_window_layers=3)
     assert alike_layers(transformers.Qwen2ForCausalLM(q)) is None  # windows from layer 3 on
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=6, n_head=4, vocab_size=128,
+                                                                bos_token_id=0, eos_token_id=0))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(hidden_size=64, num_hidden_layers=6,
+                                                                num_attention_heads=4, intermediate_size=128,
+                                                                vocab_size=128))
+    assert alike_layers(leanact.patch(gpt2)) is gpt2.transformer.h
+    assert alike_layers(leanact.patch(bert)) is bert.bert.encoder.layer
     frozen = _llama()
     frozen.model.layers[5].mlp.up_proj.weight.requires_grad_(False)
     assert alike_layers(frozen) is None
