@@ -193,6 +193,27 @@ def test_copies_keep_and_unpatch_removes_the_fused_loss():
     assert leanact.summary(lean).loss_states[""].fused_calls == 0  # the copies counted their own calls
 
 
+def test_loss_type_named_where_hugging_face_falls_back(caplog):
+    """GPT-2's ``loss_type`` is None: Hugging Face warns and uses ``ForCausalLM`` (a graph break under
+    torch.compile). Patching names that loss, the same function; unpatching (copies too) restores None;
+    a value set by the user since is theirs and stays; a model with its own ``loss_type`` keeps it."""
+    ref, lean = _pair("gpt2")
+    assert ref.loss_type is None and lean.loss_type == "ForCausalLM"
+    assert lean.loss_function is ref.loss_function
+    for copied in (copy.deepcopy(lean), pickle.loads(pickle.dumps(lean))):
+        leanact.unpatch(copied)
+        assert copied.loss_type is None
+    leanact.unpatch(lean)
+    assert lean.loss_type is None
+    leanact.patch(lean)
+    lean.loss_type = "ForMaskedLM"
+    leanact.unpatch(lean)
+    assert lean.loss_type == "ForMaskedLM"
+    llama = leanact.patch(F.build("llama", "sdpa"))
+    assert llama.loss_type == "ForCausalLM"
+    assert leanact.summary(llama).loss_states[""].loss_type_was is None
+
+
 def test_autocast_and_bf16_within_2x_unpatched_error():
     """bf16 weights, and fp32 weights under bf16 autocast: loss and gradients against the fp32 truth
     (same weights) within 2x the unpatched model's own error (Gemma 2: logit soft-capping)."""

@@ -78,6 +78,7 @@ from .modules import RUN_TIME_HOOKS, hook_kinds
 from .adapter import ModelStep, PatchRun
 from .head_writes import cast_dtype, fusable_call, name_of, writes as _writes
 from .hf_head_compiled import CompiledWindow, LazyLogits
+from .hf_head_loss_form import loss_form, loss_outside
 
 __all__ = ["ATTR", "HeadState", "keep_logits", "install", "uninstall", "head_reason", "ELIGIBLE_SUFFIXES", "STEP"]
 
@@ -109,6 +110,10 @@ class HeadState:
     #: on the placeholders made the real tensors (the loss is then the model's own, unfused).
     fallbacks: dict = field(default_factory=dict)
     windows: list = field(default_factory=list, repr=False, compare=False)
+    #: the model's own ``loss_type`` when leanact named the loss it falls back to (:func:`_name_loss_type`)
+    loss_type_was: tuple | None = None
+    #: :func:`~.hf_head_loss_form.loss_form` of the model's class, read when patched (not while compiling)
+    loss_form: str | None = None
 
     def __getstate__(self):  # copies and pickles carry no open call
         d = dict(self.__dict__)
@@ -116,7 +121,8 @@ class HeadState:
         return d
 
     def __deepcopy__(self, memo):
-        new = HeadState(self.path, self.enabled, self.fused_calls, dict(self.fallbacks))
+        new = HeadState(self.path, self.enabled, self.fused_calls, dict(self.fallbacks),
+                        loss_type_was=self.loss_type_was, loss_form=self.loss_form)
         memo[id(self)] = new
         return new
 
@@ -579,8 +585,12 @@ class _HeadForward(ContextForward):
         win = _open(self.module, args, kwargs) if self.active else None
         if win is None:
             return forward(*args, **kwargs)
+        form = self.module.__dict__[ATTR].loss_form if isinstance(win, CompiledWindow) else None
         try:
-            output = forward(*args, **kwargs)
+            if form is None:
+                output = forward(*args, **kwargs)
+            else:  # Dynamo would turn the model's own nn.CrossEntropyLoss() into a call we cannot see
+                output = loss_outside(self.module, forward, args, kwargs, _labels_position(type(self.module)), form)
         finally:
             _close(self.module, win)
         if isinstance(win, CompiledWindow):
@@ -651,18 +661,52 @@ def _cleaned(output, fix):
 
 def install(model: nn.Module, path: str, enabled: bool = True) -> HeadState:
     """Wrap ``model.forward`` (an eligible Hugging Face model) and attach its state."""
-    state = HeadState(path, enabled)
+    state = HeadState(path, enabled, loss_form=loss_form(type(model)))
     model.__dict__[ATTR] = state
     model.__dict__["forward"] = _HeadForward(model, model.__dict__.get("forward"))
+    _name_loss_type(model, state)
     return state
+
+
+def _name_loss_type(model: nn.Module, state: HeadState) -> None:
+    """Set ``model.loss_type = "ForCausalLM"`` where Hugging Face's ``loss_function`` would fall back to
+    that loss after a warning (``loss_type`` None or unknown: GPT-2, GPT-J, ...): the same loss function,
+    without the warning, which ``torch.compile`` cannot trace (a graph break of the unpatched model's
+    own, around the head). The previous value is restored by :func:`uninstall`."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover
+        return
+    if "ForCausalLM" not in LOSS_MAPPING or "_loss_function" in model.__dict__:
+        return
+    had = "loss_type" in model.__dict__
+    before = model.__dict__.get("loss_type")
+    if had and isinstance(before, str) and before in LOSS_MAPPING:
+        return
+    if not had and getattr(model, "loss_type", None) in LOSS_MAPPING:
+        return
+    state.loss_type_was = (had, before)
+    model.loss_type = "ForCausalLM"
+
+
+def _restore_loss_type(m: nn.Module, state: HeadState) -> None:
+    if state.loss_type_was is None or m.__dict__.get("loss_type") != "ForCausalLM":
+        return  # never set, or set since by the user: theirs stays
+    had, before = state.loss_type_was
+    if had:
+        m.__dict__["loss_type"] = before
+    else:
+        del m.__dict__["loss_type"]
 
 
 def uninstall(model: nn.Module) -> None:
     """Remove the wrapper and state from every module of ``model`` (copies included: found by type;
     a wrapper that another library wrapped since is made inert)."""
     for m in model.modules():
-        if m.__dict__.pop(ATTR, None) is None:
+        state = m.__dict__.pop(ATTR, None)
+        if state is None:
             continue
+        _restore_loss_type(m, state)
         wrapper = m.__dict__.get("forward")
         if isinstance(wrapper, _HeadForward):
             if wrapper.previous is None:
