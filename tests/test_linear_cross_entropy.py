@@ -300,6 +300,20 @@ def test_errors():
         linear_cross_entropy(x[:, :3], w, y, b)
 
 
+def test_while_a_cuda_graph_is_captured(monkeypatch):
+    """While a CUDA graph is captured (``reduce-overhead``) the host reads nothing: all rows, masked,
+    the same loss and gradients, and an out-of-range target asserted on the device (here the CPU,
+    where the assertion raises at once). The capture is simulated: this test has no GPU."""
+    monkeypatch.setattr(L, "_capturing", lambda t: True)
+    monkeypatch.setattr(L, "COMPACT", 1.0)  # (would compact the ignored rows otherwise)
+    for kw, gif in ((dict(), False), (dict(reduction="sum", label_smoothing=0.1), False), (dict(), True)):
+        _check(kw, fused_kw=dict(TINY, grad_in_forward=gif))
+    x, w, b, y = _data()
+    y[0] = 19
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        linear_cross_entropy(x, w, y, b)
+
+
 # ---- the chunk plan, launches, grad_output ----------------------------------------------------
 
 def test_chunk_plan():

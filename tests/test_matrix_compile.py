@@ -89,7 +89,7 @@ def test_compiled_patched_keeps_what_eager_keeps(family):
     batch = F.batch(family, "right")
     tokens = batch["input_ids"].numel()
     eager = _kept(lean, lean, batch, tokens)
-    compiled = _kept(torch.compile(lean), lean, batch, tokens)
+    compiled = _kept(torch.compile(lean, fullgraph=True), lean, batch, tokens)
     # inductor recomputes RoPE's cos and sin (cheap functions of the positions) instead of keeping them
     rope = getattr(lean.model, "rotary_emb", None) if hasattr(lean, "model") else None
     tables = 0 if rope is None else 2 * batch["input_ids"].shape[1] * lean.config.head_dim * 4

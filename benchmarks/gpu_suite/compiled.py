@@ -1,7 +1,8 @@
 """The ``compiled`` part (only when named): the ``steps`` part's whole training steps with every model
 under ``torch.compile`` (inductor; Dynamo alone, backend ``eager``, in a smoke run), side by side in turns: the
-Llama-3.2-1B geometry (HF sdpa, Liger-Kernel, leanact) and BERT-Large (HF sdpa, leanact), each
-model's first step (tracing and compiling) noted next to the others'.
+Llama-3.2-1B geometry (HF sdpa, Liger-Kernel, leanact) and BERT-Large (HF sdpa, leanact; on CUDA also
+both with CUDA graphs, ``mode="reduce-overhead"``), each model's first step (tracing and compiling)
+noted next to the others'.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 from .common import Recorder, size, smoke
 from .models import bert_builders, llama_builders
-from .side_by_side import compare
+from .side_by_side import check, compare
 from .steps import finish, judge, step_rows
 
 
@@ -30,6 +31,13 @@ def part_compiled(rec: Recorder, limit_s: float) -> None:
         modes = compare(rec, name + " (compiled)", builders(rec, batch, seq, backend), rounds, deadline=deadline)
         step_rows(rec, name + " (compiled)", f"{batch}x{seq}", modes)
         llama = name.startswith("Llama")
+        by = {m.label: m for m in modes}
+        ro = ("HF sdpa, reduce-overhead", "leanact, reduce-overhead")
+        if all(k in by for k in ro):
+            rec.note(f"{name} with CUDA graphs (mode='reduce-overhead'), leanact: "
+                     + check("step vs HF sdpa's", by[ro[1]].ms, by[ro[0]].ms, 0.9) + "; "
+                     + check("peak vs HF sdpa's", by[ro[1]].peak, by[ro[0]].peak, 0.6) + "; "
+                     + check("step vs leanact's without CUDA graphs", by[ro[1]].ms, by["leanact"].ms, 1.0))
         failed += judge(rec, name + " (compiled)", modes, 0.9, 1.0 if llama else None, 0.5 if llama else 0.6)
         del modes
     finish(rec, failed)

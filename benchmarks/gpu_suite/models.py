@@ -50,15 +50,15 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev() == "cuda")
 
 
-def compiled(rec: Recorder, label: str, model, backend: str | None):
-    """``model`` as torch.compile's module (``backend`` None: the model itself), its compile time noted
-    at its first step (:func:`first_step_noted`)."""
+def compiled(rec: Recorder, label: str, model, backend: str | None, mode: str | None = None):
+    """``model`` as torch.compile's module (``backend`` None: the model itself; ``mode``, e.g.
+    ``"reduce-overhead"``: CUDA graphs), its compile time noted at its first step (:func:`first_step_noted`)."""
     import torch
 
     if backend is None:
         return model
-    rec.note(f"{label}: torch.compile(model, backend={backend!r})")
-    return torch.compile(model, backend=backend)
+    rec.note(f"{label}: torch.compile(model, backend={backend!r}" + (f", mode={mode!r})" if mode else ")"))
+    return torch.compile(model, backend=backend, mode=mode)
 
 
 def first_step_noted(rec: Recorder, label: str, step):
@@ -139,18 +139,22 @@ def bert_builders(rec: Recorder, batch: int, seq: int, backend: str | None = Non
     gb = bert_module()
     rec.note("BERT-Large: no Liger row (Liger-Kernel has no BERT patch)")
 
-    def build(options: dict | None):
+    def build(options: dict | None, mode: str | None = None):
         model = gb.build("sdpa", None, "bf16", "autocast", seq, dev(), **size("bert"))
         if options is not None:
             leanact.patch(model, **options)
         torch.manual_seed(1)
-        label = "HF sdpa" if options is None else "leanact"
-        step = train_step(compiled(rec, label, model, backend), _adamw(model),
+        label = ("HF sdpa" if options is None else "leanact") + (f", {mode}" if mode else "")
+        step = train_step(compiled(rec, label, model, backend, mode), _adamw(model),
                           gb.make_batch(batch, seq, model.config.vocab_size, dev()), True)
         return step if backend is None else first_step_noted(rec, label, step)
 
     if backend is not None:
-        return [("HF sdpa", lambda: build(None)), ("leanact", lambda: build({}))]
+        modes = [("HF sdpa", lambda: build(None)), ("leanact", lambda: build({}))]
+        if backend == "inductor" and dev() == "cuda":  # CUDA graphs: the host-bound part of the step gone
+            ro = "reduce-overhead"
+            modes += [(f"HF sdpa, {ro}", lambda: build(None, ro)), (f"leanact, {ro}", lambda: build({}, ro))]
+        return modes
 
     # the last mode: without the two autocast memory savings, whose saved-tensor hooks cost host time
     # (benchmarks/host_stub.py): what they cost a host-bound step, and what they save

@@ -242,11 +242,15 @@ def _upcast_accumulate_mm_(out, a, b, step=None):
 
 def _active(x, target, ignore_index, v):
     """(valid mask, rows or None, x rows, targets, n_valid tensor). Rows: indices of the valid tokens
-    when some are ignored (real tensors); None = all rows, masked (fake tensors, or none ignored)."""
+    when some are ignored (real tensors); None = all rows, masked (fake tensors, none ignored, or a
+    CUDA graph being captured, where the host cannot read the targets: the bound is then asserted on
+    the device, as torch's own CUDA loss does)."""
     valid = target != ignore_index
     n_valid = valid.sum()
     rows = None
-    if not (is_fake(x) or is_fake(target)):
+    if not (is_fake(x) or is_fake(target)) and _capturing(target):
+        torch._assert_async(~(valid & ((target < 0) | (target >= v))).any(), "Target out of bounds.")
+    elif not (is_fake(x) or is_fake(target)):
         bad = valid & ((target < 0) | (target >= v))
         if bool(bad.any()):
             raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
@@ -255,6 +259,11 @@ def _active(x, target, ignore_index, v):
     if rows is None:
         return valid, None, x, target.clamp(0, max(v - 1, 0)), n_valid
     return valid, rows, x.index_select(0, rows), target.index_select(0, rows), n_valid
+
+
+def _capturing(t) -> bool:
+    """Whether ``t``'s CUDA stream is capturing a graph (``torch.compile(mode="reduce-overhead")``)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _Chunks:
