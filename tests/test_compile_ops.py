@@ -115,3 +115,40 @@ def test_compiled_gated_down_keeps_g_and_u():
     assert kept_e == kept_c == [((2, 5, 16), "torch.float32")] * 2
     assert torch.equal(out_c, out_e)
     assert all(torch.equal(a, b) for a, b in zip(grads_c, grads_e))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_recast_linear_op(transposed):
+    """``leanact::recast_linear`` (a Linear under autocast while compiling): opcheck-clean, float64
+    gradcheck (the cast is then the identity), and bitwise autocast's Linear in bf16."""
+    from leanact.ops import recast_linear as R
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(*((6, 4) if transposed else (4, 6)), generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(R._recast_linear_op, (x, w, b, transposed))
+    torch.library.opcheck(R._recast_linear_op, (x, w, None, transposed))
+    assert torch.autograd.gradcheck(lambda *t: R._recast_linear_op(*t, transposed), (x, w, b))
+    xs, ws, bs = (t.detach().float().requires_grad_() for t in (x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.addmm(bs, xs, ws) if transposed else torch.nn.functional.linear(xs, ws, bs)
+    want_g = torch.autograd.grad(want.float().sum(), (xs, ws, bs))
+    got = R.compiled_recast_linear(xs, ws, bs, torch.bfloat16, transposed)
+    got_g = torch.autograd.grad(got.float().sum(), (xs, ws, bs))
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert all(a.dtype == c.dtype and torch.equal(a, c) for a, c in zip(got_g, want_g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_backward_op(dtype):
+    """``leanact::gelu_backward`` (GELU's backward while compiling): opcheck-clean and bitwise the
+    eager backward."""
+    from leanact.ops.gelu import function as Gl
+
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(4)).to(dtype).requires_grad_()
+    y, bits = Gl._forward(x.detach(), "none", with_bits=True)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(Gl._gelu_backward_op, (y, bits, dy, "none"))
+    want = torch.autograd.grad(Gl.gelu(x), x, dy)[0]
+    assert torch.equal(Gl._gelu_backward_op(y, bits, dy, "none"), want)

@@ -99,6 +99,44 @@ def test_compiled_patched_keeps_what_eager_keeps(family):
     assert eager - tables - head <= compiled <= eager, (eager, compiled)
 
 
+@pytest.mark.parametrize("family", MEMORY)
+def test_compiled_under_autocast_keeps_no_weight_copy(family):
+    """Under bf16 autocast, inductor (``fullgraph=True``): no 16-bit copy of a weight is kept (each Linear
+    is the custom op ``leanact::recast_linear``, which casts the fp32 weight again in backward; traced,
+    the partitioner keeps every cast), GELU's output is kept once (its backward the custom op
+    ``leanact::gelu_backward``), and the rest is within what eager keeps plus the 16-bit casts of the
+    fp32 norm outputs that feed Linears (two per layer and the head's), which eager recasts from the
+    kept outputs (docs/patching.md, "Still different while compiling"). Loss and gradients as eager's,
+    within bf16's rounding."""
+    torch._dynamo.reset()
+    lean = leanact.patch(_build(family))
+    batch = F.batch(family, "right")
+    tokens = batch["input_ids"].numel()
+
+    def kept(fn):
+        meter = SavedTensorMeter(lean)
+        with warnings.catch_warnings(), meter, torch.autocast("cpu", dtype=torch.bfloat16):
+            warnings.simplefilter("ignore")
+            out = fn(**batch)
+        records = meter.counted()
+        total, copies = sum(r.counted_bytes for r in records), sum(r.counted_bytes for r in records if r.weight_copy)
+        del out
+        meter.release()
+        return total, copies
+
+    compiled = torch.compile(lean, fullgraph=True)
+    (eager, eager_copies), (comp, comp_copies) = kept(lean), kept(compiled)
+    casts = (2 * lean.config.num_hidden_layers + 1) * tokens * lean.config.hidden_size * 2
+    assert eager_copies == comp_copies == 0 and comp <= eager + casts, (eager, comp, casts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l_eager, g_eager = _step(lean, lean, batch)
+        l_comp, g_comp = _step(compiled, lean, batch)
+    assert abs(l_comp - l_eager) <= 2e-2 * abs(l_eager), (l_eager, l_comp)
+    median = torch.stack([g.norm() for g in g_eager.values()]).median()
+    for name, g in g_eager.items():  # (a key projection's bias: zero in exact arithmetic, noise in bf16)
+        assert (g_comp[name] - g).norm() <= 5e-2 * max(g.norm(), median), name
+
+
 #: (family, padding): Gemma 2 (eager attention, softcap) with left padding, whose first rows have no key;
 #: GPT-2 (``leanact.patch`` names the loss Hugging Face falls back to, whose warning is the unpatched
 #: model's graph break);

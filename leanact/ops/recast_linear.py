@@ -22,10 +22,14 @@ tensor, for plain Linear layers where nothing observes saves (``benchmarks/host_
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RecastLinear", "recast_linear"]
+from .amp import autocast_off
+
+__all__ = ["RecastLinear", "recast_linear", "compiled_recast_linear"]
 
 
 class RecastLinear(torch.autograd.Function):
@@ -76,4 +80,61 @@ def recast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.dim() == 2:
         return RecastLinear.apply(x, weight, bias, dtype, share, transposed)
     y = RecastLinear.apply(x.view(-1, x.shape[-1]), weight, bias, dtype, share, transposed)
+    return y.view(*x.shape[:-1], weight.shape[1 if transposed else 0])
+
+
+# -- the same op for torch.compile ---------------------------------------------------------------
+# Traced, a Linear under autocast is a cast of the weight and a matmul in the graph, and AOTAutograd's
+# partitioner keeps the cast for the backward's matmul (a node used by a matmul in the backward is
+# never recomputed: measured, a compiled patched Llama under autocast keeps every 16-bit weight copy).
+# As a custom op the forward's cast is inside the op: the backward casts the fp32 weight again, and
+# the partitioner saves the weight itself, free (a parameter).
+
+@torch.library.custom_op("leanact::recast_linear", mutates_args=())
+def _recast_linear_op(xc: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      transposed: bool) -> torch.Tensor:
+    dtype = xc.dtype
+    wc, bc = weight.to(dtype=dtype), None if bias is None else bias.to(dtype=dtype)
+    with autocast_off(xc.device.type):
+        if transposed:
+            return torch.addmm(bc, xc, wc) if bc is not None else torch.mm(xc, wc)
+        return F.linear(xc, wc, bc)
+
+
+@_recast_linear_op.register_fake
+def _(xc, weight, bias, transposed):
+    return xc.new_empty((xc.shape[0], weight.shape[1 if transposed else 0]))
+
+
+def _recast_setup(ctx, inputs, output):
+    xc, weight, bias, transposed = inputs
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ctx.save_for_backward(xc if need_w else None, weight if need_x else None)
+    ctx.transposed, ctx.has_bias, ctx.dtype = transposed, bias is not None, xc.dtype
+
+
+def _recast_grad(ctx, grad):
+    xc, weight = ctx.saved_tensors
+    gx = gw = gb = None
+    with autocast_off(grad.device.type):
+        if ctx.needs_input_grad[0]:
+            wc = weight.to(dtype=ctx.dtype)
+            gx = grad.mm(wc.t() if ctx.transposed else wc)
+        if ctx.needs_input_grad[1]:
+            gw = (xc.t().mm(grad) if ctx.transposed else grad.t().mm(xc)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.sum(0)
+    return gx, gw, gb, None
+
+
+_recast_linear_op.register_autograd(_recast_grad, setup_context=_recast_setup)
+
+
+def compiled_recast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                           transposed: bool = False) -> torch.Tensor:
+    """:func:`recast_linear` while ``torch.compile`` traces (no ``share``): the input's cast in the graph
+    (where the compiler may fuse it with its producer), the rest the custom op ``leanact::recast_linear``,
+    which keeps the cast input and the fp32 weight."""
+    xc = x if x.dtype == dtype else x.to(dtype=dtype)
+    y = _recast_linear_op(xc.reshape(-1, x.shape[-1]), weight, bias, transposed)
     return y.view(*x.shape[:-1], weight.shape[1 if transposed else 0])

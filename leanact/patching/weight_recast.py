@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..ops.amp import autocast_dtype
-from ..ops.recast_linear import recast_linear
+from ..ops.recast_linear import compiled_recast_linear, recast_linear
 from ..ops.weight_recast import LOW_DTYPES, hook_matmul_saves, recast_weight
 from ..recompute.context_forward import ContextForward, unwrap_forward
 from ..recompute.recipes import RecipeTransform, foreign_hooks, has_recipe, shared_cast
@@ -120,6 +120,8 @@ class RecastForward(ContextForward):
         m, x = self.module, args[0]
         weight = m.weight
         dtype = _eligible_dtype(weight, x)
+        if dtype is not None and torch.compiler.is_compiling() and x.dtype in _AUTOCAST_INPUTS and x.dim() >= 1:
+            return compiled_recast_linear(x, weight, m.bias, dtype, compute is _conv1d)
         if dtype is not None:
             quiet, transform = unobserved_ambient()  # (quiet: not compiling, no hooks of anyone's)
             if quiet and x.dtype in _AUTOCAST_INPUTS and x.dim() >= 2 and x.is_contiguous() and (
