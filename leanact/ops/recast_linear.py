@@ -110,7 +110,7 @@ def _recast_setup(ctx, inputs, output):
     xc, weight, bias, transposed = inputs
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ctx.save_for_backward(xc if need_w else None, weight if need_x else None)
-    ctx.transposed, ctx.has_bias, ctx.dtype = transposed, bias is not None, xc.dtype
+    ctx.transposed, ctx.has_bias, ctx.dtype, ctx.weight_dtype = transposed, bias is not None, xc.dtype, weight.dtype
 
 
 def _recast_grad(ctx, grad):
@@ -121,7 +121,7 @@ def _recast_grad(ctx, grad):
             wc = weight.to(dtype=ctx.dtype)
             gx = grad.mm(wc.t() if ctx.transposed else wc)
         if ctx.needs_input_grad[1]:
-            gw = (xc.t().mm(grad) if ctx.transposed else grad.t().mm(xc)).to(weight.dtype)
+            gw = (xc.t().mm(grad) if ctx.transposed else grad.t().mm(xc)).to(ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = grad.sum(0)
     return gx, gw, gb, None
