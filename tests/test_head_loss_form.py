@@ -103,6 +103,7 @@ def test_form_read_from_the_source():
     for cls in (Smoothed, LabelsElsewhere, Scaled, LogitsReassigned, OtherLoss):
         assert loss_form(cls) is None, cls.__name__
     assert loss_form(T.BertForMaskedLM) == "as_is" and loss_form(T.RobertaForMaskedLM) == "moved"
+    assert loss_form(T.AlbertForMaskedLM) == "as_is" and loss_form(T.XLMRobertaForMaskedLM) == "moved"
     for cls in (T.LlamaForCausalLM, T.GPT2LMHeadModel, T.BertForPreTraining, T.DebertaV2ForMaskedLM,
                 T.DistilBertForMaskedLM):
         assert loss_form(cls) is None, cls.__name__
@@ -114,7 +115,7 @@ def _position(cls) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["bert", "roberta"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
 def test_compiled_positional_labels_and_tuples(family):
     """Labels passed by position, ``return_dict`` True and False: the compiled call's loss and output
     fields are eager's (logits dropped where the loss was fused, in both)."""
@@ -138,3 +139,39 @@ def test_compiled_positional_labels_and_tuples(family):
                 assert isinstance(got, tuple) and len(got) == len(want)
                 want, got = want[0], got[0]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_a_forward_changed_since_patching_keeps_its_own_loss():
+    """The form holds for the forward that was read: a class ``forward`` replaced after patching, or a
+    forward set on the instance before patching (either may do anything with ``labels``), keeps the
+    model's own loss under compile: here twice the cross-entropy, as eager gives it."""
+    base = type(F.build("bert", "sdpa"))
+
+    def doubled(self, *args, **kwargs):
+        out = base.forward(self, *args, **kwargs)
+        if out.loss is not None:
+            out["loss"] = out.loss * 2
+            object.__setattr__(out, "loss", out["loss"])
+        return out
+
+    batch = F.batch("bert", "right")
+    for where in ("class", "instance"):
+        torch._dynamo.reset()
+        model = F.build("bert", "sdpa")
+        if where == "class":
+            model.__class__ = type("BertLater", (base,), {})
+            lean = leanact.patch(model)
+            type(lean).forward = doubled
+        else:
+            model.forward = doubled.__get__(model)
+            lean = leanact.patch(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = lean(**batch).loss
+            got = torch.compile(lean, backend="aot_eager")(**batch).loss
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        plain = F.build("bert", "sdpa")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert abs(want / plain(**batch).loss - 2) < 1e-5, where

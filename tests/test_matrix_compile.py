@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import _families as F
-from _tol import assert_grads_close
+from _tol import assert_grads_close, unit_roundoff
 
 import leanact  # noqa: E402
 from leanact.memory.meter import SavedTensorMeter  # noqa: E402
@@ -131,10 +131,13 @@ def test_compiled_under_autocast_keeps_no_weight_copy(family):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         l_eager, g_eager = _step(lean, lean, batch)
         l_comp, g_comp = _step(compiled, lean, batch)
-    assert abs(l_comp - l_eager) <= 2e-2 * abs(l_eager), (l_eager, l_comp)
+    # the compiled graph rounds to bf16 at other places than eager (its fused kernels keep fp32 between
+    # ops): each such rounding is at most one unit roundoff u; a few per layer on these two layers: 8u
+    rel = 8 * unit_roundoff(torch.bfloat16)
+    assert abs(l_comp - l_eager) <= rel * abs(l_eager), (l_eager, l_comp)
     median = torch.stack([g.norm() for g in g_eager.values()]).median()
     for name, g in g_eager.items():  # (a key projection's bias: zero in exact arithmetic, noise in bf16)
-        assert (g_comp[name] - g).norm() <= 5e-2 * max(g.norm(), median), name
+        assert (g_comp[name] - g).norm() <= rel * max(g.norm(), median), name
 
 
 #: (family, padding): Gemma 2 (eager attention, softcap) with left padding, whose first rows have no key;

@@ -112,8 +112,10 @@ class HeadState:
     windows: list = field(default_factory=list, repr=False, compare=False)
     #: the model's own ``loss_type`` when leanact named the loss it falls back to (:func:`_name_loss_type`)
     loss_type_was: tuple | None = None
-    #: :func:`~.hf_head_loss_form.loss_form` of the model's class, read when patched (not while compiling)
+    #: :func:`~.hf_head_loss_form.loss_form` of the model's class, read when patched (not while compiling),
+    #: and the class's ``forward`` it was read from (it holds while that is still the forward called)
     loss_form: str | None = None
+    loss_form_of: object = field(default=None, repr=False, compare=False)
 
     def __getstate__(self):  # copies and pickles carry no open call
         d = dict(self.__dict__)
@@ -122,7 +124,7 @@ class HeadState:
 
     def __deepcopy__(self, memo):
         new = HeadState(self.path, self.enabled, self.fused_calls, dict(self.fallbacks),
-                        loss_type_was=self.loss_type_was, loss_form=self.loss_form)
+                        loss_type_was=self.loss_type_was, loss_form=self.loss_form, loss_form_of=self.loss_form_of)
         memo[id(self)] = new
         return new
 
@@ -585,7 +587,7 @@ class _HeadForward(ContextForward):
         win = _open(self.module, args, kwargs) if self.active else None
         if win is None:
             return forward(*args, **kwargs)
-        form = self.module.__dict__[ATTR].loss_form if isinstance(win, CompiledWindow) else None
+        form = self._loss_form() if isinstance(win, CompiledWindow) else None
         try:
             if form is None:
                 output = forward(*args, **kwargs)
@@ -598,6 +600,24 @@ class _HeadForward(ContextForward):
         if not win.entries or output is None:
             return output
         return _clean(win, output)
+
+
+    def _loss_form(self) -> str | None:
+        """The class's loss form read when patched, while the forward this wrapper calls is still the
+        one read: the class's ``forward`` (not replaced on the class since), reached through leanact's
+        pass-through wrappers only (a forward a user or another library set on the instance may do
+        anything with ``labels``)."""
+        state: HeadState = self.module.__dict__[ATTR]
+        if state.loss_form is None or type(self.module).forward is not state.loss_form_of:
+            return None
+        f = self.previous
+        for _ in range(8):
+            if f is None:
+                return state.loss_form
+            if type(f) is not ContextForward:
+                return None
+            f = f.previous
+        return None
 
 
 def remove_mode(win) -> None:
@@ -661,7 +681,7 @@ def _cleaned(output, fix):
 
 def install(model: nn.Module, path: str, enabled: bool = True) -> HeadState:
     """Wrap ``model.forward`` (an eligible Hugging Face model) and attach its state."""
-    state = HeadState(path, enabled, loss_form=loss_form(type(model)))
+    state = HeadState(path, enabled, loss_form=loss_form(type(model)), loss_form_of=type(model).forward)
     model.__dict__[ATTR] = state
     model.__dict__["forward"] = _HeadForward(model, model.__dict__.get("forward"))
     _name_loss_type(model, state)

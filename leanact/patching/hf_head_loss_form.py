@@ -9,7 +9,9 @@ wrapper calls the model without ``labels`` and takes the loss itself, with the s
 returned logits, which the compiled head fuses.
 
 That is sound only where the model's loss is exactly that call, so the class's ``forward`` is read
-(:func:`loss_form`, once per class) and must have this form, else the model keeps its own loss:
+(:func:`loss_form`, once per class, when patching) and must have this form, else the model keeps its
+own loss; at each call the wrapper also checks that this is still the forward it calls (the class's
+``forward`` not replaced since, no forward of anyone else's set on the instance):
 
 - ``labels`` is read only in ``if labels is not None:``, ``labels.view(-1)`` and the optional move;
 - the body of that ``if`` is ``labels = labels.to(X.device)`` (optional, RoBERTa), ``f =
