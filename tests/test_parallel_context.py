@@ -27,13 +27,13 @@ TOL = 1e-5
 V = 100
 
 
-def build(family, *, heads=4, kv_heads=2, hidden=64, fused_loss=True, window=None, dropout=0.0):
+def build(family, *, heads=4, kv_heads=2, hidden=64, fused_loss=True, window=None, dropout=0.0, attn="sdpa"):
     import leanact
 
     torch.manual_seed(0)
     T = transformers
     common = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=96,
-                  vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa")
+                  vocab_size=V, max_position_embeddings=64, attn_implementation=attn)
     if family == "bert":
         model = T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                                                **common))
@@ -233,6 +233,8 @@ CASES = [
     ("llama", "padding", (("wrap", "ddp"),)), ("llama", "packed", (("wrap", "fsdp"),)),
     ("qwen2", "padding", ()), ("qwen3", "packed", ()),
     ("mistral", "padding", (("window", 5),)),
+    ("mistral", "padding", (("window", 5), ("attn", "eager"))),  # left-padded queries that see no key
+    ("llama", "padding", (("attn", "eager"),)), ("mistral", "packed", (("window", 4),)),
     ("gpt2", "packed", ()),
     ("bert", "padding", (("fused_loss", False),)),
     ("dropout",), ("errors",),
@@ -289,6 +291,26 @@ def test_each_rank_keeps_what_one_process_keeps_for_its_tokens(dtype, kv_heads, 
     repeated = 2 * (repeat - 1) * tokens * kv_heads * d * size
     assert kept["single"] > 0
     assert kept["rank"] - kept["single"] == layers * (output + repeated), kept
+
+
+@pytest.mark.parametrize("layout", ["padding", "packed"])
+def test_padded_or_packed_rank_keeps_ids_not_a_mask(layout):
+    """A padded or packed batch adds the whole sequence's segment ids to what a rank keeps, once for
+    every layer: b·2s int32, not a (b, 1, s, s) mask. (bf16: leanact's core in both, SDPA keeps its
+    fp32 output on the CPU.)"""
+    import leanact.parallel
+    from leanact.memory import SavedTensorMeter
+
+    kept = {}
+    for name in ("plain", layout):
+        model = leanact.parallel.context_parallel(build("llama").to(torch.bfloat16),
+                                                  leanact.parallel.SimulatedGroup(2, rank=1))
+        data = batch("llama", name)
+        with SavedTensorMeter(model) as meter:
+            model(**data).loss.backward()
+        kept[name] = meter.activation_bytes
+    b, s = data["input_ids"].shape
+    assert kept[layout] - kept["plain"] == b * 2 * s * 4, kept
 
 
 def test_dropout_differs_across_ranks_and_recompute_redraws_it(results):

@@ -111,11 +111,13 @@ def _packed(position_ids: torch.Tensor | None) -> torch.Tensor | None:
 
 class SequenceExchange:
     """One forward's exchange: q, k, v of the local shard ↔ this rank's heads of the whole
-    sequence (:meth:`gather`, :meth:`scatter`), and the whole sequence's attention mask
-    (:meth:`mask`, made once per kind and shared by the layers). ``padding`` (b, s) bool, True =
+    sequence (:meth:`gather`, :meth:`scatter`), and the whole sequence's attention mask as segment ids
+    (:meth:`mask`, O(b·s), made once and shared by the layers). ``padding`` (b, s) bool, True =
     a real token; ``segments`` (b, s) the packed-sequence number of each token."""
 
     def __init__(self, group, length: int, padding: torch.Tensor | None, segments: torch.Tensor | None):
+        if padding is not None and segments is not None and padding.shape != segments.shape:
+            segments = segments.expand(padding.shape)
         self.group, self.length, self.padding, self.segments = group, length, padding, segments
         self.size = _size(group)
         self._masks: dict = {}
@@ -133,27 +135,45 @@ class SequenceExchange:
         """The attention output (b, s, H/P, d) -> (b, s/P, H, d)."""
         return _AllToAll.apply(out, self.group, 1, 2)
 
-    def mask(self, causal: bool, window: int | None, device) -> torch.Tensor | None:
-        """(b, 1, s, s) bool, True = attend (transformers' rules: causal, sliding window
-        ``j > i - window``, padded keys, packed sequences apart); None where ``is_causal`` or no
-        mask says it all."""
-        s = self.length
-        window = window if causal and window is not None and window < s else None
-        if self.padding is None and self.segments is None and window is None:
+    def mask(self, causal: bool, window: int | None, device) -> tuple[torch.Tensor | None, int | None]:
+        """The whole sequence's mask as leanact's attention core takes it, O(b·s) bytes: (segment ids
+        (b, 2s) — the queries' then the keys', equal ids attend — or None, the sliding window or None).
+        transformers' rules: causal (the core's ``is_causal``), window ``j > i - window``, padded keys
+        (an id no query has), packed sequences apart. Made once per device and shared by the layers."""
+        window = window if causal and window is not None and window < self.length else None
+        if self.padding is None and self.segments is None:
+            return None, window
+        if device not in self._masks:
+            b, s = self.padding.shape if self.padding is not None else self.segments.shape
+            seg = (self.segments.to(device) if self.segments is not None
+                   else torch.zeros((b, s), dtype=torch.int64, device=device))
+            keys = seg if self.padding is None else seg.masked_fill(~self.padding.to(device), -1)
+            self._masks[device] = torch.cat([seg, keys], 1).to(torch.int32)
+        return self._masks[device], window
+
+    def dead_rows(self, causal: bool, window: int | None, device) -> torch.Tensor | None:
+        """(b, 1, s) bool: the queries that attend no key under :meth:`mask` (only padding makes them:
+        a query sees itself otherwise), or None where there are none. O(b·s): segments are runs."""
+        window = window if causal and window is not None and window < self.length else None
+        if self.padding is None:
             return None
-        key = (causal, window)
+        key = ("dead", causal, window, device)
         if key not in self._masks:
-            i = torch.arange(s, device=device)
-            allowed = (i[None, :] <= i[:, None]) if causal else torch.ones(s, s, dtype=torch.bool, device=device)
-            if window is not None:
-                allowed = allowed & (i[None, :] > i[:, None] - window)
-            allowed = allowed[None, None]
-            if self.segments is not None:
-                seg = self.segments.to(device)
-                allowed = allowed & (seg[:, None, :, None] == seg[:, None, None, :])
-            if self.padding is not None:
-                allowed = allowed & self.padding.to(device)[:, None, None, :]
-            self._masks[key] = allowed
+            valid = self.padding.to(device)
+            b, s = valid.shape
+            seg = (self.segments.to(device) if self.segments is not None
+                   else torch.zeros((b, s), dtype=torch.int64, device=device))
+            i = torch.arange(s, device=device).expand(b, s)
+            if causal:  # the last real key at or before i: it is seen iff in i's segment (and window)
+                last = torch.where(valid, i, -1).cummax(-1).values
+                seen = (last >= 0) & (seg.gather(1, last.clamp(min=0)) == seg)
+                if window is not None:
+                    seen &= last > i - window
+            else:  # any real key in i's segment
+                count = torch.zeros((b, s + 1), dtype=torch.int64, device=device).scatter_add_(1, seg, valid.long())
+                seen = count.gather(1, seg) > 0
+            dead = ~seen[:, None]
+            self._masks[key] = dead if is_fake(dead) or bool(dead.any()) else None
         return self._masks[key]
 
 

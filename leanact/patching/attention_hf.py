@@ -126,6 +126,7 @@ def register() -> None:
 #: and torch.utils.checkpoint keeps them for the recompute).
 EXCHANGE = "leanact_context_parallel"
 _CORE = "_leanact_core"  # (internal) leanact's core for this call, whatever the grad mode
+_SEGMENTS = "_leanact_segments"  # (internal) the exchange's (segment ids, window, dead rows) for the core
 _LOCAL_MASKS_OFF = [0]  # > 0 while a context-parallel forward runs (a list: read by Dynamo as a guarded global)
 
 
@@ -153,11 +154,13 @@ def _exchanged(exchange, module, query, key, value, dropout, scaling, is_causal,
                          "(each rank holds a share of the heads); call the model without it")
     causal = _causal(module, is_causal, exchange.length)
     query, key, value = exchange.gather(query, key, value)
-    mask = exchange.mask(causal, kwargs.get("sliding_window"), query.device)
+    window = kwargs.get("sliding_window")
+    segments, window = exchange.mask(causal, window, query.device)
+    dead = exchange.dead_rows(causal, window, query.device)
     # leanact's core for every call, with or without autograd: after repeating key/value heads the
     # group ratio is not the module's, which the model's own functions would use (num_key_value_groups)
-    out, _ = leanact_attention_forward(module, query, key, value, mask, dropout, scaling, is_causal, **kwargs,
-                                       **{_CORE: True})
+    out, _ = leanact_attention_forward(module, query, key, value, None, dropout, scaling, is_causal, **kwargs,
+                                       **{_CORE: True, _SEGMENTS: (segments, window, dead)})
     return exchange.scatter(out), None
 
 
@@ -310,11 +313,14 @@ def _dead_rows(mask: torch.Tensor):
     return dead if bool(dead.any()) else None
 
 
-def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap=None):
-    """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself)."""
-    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+def _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap=None, dead=None):
+    """``out`` (b, H, s, d) plus the eager result of fully masked rows (none: ``out`` itself); ``dead``:
+    those rows, when the caller knows them (context parallelism's segment ids)."""
+    if dead is not None:
+        pass
+    elif attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return out
-    if torch.compiler.is_compiling():  # no host read in a graph: rows that are not dead add exact zeros
+    elif torch.compiler.is_compiling():  # no host read in a graph: rows that are not dead add exact zeros
         dead = ~attention_mask.any(-1)
     else:
         dead = read_back_once(_DEAD_ROWS, attention_mask, _dead_rows)
@@ -361,6 +367,7 @@ def leanact_attention_forward(
     if exchange is not None:
         return _exchanged(exchange, module, query, key, value, dropout, scaling, is_causal, kwargs)
     core = kwargs.pop(_CORE, False)
+    segments, window, dead = kwargs.pop(_SEGMENTS, (None, None, None))
     state = module_state(module)
     original = state.original if state is not None else "sdpa"
     mode = state.mode if state is not None else "recompute"
@@ -399,10 +406,12 @@ def leanact_attention_forward(
     causal = attention_mask is None and _causal(module, is_causal, q_len)
     if causal and kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+    extra = {} if segments is None and window is None else {"segments": segments, "window": window}
     out = _lean_attention(query, key, value, attention_mask, dropout_p=float(dropout), is_causal=causal,
                           scale=scaling, mode=mode, training=True,  # like SDPA: the caller's dropout decides
-                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1, softcap=softcap, sinks=sinks)
+                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1, softcap=softcap, sinks=sinks,
+                          **extra)
     if original == "eager" and sinks is None:  # (with sinks, eager gives such rows 0 too: the sink takes it all)
-        out = _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap)
+        out = _masked_rows_as_eager(out, query, key, value, attention_mask, scaling, softcap, dead)
     # out is a (b, H, s, d) view of a (b, s, H, d) buffer: this transpose is free and contiguous.
     return out.transpose(1, 2).contiguous(), None

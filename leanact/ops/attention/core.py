@@ -65,12 +65,20 @@ def _additive(mask, c):
     return torch.zeros(mask.shape, dtype=c, device=mask.device).masked_fill_(mask.logical_not(), -_INF)
 
 
-def _logits(qs, kc, mask, causal, i0, i1, kend, b, h, softcap=None, tanh_out=None):
+def is_segments(mask) -> bool:
+    """Whether ``mask`` is a segment-id mask: an integer (b, s_q + s_k) tensor, the queries' ids then
+    the keys' (query i attends key j only where the ids are equal). O(b·s) instead of s²: the
+    block's part is made from the ids."""
+    return mask is not None and mask.dim() == 2 and not mask.is_floating_point() and mask.dtype != torch.bool
+
+
+def _logits(qs, kc, mask, causal, i0, i1, kend, b, h, softcap=None, tanh_out=None, window=None):
     """Scores of query rows i0:i1 against keys 0:kend: S (b*Hkv, G*bs, kend) and its (b, H, bs, kend) view.
 
     With ``softcap`` c the scores are c·tanh(S/c) (Gemma 2), before masking; ``tanh_out`` (a list)
     then receives tanh(S/c) (for the backward's factor 1 - tanh²). Masked entries are -inf (bool mask
-    False, the causal triangle j > i); a float mask is added.
+    False, segment ids that differ (:func:`is_segments`), the causal triangle j > i, keys j <= i -
+    ``window``); a float mask is added.
     """
     s = torch.bmm(qs, kc[:, :kend].transpose(1, 2))
     if softcap is not None:
@@ -79,7 +87,10 @@ def _logits(qs, kc, mask, causal, i0, i1, kend, b, h, softcap=None, tanh_out=Non
             tanh_out.append(s.clone())
         s.mul_(softcap)
     s4 = s.view(b, h, i1 - i0, kend)
-    if mask is not None:
+    if is_segments(mask):
+        s_q = mask.size(1) - kc.size(1)
+        s4.masked_fill_((mask[:, i0:i1, None] != mask[:, None, s_q:s_q + kend]).unsqueeze(1), -_INF)
+    elif mask is not None:
         mb = (mask[:, :, i0:i1] if mask.size(2) > 1 else mask)[..., :kend]
         if mask.dtype == torch.bool:
             s4.masked_fill_(mb.logical_not(), -_INF)
@@ -88,6 +99,10 @@ def _logits(qs, kc, mask, causal, i0, i1, kend, b, h, softcap=None, tanh_out=Non
     if causal:
         above = torch.arange(kend, device=s.device) > torch.arange(i0, i1, device=s.device).unsqueeze(1)  # j > i
         s4.masked_fill_(above, -_INF)
+    if window is not None:  # keys j <= i - window (a sliding window)
+        rows = torch.arange(i0 - window, i1 - window, device=s.device).unsqueeze(1)
+        behind = torch.arange(kend, device=s.device) <= rows
+        s4.masked_fill_(behind, -_INF)
     return s, s4
 
 
@@ -181,7 +196,7 @@ def _setup(q, k, v, p):
     return b, h, s_q, d, k.size(1), k.size(2), v.size(-1), b * k.size(1), c, (1.0 / (1.0 - p) if p < 1 else 0.0)
 
 
-def recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None):
+def recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None, window=None):
     """:class:`RecomputeAttention`'s forward: the output (b, s_q, H, dv) (its transpose(1, 2) is the
     (b, H, s_q, dv) result) and the per-row log-sum-exp (b, H, s_q) in the compute dtype."""
     b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
@@ -194,7 +209,8 @@ def recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap=None
     for i0 in _block_starts(s_q, block):
         i1 = min(i0 + block, s_q)
         kend = min(s_k, i1) if causal else s_k  # causal: keys beyond the block's last row are all masked
-        s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h, softcap)
+        s, s4 = _logits(_rows(q, i0, i1, c, bk).mul(scale), kc, amask, causal, i0, i1, kend, b, h, softcap,
+                        window=window)
         m, rowsum, empty = _safe_softmax_(s4, sink)
         lse[:, :, i0:i1] = (m + rowsum.log()).masked_fill_(empty, _INF).squeeze(-1)
         r = rowsum.reciprocal().masked_fill_(empty, 0.0)
@@ -206,7 +222,7 @@ def recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap=None
 
 
 def recompute_backward(dout, q, k, v, lse, mask, seed, sinks, p, causal, scale, block, softcap=None,
-                       mask_grad=False, sinks_grad=False):
+                       mask_grad=False, sinks_grad=False, window=None):
     """:class:`RecomputeAttention`'s backward from ``dout`` (b, s_q, H, dv) and what it keeps:
     (dq, dk, dv, dmask or None, dsinks or None)."""
     b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
@@ -227,7 +243,7 @@ def recompute_backward(dout, q, k, v, lse, mask, seed, sinks, p, causal, scale, 
         kend = min(s_k, i1) if causal else s_k
         qs = _rows(q, i0, i1, c, bk).mul(scale)
         tanh = [] if softcap is not None else None
-        s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h, softcap, tanh)
+        s, s4 = _logits(qs, kc, amask, causal, i0, i1, kend, b, h, softcap, tanh, window)
         lse_b = lse[:, :, i0:i1].unsqueeze(-1)
         s4.sub_(lse_b).exp_()  # P; rows with lse = +inf (fully masked) give 0
         dob = _rows(do4, i0, i1, c, bk)
@@ -268,11 +284,12 @@ class RecomputeAttention(torch.autograd.Function):
     softmax denominator (GPT-OSS); the lse includes it, and its gradient is -Σ P_sink·D."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None):
-        out, lse = recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap, sinks)
+    def forward(ctx, q, k, v, mask, seed, p, causal, scale, block, softcap=None, sinks=None, window=None):
+        out, lse = recompute_forward(q, k, v, mask, seed, p, causal, scale, block, softcap, sinks, window)
         lse._leanact_exact = True  # a softmax statistic: lossy compression must leave it exact
         ctx.save_for_backward(q, k, v, lse, mask, seed, sinks)
         ctx.args = (p, causal, scale, block, softcap)
+        ctx.window = window
         return out
 
     @staticmethod
@@ -282,8 +299,8 @@ class RecomputeAttention(torch.autograd.Function):
         q, k, v, lse, mask, seed, sinks = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grads = recompute_backward(dout, q, k, v, lse, mask, seed, sinks, *ctx.args, needs[3],
-                                   len(needs) > 10 and needs[10])
-        return (*grads[:4], None, None, None, None, None, None, grads[4])[: len(needs)]
+                                   len(needs) > 10 and needs[10], ctx.window)
+        return (*grads[:4], None, None, None, None, None, None, grads[4], None)[: len(needs)]
 
 
 class TempoAttention(torch.autograd.Function):
@@ -292,9 +309,10 @@ class TempoAttention(torch.autograd.Function):
     Neither the mask nor the dropout output nor the attention output is kept."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, seed, p, causal, scale):
+    def forward(ctx, q, k, v, mask, seed, p, causal, scale, window=None):
         b, h, s_q, d, hkv, s_k, dv, bk, c, inv = _setup(q, k, v, p)
-        s, s4 = _logits(_rows(q, 0, s_q, c, bk).mul(scale), _kv(k, c), _additive(mask, c), causal, 0, s_q, s_k, b, h)
+        s, s4 = _logits(_rows(q, 0, s_q, c, bk).mul(scale), _kv(k, c), _additive(mask, c), causal, 0, s_q, s_k, b, h,
+                        window=window)
         _, rowsum, empty = _safe_softmax_(s4)
         s4.mul_(rowsum.reciprocal().masked_fill_(empty, 0.0))
         pk = s.to(q.dtype)  # kept: P rounded to the input dtype; the forward uses the rounded values too
@@ -326,7 +344,7 @@ class TempoAttention(torch.autograd.Function):
             dmask = ds.view(b, h, s_q, s_k).sum_to_size(mshape).mul(inv).to(mdtype)
         dq = torch.bmm(ds, _kv(k, c)).mul_(scale * inv).view(q.shape).to(q.dtype)
         dk = torch.bmm(ds.transpose(1, 2), _rows(q, 0, s_q, c, bk)).mul_(scale * inv).view(k.shape).to(k.dtype)
-        return dq, dk, ddv.view(v.shape).to(v.dtype), dmask, None, None, None, None
+        return dq, dk, ddv.view(v.shape).to(v.dtype), dmask, None, None, None, None, None
 
 
 # -- on fake tensors (leanact.estimate) ----------------------------------------------------------

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ..amp import autocast_dtype, autocast_off
 from ..random import _as_seed, draw_seed
 from ..transforms import functorch_active
-from .core import RecomputeAttention, TempoAttention
+from .core import RecomputeAttention, TempoAttention, is_segments
 from .custom_op import recompute_attention
 
 __all__ = ["attention", "default_block_size", "fake_kernels_of", "MODES", "BLOCK_ELEMENTS"]
@@ -160,6 +160,8 @@ def attention(
     enable_gqa: bool = False,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) -> dropout -> @ v`` keeping no s² tensor (mode "recompute").
 
@@ -173,6 +175,11 @@ def attention(
     softcapping). ``sinks`` (H,): one more logit per head in every row's softmax denominator, with no
     value (GPT-OSS's attention sinks; gets a gradient). Either runs the recompute path (in "tempo"
     mode too); with autograd under ``torch.func`` transforms, the plain composition.
+    ``segments``: integer segment ids, (b, s) when s_q == s_k (the same ids for queries and keys) or
+    (b, s_q + s_k) (the queries' ids, then the keys'): query i attends key j only where the ids are
+    equal (packed sequences; give padded keys an id no query has). O(b·s) bytes where a dense mask
+    has b·s_q·s_k; not combined with ``attn_mask``. ``window`` w > 0: query i attends keys j > i - w
+    only (a sliding window, as Mistral's). Either runs leanact's core.
     """
     low = autocast_dtype(q.device.type)
     if low is not None:  # autocast's policy for SDPA: q, k, v in its low dtype. An additive mask stays as
@@ -199,13 +206,15 @@ def attention(
     p = float(dropout_p) if training else 0.0
     mask4 = _as4d(attn_mask)
     _check_variants(softcap, sinks, h)
+    if segments is not None or window is not None:
+        segments = _check_segments(segments, window, mask4, b, s_q, k.size(2), q.device)
     grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (mask4 is not None and mask4.requires_grad)
         or (sinks is not None and sinks.requires_grad)
     )
-    if softcap is not None or sinks is not None:
-        return _variant(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed, enable_gqa,
-                        softcap, sinks)
+    if softcap is not None or sinks is not None or segments is not None or window is not None:
+        return _variant(q, k, v, mask4 if segments is None else segments, p, is_causal, scale, mode, block_size,
+                        generator, seed, enable_gqa, softcap, sinks, window)
     eager = not torch.compiler.is_compiling()
     gqa = {"enable_gqa": True} if enable_gqa else {}  # (the keyword needs torch >= 2.5)
     if is_causal and mask4 is not None:  # SDPA refuses both: leanact's core (or the plain composition)
@@ -251,6 +260,28 @@ def _recompute(*args):
     return RecomputeAttention.apply(*args)
 
 
+def _check_segments(segments, window, mask4, b: int, s_q: int, s_k: int, device) -> torch.Tensor | None:
+    """``segments`` as the core's (b, s_q + s_k) integer tensor (None stays None); clear errors."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (query i attends keys j > i - window), got {window!r}")
+    if segments is None:
+        return None
+    if mask4 is not None:
+        raise ValueError("attention: give either segments or attn_mask, not both (mark padded keys with a "
+                         "segment id that no query has)")
+    if not isinstance(segments, torch.Tensor) or segments.is_floating_point() or segments.dtype == torch.bool:
+        raise ValueError("segments must be an integer tensor of segment ids, "
+                         f"got {getattr(segments, 'dtype', type(segments).__name__)}")
+    if segments.device != device:
+        raise ValueError(f"segments are on {segments.device}, q on {device}: move them to q's device")
+    if segments.dim() == 2 and segments.size(0) == b and s_q == s_k and segments.size(1) == s_q:
+        return torch.cat([segments, segments], 1)
+    if segments.dim() != 2 or segments.size(0) != b or segments.size(1) != s_q + s_k:
+        raise ValueError(f"segments must be (batch, seq) = ({b}, {s_q}) for equal query and key lengths, or "
+                         f"({b}, s_q + s_k) = ({b}, {s_q + s_k}), got {tuple(segments.shape)}")
+    return segments
+
+
 def _check_variants(softcap, sinks, h: int) -> None:
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
         raise ValueError(f"softcap must be a positive number (scores become c*tanh(s/c)), got {softcap!r}")
@@ -260,22 +291,49 @@ def _check_variants(softcap, sinks, h: int) -> None:
                          f"got {getattr(sinks, 'shape', type(sinks).__name__)}")
 
 
-def _variant(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed, enable_gqa, softcap, sinks):
-    """Softcapped scores and/or sinks: the recompute core (the plain composition under torch.func)."""
+def _variant(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed, enable_gqa, softcap, sinks,
+             window=None):
+    """Softcapped scores, sinks, segment ids or a window: the recompute core (Tempo's for segment ids or
+    a window with dropout in mode "tempo"; the plain composition under torch.func)."""
     if functorch_active():
         if p > 0.0:
-            raise NotImplementedError("attention with softcap/sinks and dropout under torch.func transforms")
-        return compose(q, k, v, mask4, is_causal, scale, softcap, sinks, enable_gqa)
+            raise NotImplementedError("attention with softcap/sinks/segments/window and dropout under torch.func "
+                                      "transforms")
+        return compose(q, k, v, mask4, is_causal, scale, softcap, sinks, enable_gqa, window)
     seed = (draw_seed(q.device, generator) if seed is None else _as_seed(seed, q.device)) if p > 0.0 else None
+    if mode == "tempo" and p > 0.0 and softcap is None and sinks is None:
+        return TempoAttention.apply(q, k, v, mask4, seed, p, is_causal, scale, window).transpose(1, 2)
     b, h, s_q, _ = q.shape
     block = int(block_size) if block_size else default_block_size(b, h, s_q, k.size(2))
     softcap = None if softcap is None else float(softcap)
-    out = _recompute(q, k, v, mask4, seed, p, is_causal, scale, block, softcap, sinks)
+    out = _recompute(q, k, v, mask4, seed, p, is_causal, scale, block, softcap, sinks, window)
     return out.transpose(1, 2)
 
 
-def compose(q, k, v, mask4=None, is_causal=False, scale=None, softcap=None, sinks=None, enable_gqa=False):
-    """The plain composition (no dropout): keeps the s² probabilities; the reference in tests."""
+def dense_mask(segments: torch.Tensor | None, window: int | None, s_q: int, s_k: int,
+               device=None) -> torch.Tensor | None:
+    """The (b|1, 1, s_q, s_k) bool mask (True = attend) that core ``segments`` (b, s_q + s_k) and a
+    ``window`` stand for; None for neither. For references and tests: it has s_q·s_k elements."""
+    if segments is None and window is None:
+        return None
+    allowed = None
+    if segments is not None:
+        allowed = (segments[:, :s_q, None] == segments[:, None, s_q:]).unsqueeze(1)
+        device = segments.device
+    if window is not None:
+        i, j = torch.arange(s_q, device=device)[:, None], torch.arange(s_k, device=device)[None]
+        near = (j > i - window)[None, None]
+        allowed = near if allowed is None else allowed & near
+    return allowed
+
+
+def compose(q, k, v, mask4=None, is_causal=False, scale=None, softcap=None, sinks=None, enable_gqa=False,
+            window=None):
+    """The plain composition (no dropout): keeps the s² probabilities; the reference in tests.
+    ``mask4`` may be the core's segment ids (:func:`leanact.ops.attention.core.is_segments`)."""
+    if is_segments(mask4) or window is not None:
+        dense = dense_mask(mask4 if is_segments(mask4) else None, window, q.size(2), k.size(2), q.device)
+        mask4 = dense if mask4 is None or is_segments(mask4) else mask4 & dense
     c = torch.float64 if q.dtype == torch.float64 else torch.float32
     h, hkv = q.size(1), k.size(1)
     if enable_gqa and hkv != h:
