@@ -392,3 +392,29 @@ def test_trainer_protocol_releases_the_output(dtype):
     assert held.activations - trainer.activations == logits
     real = measure(model, x, keep_output=True)
     assert real.peak == held.peak
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_adamw_state_made_directly_equals_a_first_step(device, monkeypatch):
+    """The built-in "adamw" state is made directly (no step on zero gradients): the same estimate, to
+    the byte, as the state a first ``AdamW.step()`` makes; and the same state (keys, shapes, dtypes)."""
+    import importlib
+
+    step_mod = importlib.import_module("leanact.estimate.step")
+    model = leanact.patch(_build("llama", torch.bfloat16, layers=2, h=64))
+    x = _inputs(2, 32)
+    direct = estimate(model, x, device=device)
+    real_init = step_mod._init_optimizer
+    monkeypatch.setattr(step_mod, "_init_optimizer", lambda opt, params, optimizer=None: real_init(opt, params))
+    stepped = estimate(model, x, device=device)
+    monkeypatch.undo()
+    assert direct.to_dict() == stepped.to_dict()
+    params = [p for p in model.parameters()]
+    states = []
+    for how in ("adamw", None):
+        opt = step_mod.make_optimizer("adamw", params, foreach=True)
+        step_mod._init_optimizer(opt, params, how)
+        states.append({i: {k: (v.shape, v.dtype, v.device) for k, v in opt.state[p].items()}
+                       for i, p in enumerate(params)})
+        assert all(p.grad is None for p in params)
+    assert states[0] == states[1]

@@ -10,15 +10,18 @@ deep one exactly:
 
     peak(L) = peak(b) + (L − b) · (peak(b) − peak(a))     (host memory likewise)
 
-with (a, b) = (2, 3) (:data:`DEPTHS`), or (3, 4) for the offloading strategies
+with (a, b) = (1, 2) (:data:`DEPTHS`), or (3, 4) for the offloading strategies
 (:data:`OFFLOAD_DEPTHS`): offload moves every layer's input but the last layer's and, in backward,
 copies a layer's tensors back while the layer after it runs, so its moments come in three kinds --
 first, middle and last layer -- and both shallow models must have all three (at depth 2 another
 moment may set the peak: measured on a 64-wide Llama at 16,384 tokens, the line through depths 2
-and 3 is 26 KB above the 6-layer peak; through 3 and 4 it is exact).
+and 3 is 26 KB above the 6-layer peak; through 3 and 4 it is exact). Without offload every layer
+does the same (the recompute strategies keep each layer's input; the last layer's backward sets
+the peak at any depth): on the Llama-3.2-1B geometry the lines through (1, 2), (2, 3) and (3, 4)
+agree to the byte for the five other candidates at 4,096, 65,536 and 1,048,576 tokens.
 
-An estimate costs time in proportion to the layers it traces, so two estimates of 2 and 3 layers
-cost about a third of one of 16 layers and a sixth of one of 32. :func:`leanact.plan(maximize=...)
+An estimate costs time in proportion to the layers it traces, so two estimates of 1 and 2 layers
+cost about a fifth of one of 16 layers and a tenth of one of 32. :func:`leanact.plan(maximize=...)
 <leanact.estimate.maximize.maximize>` searches with these and confirms its answer with estimates
 of the whole model, so nothing it returns rests on the line.
 
@@ -38,7 +41,7 @@ from torch import nn
 __all__ = ["DEPTHS", "OFFLOAD_DEPTHS", "depths_for", "alike_layers", "shallow", "Scaled", "scaled"]
 
 #: The two shallow depths the line goes through (module doc).
-DEPTHS = (2, 3)
+DEPTHS = (1, 2)
 #: ... for a strategy that offloads: a first, a middle and a last layer at each depth.
 OFFLOAD_DEPTHS = (3, 4)
 _SCALARS = (bool, int, float, str, type(None))

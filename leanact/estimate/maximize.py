@@ -13,7 +13,7 @@ cross-entropy of a patched model, or the logits) is part of the estimate.
 
 **Depth scaling.** When the model's layers are alike (:func:`.depth.alike_layers`: Llama, Qwen,
 GPT-2, BERT and most others; not Gemma 2's alternating ones), each candidate is searched with the
-line through estimates of the model cut to 2 and 3 layers, 3 and 4 for the offloading strategies
+line through estimates of the model cut to 1 and 2 layers, 3 and 4 for the offloading strategies
 (:mod:`.depth`: exact wherever one moment of the step sets the peak at these depths and the whole
 model's; an estimate's time grows with the layers it traces), each search starting at the size
 where the candidate before it stopped. Then the candidate that reached furthest is estimated on

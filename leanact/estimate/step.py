@@ -171,7 +171,19 @@ class StepMemory:
     host: int = 0  # peak of the offload pools' host buffers (pinned host memory on CUDA)
 
 
-def _init_optimizer(opt, params: list[nn.Parameter]) -> None:
+def _init_optimizer(opt, params: list[nn.Parameter], optimizer: Any = None) -> None:
+    """The optimizer's state as after a first step. For the built-in ``"adamw"`` it is made directly,
+    as ``torch.optim.AdamW`` makes it (a CPU float32 ``step``, ``exp_avg`` and ``exp_avg_sq`` like the
+    parameter: no capturable, fused or amsgrad there); any other optimizer takes a step on zero
+    gradients."""
+    if optimizer == "adamw" and type(opt) is torch.optim.AdamW and not any(
+            g["amsgrad"] or g["capturable"] or g["fused"] or g["differentiable"] for g in opt.param_groups):
+        for p in params:
+            opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.get_default_dtype() if torch.get_default_dtype()
+                                                 == torch.float64 else torch.float32),
+                            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        return
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -190,7 +202,7 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, params, foreach=foreach)
     if opt is not None:
-        _init_optimizer(opt, params)
+        _init_optimizer(opt, params, optimizer)
     for p in params:
         p.grad = None
     tracker = RoundingMemTracker(block)
