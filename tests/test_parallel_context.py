@@ -94,7 +94,8 @@ def _ref_call(family, model, data, **kw):
     return model(**data, **kw) if family == "bert" else model(**data, use_cache=False, **kw)
 
 
-def _compare(world, rank, family, layout, *, recompute=None, wrap=None, count=None, fused_loss=True, **kw):
+def _compare(world, rank, family, layout, *, recompute=None, wrap=None, count=None, fused_loss=True, compile=None,
+             **kw):
     import torch.distributed as dist
 
     import leanact.parallel
@@ -123,6 +124,9 @@ def _compare(world, rank, family, layout, *, recompute=None, wrap=None, count=No
         for layer in model.model.layers:
             fully_shard(layer)
         run = fully_shard(model)
+    if compile is not None:  # the whole context-parallel model (graph breaks at its host reads of the masks)
+        torch._dynamo.reset()
+        run = torch.compile(run, backend=compile)
     out = run(**data, **extra)
     out.loss.backward()
     if wrap is None:
@@ -231,6 +235,7 @@ CASES = [
     ("llama", "padding", (("recompute", "hf"),)), ("llama", "packed", (("recompute", "hf-reentrant"),)),
     ("llama", "padding", (("recompute", "offload+recompute+tiled_mlp"),)),
     ("llama", "padding", (("wrap", "ddp"),)), ("llama", "packed", (("wrap", "fsdp"),)),
+    ("llama", "packed", (("compile", "aot_eager"),)),
     ("qwen2", "padding", ()), ("qwen3", "packed", ()),
     ("mistral", "padding", (("window", 5),)),
     ("mistral", "padding", (("window", 5), ("attn", "eager"))),  # left-padded queries that see no key
