@@ -97,6 +97,42 @@ def _configs():
                                              num_attention_heads=HEADS, image_size=16, patch_size=8),
             text_config=_dec(T.LlamaConfig), image_token_id=IMAGE_TOKEN, vision_feature_layer=-1),
             "LlavaForConditionalGeneration", "vlm"),
+        # the other vision-language families of tests/test_vlm.py at the matrix's sizes (16x16 images,
+        # 4 image tokens per sample after the first token; their own inputs: _VLM_INPUTS)
+        "qwen2_vl": (lambda: _qwen_vl("Qwen2VLConfig", dict(
+            depth=L, embed_dim=H, hidden_size=H, num_heads=HEADS, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+            temporal_patch_size=2, in_channels=3)), "Qwen2VLForConditionalGeneration", "vlm"),
+        "qwen2_5_vl": (lambda: _qwen_vl("Qwen2_5_VLConfig", dict(
+            depth=L, hidden_size=H, intermediate_size=64, out_hidden_size=H, num_heads=HEADS, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=8, fullatt_block_indexes=[1])),
+            "Qwen2_5_VLForConditionalGeneration", "vlm"),
+        "gemma3_vlm": (lambda: T.Gemma3Config(
+            vision_config=T.SiglipVisionConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L,
+                                               num_attention_heads=HEADS, image_size=16, patch_size=4),
+            text_config=_dec(T.Gemma3TextConfig, head_dim=8, sliding_window=8), mm_tokens_per_image=4,
+            image_token_index=IMAGE_TOKEN, boi_token_index=V - 2, eoi_token_index=V - 3),
+            "Gemma3ForConditionalGeneration", "vlm"),
+        "paligemma": (lambda: T.PaliGemmaConfig(
+            vision_config=T.SiglipVisionConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L,
+                                               num_attention_heads=HEADS, image_size=16, patch_size=8,
+                                               projection_dim=H),
+            text_config=_dec(T.GemmaConfig, head_dim=8), image_token_index=IMAGE_TOKEN, projection_dim=H),
+            "PaliGemmaForConditionalGeneration", "vlm"),
+        "idefics3": (lambda: T.Idefics3Config(
+            vision_config=dict(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=HEADS,
+                               image_size=16, patch_size=8),
+            text_config=dict(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=64,
+                             num_hidden_layers=L, num_attention_heads=HEADS, num_key_value_heads=2),
+            image_token_id=IMAGE_TOKEN, scale_factor=1), "Idefics3ForConditionalGeneration", "vlm"),
+        "mllama": (lambda: T.MllamaConfig(
+            vision_config=dict(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_global_layers=1,
+                               attention_heads=HEADS, image_size=16, patch_size=8, max_num_tiles=1,
+                               intermediate_layers_indices=[0], vision_output_dim=2 * H, num_channels=3,
+                               supported_aspect_ratios=[[1, 1]]),
+            text_config=dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L,
+                             num_attention_heads=HEADS, num_key_value_heads=2, cross_attention_layers=[1],
+                             pad_token_id=0),
+            image_token_index=IMAGE_TOKEN), "MllamaForConditionalGeneration", "vlm"),
         "t5": (lambda: T.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=64, num_layers=L, num_heads=HEADS,
                                   feed_forward_proj="gated-gelu"),
                "T5ForConditionalGeneration", "seq2seq"),
@@ -114,6 +150,41 @@ def _configs():
 
 
 FAMILIES = list(_configs())
+
+
+def _qwen_vl(config: str, vision: dict):
+    """Qwen2-VL / Qwen2.5-VL: 4x4 patches of 4 pixels per image, merged 2x2 into 4 tokens; M-RoPE."""
+    text = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=HEADS,
+                num_key_value_heads=2, max_position_embeddings=64,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+    return getattr(T, config)(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                              video_token_id=V - 2, vision_start_token_id=V - 3)
+
+
+def _vlm_inputs(family: str, ids: torch.Tensor, g: torch.Generator) -> dict:
+    """The image inputs of a vision-language family (``ids``: image tokens at 1:5, set by the caller)."""
+    b = ids.shape[0]
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        ids[:, 0] = V - 3  # vision start
+        grid = torch.tensor([[1, 4, 4]] * b)
+        return dict(pixel_values=torch.randn(b * 16, 3 * 2 * 4 * 4, generator=g), image_grid_thw=grid,
+                    mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+    if family == "gemma3_vlm":  # the image's 4 tokens attend to each other
+        ids[:, 0], ids[:, 5] = V - 2, V - 3
+        return dict(pixel_values=torch.randn(b, 3, 16, 16, generator=g), token_type_ids=(ids == IMAGE_TOKEN).long())
+    if family == "paligemma":  # image, prefix (bidirectional) up to 7, then the suffix
+        kinds = torch.zeros_like(ids)
+        kinds[:, 7:] = 1
+        return dict(pixel_values=torch.randn(b, 3, 16, 16, generator=g), token_type_ids=kinds)
+    if family == "idefics3":
+        return dict(pixel_values=torch.randn(b, 1, 3, 16, 16, generator=g))
+    if family == "mllama":  # one tile per image, read by the text through a cross-attention layer
+        ids[:, 2:5] = torch.randint(3, V - 3, (b, 3), generator=g)  # one image token
+        return dict(pixel_values=torch.randn(b, 1, 1, 3, 16, 16, generator=g),
+                    aspect_ratio_ids=torch.ones(b, 1, dtype=torch.long),
+                    aspect_ratio_mask=torch.ones(b, 1, 1, dtype=torch.long),
+                    cross_attention_mask=torch.ones(b, ids.shape[1], 1, 1, dtype=torch.long))
+    return dict(pixel_values=torch.randn(b, 3, 16, 16, generator=g))
 
 
 def no_dropout(cfg):
@@ -151,6 +222,9 @@ def build(family: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name.lower() and p.dim() == 1:
                 p.add_(torch.empty_like(p).uniform_(-0.3, 0.3))
+            elif (p.dim() == 2 or name.endswith("gate")) and not p.any():  # zero-initialised projections and
+                p.normal_(0.0, 0.1)  # gates (Gemma 3's image input, Mllama's cross-attention): else no gradient
+                # would reach the vision tower
     return model.train()
 
 
@@ -178,9 +252,12 @@ def batch(family: str, padding: str = "none", seed: int = 1) -> dict:
     mask = _mask(b, S, padding)
     out = {}
     if k == "vlm":  # one image per sample, its 4 tokens after the first; the model's loss skips none of them
+        ids = ids.clamp_max(V - 4)  # (below the image's special tokens)
         ids[:, 1:5] = IMAGE_TOKEN
-        out = dict(input_ids=ids, pixel_values=torch.randn(b, 3, 16, 16, generator=g),
-                   labels=ids.masked_fill(ids == IMAGE_TOKEN, -100))
+        out = _vlm_inputs(family, ids, g)
+        out.update(input_ids=ids, labels=ids.masked_fill(ids >= V - 3, -100))
+        if family == "paligemma":  # its loss: the suffix only
+            out["labels"] = out["labels"].masked_fill(out["token_type_ids"] == 0, -100)
     elif k in ("mlm", "clm"):
         out = dict(input_ids=ids, labels=ids.clone())
         if k == "mlm":

@@ -29,6 +29,10 @@ def _model(cls, cfg, attn, length):
     torch.manual_seed(0)
     model = cls(cfg).float()
     model.set_attn_implementation(attn)
+    with torch.no_grad():  # a zero-initialised projection (Gemma 3's image input) passes no gradient back
+        for name, p in model.named_parameters():  # (and Mllama's zero cross-attention gates)
+            if (p.dim() == 2 or name.endswith("gate")) and not p.any():
+                p.normal_(0.0, 0.1)
     g = torch.Generator().manual_seed(1)
     return model, g, torch.randint(1, 90, (2, length), generator=g)
 
@@ -170,6 +174,24 @@ def _step(model, batch):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _grads_close_or_truer(ref, batch, r_grads, l_grads):
+    """Every gradient within 1e-5 of the unpatched model's (:func:`assert_grads_close`), or, for one that
+    is not (a scalar gate's gradient: one sum whose terms cancel, Mllama's positional-embedding gate),
+    at least as close to the float64 truth (the same model and batch in float64) as the unpatched one's."""
+    try:
+        assert_grads_close(r_grads, l_grads)
+        return
+    except AssertionError:
+        pass
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    truth = _step(copy.deepcopy(ref).double(), wide)[1]
+    floor = 1e-6 * torch.stack([g.norm() for g in truth.values()]).median()  # (gradients zero in exact arithmetic)
+    for name, g in truth.items():
+        scale = torch.maximum(g.norm(), floor)
+        e_ref, e_lean = ((r_grads[name] - g).norm() / scale).item(), ((l_grads[name] - g).norm() / scale).item()
+        assert e_lean <= max(e_ref, 1e-5), (name, e_ref, e_lean)
+
+
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", MODELS)
@@ -182,7 +204,7 @@ def test_fp32_exact_and_fused(family, attn, padding):
     assert l_out.logits is None and r_out.logits is not None  # the fused head ran
     assert leanact.summary(lean).loss_states[""].fused_calls == 1
     assert abs(l_out.loss - r_out.loss) <= 1e-5 * abs(r_out.loss)
-    assert_grads_close(r_grads, l_grads)
+    _grads_close_or_truer(ref, batch, r_grads, l_grads)
     summary = leanact.summary(lean)
     assert summary.attention and all(after.startswith("leanact") for _, _, after in summary.attention)  # towers too
     replaced = [path for path, _, _ in summary.replaced]
