@@ -107,12 +107,15 @@ def main(argv=None) -> None:
         rows.append((mode, block, layer, total))
     hf = rows[0][3]
     tokens = batch["input_ids"].shape[1]
+    patches = 4 * args.image_tokens  # the tower runs on the unmerged patches
     if args.markdown:
         print(f"\n| Qwen2.5-VL-7B geometry, one {args.image_tokens}-token image + {args.text_tokens} text tokens "
-              f"({tokens} in the language model), fp32 | per tower block | per language layer | whole model |")
+              f"({tokens} in the language model), fp32 | per tower block (B/sbh) | per language layer (B/sbh) "
+              "| whole model |")
         print("|---|---:|---:|---:|")
     for mode, block, layer, total in rows:
-        cells = (f"{block / MIB:,.1f} MiB", f"{layer / MIB:,.1f} MiB",
+        cells = (f"{block / MIB:,.1f} MiB ({block / (patches * VISION['hidden_size']):.2f})",
+                 f"{layer / MIB:,.1f} MiB ({layer / (tokens * TEXT['hidden_size']):.2f})",
                  f"{total / MIB:,.0f} MiB ({total / hf:.2f}x)")
         print(f"| {mode} | " + " | ".join(cells) + " |" if args.markdown else f"{mode}: " + ", ".join(cells))
 
