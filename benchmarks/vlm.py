@@ -1,7 +1,7 @@
 """Whole-model activation memory of a vision-language model at a real checkpoint's geometry: HF sdpa
 vs leanact.patch, measured on real tensors.
 
-    python benchmarks/vlm.py [--image-tokens 1024] [--text-tokens 1024] [--markdown]
+    python benchmarks/vlm.py [--image-tokens 1024] [--text-tokens 1024] [--markdown] [--predict]
 
 The Qwen2.5-VL-7B geometry (vision tower: 32 blocks of width 1280, windowed attention but in blocks
 7, 15, 23, 31, 2x2 patch merging; language model: 28 layers of width 3584, vocabulary 152,064,
@@ -15,6 +15,10 @@ same widths: every block of the tower (and every language layer) keeps the same 
 full-depth bytes are the (1, 1) model's plus 31 tower increments and 27 language increments
 (each increment read off the shallow pairs; the windowed and full-attention blocks keep the same
 tensors). fp32 on the CPU (bf16 matrix products are too slow without AVX512-BF16).
+
+``--predict``: instead, ``leanact.estimate_config`` of the whole model at full depth in bf16 for a
+CUDA device, on fake tensors (the token ids and the image grid stay real: the model reads them),
+HF sdpa vs leanact: bytes kept for backward and the step's peak (AdamW).
 """
 from __future__ import annotations
 
@@ -81,13 +85,43 @@ def kept(model, batch) -> int:
     return meter.activation_bytes
 
 
+def predict(batch: dict, markdown: bool) -> None:
+    import transformers
+
+    from leanact.estimate import estimate_config
+
+    cfg = transformers.Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT, image_token_id=IMAGE,
+                                        video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    cfg._attn_implementation = "sdpa"
+    rows = []
+    for mode in ("HF sdpa", "leanact"):
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = estimate_config(lambda: transformers.Qwen2_5_VLForConditionalGeneration(cfg), batch, None, "cuda",
+                                  patch=mode == "leanact", dtype=torch.bfloat16)
+        rows.append((mode, est))
+        print(f"{mode}: predicted in {time.perf_counter() - t0:.0f} s", flush=True)
+    hf = rows[0][1].saved
+    if markdown:
+        print("\n| Qwen2.5-VL-7B geometry, bf16, predicted for CUDA | kept for backward | step peak (AdamW) |")
+        print("|---|---:|---:|")
+    for mode, est in rows:
+        cells = (f"{est.saved / MIB:,.0f} MiB ({est.saved / hf:.3f}x)", f"{est.peak / 2**30:.2f} GiB")
+        print(f"| {mode} | " + " | ".join(cells) + " |" if markdown else f"{mode}: " + ", ".join(cells))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--image-tokens", type=int, default=1024)
     ap.add_argument("--text-tokens", type=int, default=1024)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--predict", action="store_true", help="the whole model's bf16 step predicted on fake tensors")
     args = ap.parse_args(argv)
     batch = sample(args.image_tokens, args.text_tokens)
+    if args.predict:
+        predict(batch, args.markdown)
+        return
     got = {}
     for depths in ((1, 1), (2, 1), (1, 2)):
         for mode in ("HF sdpa", "leanact"):

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import leanact.ops.attention.core as core
 from leanact.memory import SavedTensorMeter
 from leanact.nn.attention import AttentionCore
-from leanact.ops.attention import attention, default_block_size
+from leanact.ops.attention import attention, compose, default_block_size
 from leanact.ops.random import keep_mask, keep_mask_like
 
 from _tol import within_rounding_bound
@@ -506,3 +506,32 @@ def test_causal_on_top_of_a_mask_equals_the_combined_mask(mode, p, additive):
         results.append((out.detach(), qi.grad, ki.grad, vi.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_a_lone_view_of_a_fused_projection_is_kept_alone(rows):
+    """v as the value third of a fused QKV output whose q and k were replaced (RoPE): kept as its own
+    copy (v's bytes), not the whole projection; q, k, v all views of one buffer: the buffer, once,
+    no copy."""
+    b, s, h, d = 2, 16, 4, 8
+    qkv = torch.randn(b, s, 3, h, d, requires_grad=True)
+    parts = qkv.unbind(2) if rows else qkv.permute(0, 2, 3, 1, 4).unbind(1)  # (b, s, h, d) or (b, h, s, d)
+    q, k, v = ((t.transpose(1, 2) if rows else t) for t in parts)
+    rotated_q, rotated_k = q * 1.5, k * 0.5  # new storages, as RoPE makes
+    alone = v.detach().clone().requires_grad_()  # a value tensor of its own storage (same layout)
+
+    def kept(*qkv_):
+        with SavedTensorMeter() as meter:
+            out = attention(*qkv_, is_causal=True)
+        return meter.total_bytes, out
+
+    own, _ = kept(rotated_q, rotated_k, alone)
+    got, out = kept(rotated_q, rotated_k, v)
+    assert got == own  # v's own copy: not the (3x) projection
+    got, shared = kept(q, k, v)
+    assert got == own  # the buffer, once
+    want = compose(rotated_q, rotated_k, v, is_causal=True)
+    assert torch.allclose(out, want, atol=1e-6) and torch.allclose(shared, compose(q, k, v, is_causal=True), atol=1e-6)
+    g1 = torch.autograd.grad(out.sum(), qkv, retain_graph=True)[0]
+    g2 = torch.autograd.grad(compose(rotated_q, rotated_k, v, is_causal=True).sum(), qkv)[0]
+    assert torch.allclose(g1, g2, atol=1e-5)

@@ -14,7 +14,7 @@ from leanact.strategies.offload import prefetch_as_cuda
 
 from .cuda_kernels import cuda_kernels
 from .cuda_runtime import BlasUse, runtime_bytes, target
-from .fake import build_fake, causal_skip_on_fake, fake_copy, fake_inputs, new_mode
+from .fake import DATA_DEPENDENT, RealIntegerOps, build_fake, causal_skip_on_fake, fake_copy, fake_inputs, new_mode
 from .layers import group_by_layer, layer_names
 from .result import Estimate
 from .step import CUDA_BLOCK, StepMemory, run_step
@@ -161,7 +161,7 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
          mode, optimizer: Any, loss_fn: Callable | None, autocast: torch.dtype | None = None,
-         keep_output: bool = False, context_parallel: int | None = None) -> Estimate:
+         keep_output: bool = False, context_parallel: int | None = None, real_integers: bool = False) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
     fake_model.train()
     fake_rules.warm(fake_model, dtype)
@@ -189,7 +189,9 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         kernels = cuda_kernels() if cuda else contextlib.nullcontext()
         prefetch = prefetch_as_cuda() if cuda else contextlib.nullcontext()
         with prefetch, fake_rules.rules(run), causal_skip_on_fake(), kernels, \
-                caches_off(fake_model, fake_in) as fake_in, mode, (blas if cuda else contextlib.nullcontext()):
+                caches_off(fake_model, fake_in) as fake_in, mode, \
+                (RealIntegerOps() if real_integers else contextlib.nullcontext()), \
+                (blas if cuda else contextlib.nullcontext()):
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if cuda else 1, foreach=True if cuda else None,
                            autocast=autocast, keep_output=keep_output)
@@ -248,12 +250,31 @@ def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None,
     _check_sizes(model, batch, seq)
     _ranks_arg(context_parallel)
     kind = _device_kind(device, model)
-    mode = new_mode()
-    fake_model, real_of = fake_copy(model, mode, dtype)
-    fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
-    plan = _resolve_plan(fake_model, strategy_or_plan)
-    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer, loss_fn,
-                autocast, keep_output, context_parallel)
+
+    def run(real_integers: bool) -> Estimate:
+        mode = new_mode()
+        fake_model, real_of = fake_copy(model, mode, dtype)
+        fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype, real_integers=real_integers)
+        plan = _resolve_plan(fake_model, strategy_or_plan)
+        return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer,
+                    loss_fn, autocast, keep_output, context_parallel, real_integers)
+
+    return _with_real_integers_if_read(run)
+
+
+def _with_real_integers_if_read(run: Callable[[bool], Estimate]) -> Estimate:
+    """``run(False)``; where the model reads the values of its inputs (a vision-language model's token
+    ids and image grid), again with the integer inputs real (:class:`~.fake.RealIntegerOps`)."""
+    try:
+        return run(False)
+    except DATA_DEPENDENT:
+        pass
+    try:
+        return run(True)
+    except DATA_DEPENDENT as e:
+        raise ValueError("leanact.estimate: the model reads the values of its floating-point inputs or weights "
+                         f"({e.func if hasattr(e, 'func') else e}: e.g. Idefics3 drops all-zero images), which a "
+                         "fake trace does not have; measure a real step instead (leanact.estimate.measure)") from e
 
 
 def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, strategy_or_plan: Any = None,
@@ -283,7 +304,11 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
         from leanact.patching import patch as patch_model
 
         patch_model(fake_model, attention="recompute" if patch is True else patch)
-    fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype)
-    plan = _resolve_plan(fake_model, strategy_or_plan)
-    return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn,
-                autocast, keep_output, context_parallel)
+
+    def run(real_integers: bool) -> Estimate:
+        fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype, real_integers=real_integers)
+        plan = _resolve_plan(fake_model, strategy_or_plan)
+        return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn,
+                    autocast, keep_output, context_parallel, real_integers)
+
+    return _with_real_integers_if_read(run)

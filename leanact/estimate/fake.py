@@ -16,9 +16,15 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode, is_fake)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["new_mode", "fake_copy", "build_fake", "fake_inputs", "causal_skip_on_fake"]
+__all__ = ["new_mode", "fake_copy", "build_fake", "fake_inputs", "causal_skip_on_fake", "RealIntegerOps",
+           "DATA_DEPENDENT"]
+
+#: What a fake trace raises where the model reads values it does not have.
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
 def new_mode() -> FakeTensorMode:
@@ -112,10 +118,12 @@ def _resize(t: torch.Tensor, batch: int | None, seq: int | None, b0: int | None,
 
 
 def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, seq: int | None = None,
-                dtype: torch.dtype | None = None) -> Any:
+                dtype: torch.dtype | None = None, real_integers: bool = False) -> Any:
     """Fake versions of the tensors in ``inputs`` (dict, tuple or list). ``batch``/``seq`` resize
     every tensor whose dim 0 / dim 1 equals the sample's batch / sequence (those of the first
-    tensor with at least two dimensions); floating tensors are cast to ``dtype`` if given."""
+    tensor with at least two dimensions); floating tensors are cast to ``dtype`` if given.
+    ``real_integers``: integer and bool tensors stay real (CPU copies; for :class:`RealIntegerOps`),
+    which needs them at their own sizes."""
     leaves = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     ref = next((t for t in leaves if t.dim() >= 2), None)
     if (batch is not None or seq is not None) and ref is None:
@@ -126,6 +134,12 @@ def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, 
         if not isinstance(t, torch.Tensor):
             return t
         shape = _resize(t, batch, seq, b0, s0)
+        if real_integers and not t.is_floating_point() and not is_fake(t):
+            if shape != tuple(t.shape):
+                raise ValueError("this model reads the values of its integer inputs (token ids, image grids): "
+                                 "estimate it at the sample's own sizes (no batch=/seq=), with the sample "
+                                 f"made at the size wanted; {tuple(t.shape)} would need new values at {shape}")
+            return t.detach().to("cpu", copy=True)
         if shape == tuple(t.shape):
             f = _to_fake(mode, t, dtype)
         else:
@@ -136,6 +150,30 @@ def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, 
         return f
 
     return torch.utils._pytree.tree_map(conv, inputs)
+
+
+class RealIntegerOps(TorchDispatchMode):
+    """Inside a fake trace (entered above the ``FakeTensorMode``): an op whose tensor arguments are
+    all real runs for real, so what a model computes from the values of its integer inputs (the
+    image-token positions in ``input_ids``, M-RoPE positions, an image grid's patch counts) has
+    values, and ``.item()`` / ``.tolist()`` on it work; so do factories (no tensor argument) of
+    integer or bool tensors of at most :attr:`LIMIT` elements (the ``arange`` of an image grid's
+    positions). Ops that touch a fake tensor, and float factories, stay fake."""
+
+    LIMIT = 1 << 22
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(is_fake(t) for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if (not tensors and isinstance(out, torch.Tensor) and is_fake(out) and not out.is_floating_point()
+                and not out.is_complex() and out.numel() <= self.LIMIT):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return out
 
 
 @contextlib.contextmanager

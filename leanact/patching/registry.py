@@ -53,5 +53,6 @@ FAMILIES: dict[str, str] = {
     "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "olmo2": "OLMo 2",
     "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS",
     "bloom": "Bloom", "falcon": "Falcon", "t5": "T5", "bart": "BART", "whisper": "Whisper",
-    "vit": "ViT", "clip": "CLIP", "llava": "LLaVA",
+    "vit": "ViT", "clip": "CLIP", "llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL",
+    "gemma3": "Gemma 3", "paligemma": "PaliGemma", "idefics3": "Idefics3", "mllama": "Mllama",
 }

@@ -212,6 +212,8 @@ def attention(
         q.requires_grad or k.requires_grad or v.requires_grad or (mask4 is not None and mask4.requires_grad)
         or (sinks is not None and sinks.requires_grad)
     )
+    if grad and not torch.compiler.is_compiling() and not functorch_active():
+        q, k, v = _own_storages(q, k, v)
     if softcap is not None or sinks is not None or segments is not None or window is not None:
         return _variant(q, k, v, mask4 if segments is None else segments, p, is_causal, scale, mode, block_size,
                         generator, seed, enable_gqa, softcap, sinks, window)
@@ -235,6 +237,38 @@ def attention(
             if not grad or _lean_node(out):
                 return out
     return _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage that ``t`` spans."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _own_storages(q, k, v):
+    """q, k, v as kept for backward: one that spans less than its storage, which neither of the other two
+    shares (the value third of a fused QKV projection whose query and key went through RoPE: Qwen2-VL's
+    vision blocks, Phi-3, GPT-NeoX), is copied to a storage of its own, so the kernel does not keep the
+    whole projection output alive for it (2/3 of it dead); views of one shared buffer (a fused QKV kept
+    whole) stay as they are. The copy keeps the (b, s, H, d) layout where the view had it."""
+    ts = [q, k, v]
+    if any(type(t) is not torch.Tensor and not is_fake(t) for t in ts):  # (subclasses: their own storages)
+        return q, k, v
+    for i, t in enumerate(ts):
+        storage = t.untyped_storage()
+        if storage.nbytes() <= _extent(t) or any(
+                o.untyped_storage()._cdata == storage._cdata for j, o in enumerate(ts) if j != i):
+            continue
+        flat = torch.contiguous_format
+        ts[i] = t.transpose(1, 2).clone(memory_format=flat).transpose(1, 2) if _rows_layout(t) else \
+            t.clone(memory_format=flat)
+    return tuple(ts)
+
+
+def _rows_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` (b, H, s, d) is laid out as (b, s, H, d) (the layout SDPA's lean dispatch needs)."""
+    return t.dim() == 4 and t.stride(1) <= t.stride(2)
 
 
 def _core(q, k, v, mask4, p, is_causal, scale, mode, block_size, generator, seed):
