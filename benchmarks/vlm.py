@@ -16,9 +16,10 @@ full-depth bytes are the (1, 1) model's plus 31 tower increments and 27 language
 (each increment read off the shallow pairs; the windowed and full-attention blocks keep the same
 tensors). fp32 on the CPU (bf16 matrix products are too slow without AVX512-BF16).
 
-``--predict``: instead, ``leanact.estimate_config`` of the whole model at full depth in bf16 for a
-CUDA device, on fake tensors (the token ids and the image grid stay real: the model reads them),
-HF sdpa vs leanact: bytes kept for backward and the step's peak (AdamW).
+``--predict [GEOMETRY ...]``: instead, ``leanact.estimate_config`` of whole models at full depth in
+bf16 for a CUDA device, on fake tensors (Qwen's token ids and image grid stay real: the model reads
+them), HF sdpa vs leanact: bytes kept for backward and the step's peak (AdamW), for Qwen2.5-VL-7B,
+Qwen2-VL-7B, LLaVA-1.5-7B, Gemma 3 4B and PaliGemma 3B geometries (the sizes are in the builders).
 """
 from __future__ import annotations
 
@@ -85,30 +86,122 @@ def kept(model, batch) -> int:
     return meter.activation_bytes
 
 
-def predict(batch: dict, markdown: bool) -> None:
+def _text_sample(g, text_tokens: int, image: list, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids: half the text, the image's tokens (``image``), the other half; labels on the text."""
+    half = text_tokens // 2
+    text = torch.randint(10, vocab - 1000, (text_tokens,), generator=g)
+    ids = torch.cat([text[:half], torch.tensor(image), text[half:]])[None]
+    is_text = torch.zeros(ids.shape[1], dtype=torch.bool)
+    is_text[:half], is_text[half + len(image):] = True, True
+    return ids, ids.masked_fill(~is_text[None], -100)
+
+
+def _qwen2_vl_7b(text_tokens: int):
     import transformers
 
-    from leanact.estimate import estimate_config
+    vision = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu")
+    cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=TEXT, image_token_id=IMAGE,
+                                     video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    return cfg, transformers.Qwen2VLForConditionalGeneration, sample(1024, text_tokens)
+
+
+def _qwen2_5_vl_7b(text_tokens: int):
+    import transformers
 
     cfg = transformers.Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT, image_token_id=IMAGE,
                                         video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    cfg._attn_implementation = "sdpa"
-    rows = []
-    for mode in ("HF sdpa", "leanact"):
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            est = estimate_config(lambda: transformers.Qwen2_5_VLForConditionalGeneration(cfg), batch, None, "cuda",
-                                  patch=mode == "leanact", dtype=torch.bfloat16)
-        rows.append((mode, est))
-        print(f"{mode}: predicted in {time.perf_counter() - t0:.0f} s", flush=True)
-    hf = rows[0][1].saved
+    return cfg, transformers.Qwen2_5_VLForConditionalGeneration, sample(1024, text_tokens)
+
+
+def _llava_1_5_7b(text_tokens: int):
+    import transformers as T
+
+    vision = T.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
+    text = T.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)
+    cfg = T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=32000, vision_feature_layer=-2,
+                        vision_feature_select_strategy="default")
+    g = torch.Generator().manual_seed(1)
+    ids, labels = _text_sample(g, text_tokens, [32000] * 576, 32000)
+    return cfg, T.LlavaForConditionalGeneration, dict(input_ids=ids, labels=labels,
+                                                      pixel_values=torch.randn(1, 3, 336, 336, generator=g))
+
+
+def _siglip_so400m(image_size: int):
+    import transformers as T
+
+    return T.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                                image_size=image_size, patch_size=14)
+
+
+def _gemma3_4b(text_tokens: int):
+    import transformers as T
+
+    text = T.Gemma3TextConfig(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                              num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024)
+    image, boi, eoi = 262144, 255999, 256000
+    cfg = T.Gemma3Config(vision_config=_siglip_so400m(896), text_config=text, mm_tokens_per_image=256,
+                         image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = _text_sample(g, text_tokens, [boi] + [image] * 256 + [eoi], 250000)
+    return cfg, T.Gemma3ForConditionalGeneration, dict(input_ids=ids, labels=labels,
+                                                       pixel_values=torch.randn(1, 3, 896, 896, generator=g),
+                                                       token_type_ids=(ids == image).long())
+
+
+def _paligemma_3b(text_tokens: int):
+    import transformers as T
+
+    text = T.GemmaConfig(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+                         num_key_value_heads=1, head_dim=256, vocab_size=257216)
+    vision = _siglip_so400m(224)
+    vision.projection_dim = 2048
+    image = 257152
+    cfg = T.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=image, projection_dim=2048)
+    g = torch.Generator().manual_seed(1)
+    half = text_tokens // 2  # the image, a prefix (bidirectional), the suffix (causal, with the loss)
+    ids = torch.cat([torch.full((256,), image), torch.randint(10, 250000, (text_tokens,), generator=g)])[None]
+    kinds = torch.zeros_like(ids)
+    kinds[:, 256 + half:] = 1
+    return cfg, T.PaliGemmaForConditionalGeneration, dict(
+        input_ids=ids, labels=ids.masked_fill(kinds == 0, -100), token_type_ids=kinds,
+        pixel_values=torch.randn(1, 3, 224, 224, generator=g))
+
+
+#: name -> (what the geometry is, a builder (text tokens) -> (config, model class, one sample))
+GEOMETRIES = {
+    "qwen2.5-vl-7b": ("Qwen2.5-VL-7B, one 1,024-token image (4,096 patches in the tower)", _qwen2_5_vl_7b),
+    "qwen2-vl-7b": ("Qwen2-VL-7B, one 1,024-token image (4,096 patches)", _qwen2_vl_7b),
+    "llava-1.5-7b": ("LLaVA-1.5-7B, one 336-pixel image (576 tokens)", _llava_1_5_7b),
+    "gemma-3-4b": ("Gemma 3 4B, one 896-pixel image (4,096 patches, 256 tokens)", _gemma3_4b),
+    "paligemma-3b": ("PaliGemma 3B, one 224-pixel image (256 tokens)", _paligemma_3b),
+}
+
+
+def predict(names: list[str], text_tokens: int, markdown: bool) -> None:
+    from leanact.estimate import estimate_config
+
     if markdown:
-        print("\n| Qwen2.5-VL-7B geometry, bf16, predicted for CUDA | kept for backward | step peak (AdamW) |")
-        print("|---|---:|---:|")
-    for mode, est in rows:
-        cells = (f"{est.saved / MIB:,.0f} MiB ({est.saved / hf:.3f}x)", f"{est.peak / 2**30:.2f} GiB")
-        print(f"| {mode} | " + " | ".join(cells) + " |" if markdown else f"{mode}: " + ", ".join(cells))
+        print(f"| geometry, + {text_tokens:,} text tokens, bf16, predicted for CUDA | HF sdpa kept | leanact kept | "
+              "step peak (AdamW), HF → leanact |")
+        print("|---|---:|---:|---:|")
+    for name in names:
+        label, make = GEOMETRIES[name]
+        cfg, cls, batch = make(text_tokens)
+        cfg._attn_implementation = "sdpa"
+        got = {}
+        for patch in (False, True):
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got[patch] = estimate_config(lambda: cls(cfg), batch, None, "cuda", patch=patch, dtype=torch.bfloat16)
+            print(f"  ({label}, {'leanact' if patch else 'HF sdpa'}: {time.perf_counter() - t0:.0f} s)", flush=True)
+        hf, lean = got[False], got[True]
+        cells = (f"{hf.saved / MIB:,.0f} MiB", f"**{lean.saved / MIB:,.0f} MiB ({lean.saved / hf.saved:.3f}x)**",
+                 f"{hf.peak / 2**30:.2f} → {lean.peak / 2**30:.2f} GiB")
+        print(f"| {label} | " + " | ".join(cells) + " |" if markdown else f"{label}: " + ", ".join(cells), flush=True)
 
 
 def main(argv=None) -> None:
@@ -116,12 +209,14 @@ def main(argv=None) -> None:
     ap.add_argument("--image-tokens", type=int, default=1024)
     ap.add_argument("--text-tokens", type=int, default=1024)
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--predict", action="store_true", help="the whole model's bf16 step predicted on fake tensors")
+    ap.add_argument("--predict", nargs="*", choices=list(GEOMETRIES), default=None, metavar="GEOMETRY",
+                    help="instead: the whole model's bf16 step predicted on fake tensors, for these geometries "
+                         f"(default all: {', '.join(GEOMETRIES)})")
     args = ap.parse_args(argv)
-    batch = sample(args.image_tokens, args.text_tokens)
-    if args.predict:
-        predict(batch, args.markdown)
+    if args.predict is not None:
+        predict(args.predict or list(GEOMETRIES), args.text_tokens, args.markdown)
         return
+    batch = sample(args.image_tokens, args.text_tokens)
     got = {}
     for depths in ((1, 1), (2, 1), (1, 2)):
         for mode in ("HF sdpa", "leanact"):

@@ -268,3 +268,18 @@ def test_estimate_of_a_model_reading_its_pixels_says_so():
     model, batch = MODELS["idefics3"]("sdpa")
     with pytest.raises(ValueError, match="reads the values of its floating-point inputs"):
         estimate(model, _with_labels(batch, False))
+
+
+def test_estimate_config_where_an_initialiser_reads_the_weights():
+    """SigLIP's truncated-normal initialiser reads values a fake weight does not have: estimate_config
+    builds the model again with initialisers skipped and weights tied, and predicts what the model
+    built for real does."""
+    from leanact.estimate import estimate, estimate_config
+
+    model, batch = MODELS["gemma3"]("sdpa")
+    batch = _with_labels(batch, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fake = estimate_config(model.config, batch, model_class=type(model))
+        real = estimate(model, batch)
+    assert fake.to_dict() == real.to_dict()

@@ -84,11 +84,30 @@ def _copy_attention_state(src: nn.Module, dst: nn.Module) -> None:
                 attention_hf.set_config_state(cb, state)
 
 
+def _no_init_weights():
+    """transformers' ``no_init_weights`` (weight initialisation skipped: fake weights have no values, and
+    some initialisers read them, e.g. SigLIP's truncated normal); a null context without transformers."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - transformers is optional; older layouts
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def build_fake(build: Callable[[], nn.Module], mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
-    """``build()`` run under the fake mode (weights are fake from the start), cast to ``dtype``."""
-    with mode:
-        model = build()
-        if dtype is not None:
+    """``build()`` run under the fake mode (weights are fake from the start), cast to ``dtype``. Where
+    an initialiser reads the weights' values (SigLIP's truncated normal), built again with the
+    initialisers skipped and the weights tied after, as ``post_init`` would."""
+    try:
+        with mode:
+            model = build()
+    except DATA_DEPENDENT:
+        with mode, _no_init_weights():
+            model = build()
+            if callable(getattr(model, "tie_weights", None)):
+                model.tie_weights()
+    if dtype is not None:
+        with mode:
             _cast_floating(model, dtype)
     return model
 

@@ -14,7 +14,9 @@ What is kept for backward, by path (per call; "mask" = the caller's own mask ten
 shared by all layers that use it):
 
 * ``mode="recompute"`` (default, flash-style, :class:`~leanact.ops.attention.core.RecomputeAttention`):
-  q, k, v (the caller's tensors: views of one fused QKV buffer count once), the fp32 (fp64 for
+  q, k, v (the caller's tensors: views of one fused QKV buffer count once; one that is a lone view of
+  a larger storage, such as the value third of a fused QKV whose q and k went through RoPE, is kept
+  as a copy of its own, not the whole buffer), the fp32 (fp64 for
   fp64 inputs) log-sum-exp per row (b·H·s_q·4 bytes), the 8-byte seed, the mask. Backward
   recomputes the scores per query block (one extra QK^T matmul), P = exp(S - lse), the block's
   dropout mask, and D = rowsum(P * dP) in fp32: the s x s matrix never exists whole. (The output
