@@ -156,11 +156,30 @@ def _warn_if_busy(repeats: int) -> None:
         print(warning, file=sys.stderr)
 
 
+def _profile_vlm(parser: argparse.ArgumentParser, args, geo) -> int:
+    """A vision-language config: the whole step predicted (leanact.cli.vlm_profile)."""
+    from leanact.cli.vlm_profile import render_vlm, run_vlm_profile
+
+    unsupported = [flag for flag, value in (("--budget", args.budget), ("--autocast", args.autocast),
+                                            ("--plot", args.plot), ("--ops", args.ops), ("--batch", args.batch),
+                                            ("--context-parallel", args.context_parallel),
+                                            ("--dropout", args.dropout), ("--repeats", args.repeats))
+                   if value not in (None, False)]
+    if unsupported:
+        raise ValueError(f"{geo.name} is a vision-language model: leanact profile predicts its whole step for one "
+                         f"image and --seq text tokens; {', '.join(unsupported)} are for text and image models")
+    result = run_vlm_profile(geo, args.seq or geo.seq, args.dtype or "bf16")
+    print(json.dumps(result, indent=2) if args.json else render_vlm(result))
+    return 0
+
+
 def _profile(parser: argparse.ArgumentParser, args) -> int:
     from leanact.models.geometries import resolve
 
     try:
         geo = resolve(args.model)
+        if geo.vlm:
+            return _profile_vlm(parser, args, geo)
         dtype = args.dtype or ("fp32" if args.autocast else profile_cmd.default_dtype())
         cfg = profile_cmd.ProfileConfig(args.model, args.seq, args.batch, dtype, args.dropout, args.repeats,
                                         args.budget, autocast=args.autocast,

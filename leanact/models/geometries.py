@@ -35,6 +35,7 @@ class Geometry:
     batch: int = 1
     repeats: int = 3
     config: Any = None  # a ready config object (from a config.json), used instead of config_cls(**kwargs)
+    vlm: bool = False  # a vision-language model (leanact profile predicts it whole: leanact.cli.vlm_profile)
 
     # -- config ----------------------------------------------------------------------------
     def make_config(self, layers: int | None = None, attn: str = "eager", dropout: float | None = None,
@@ -220,6 +221,18 @@ def _from_config_dict(data: dict, label: str) -> Geometry:
         if hasattr(transformers, arch):
             model_cls = arch
             break
+    from .vlm_batches import is_vlm_config
+
+    if is_vlm_config(cfg):
+        if model_cls is None:
+            from transformers.models.auto import modeling_auto as ma
+
+            name = getattr(ma, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}).get(model_type)
+            model_cls = name if isinstance(name, str) and hasattr(transformers, name) else None
+        if model_cls is None:
+            raise ValueError(f"{label}: no vision-language class for model_type {model_type!r}; add "
+                             "\"architectures\": [\"<Name>ForConditionalGeneration\"] to the file")
+        return Geometry(label, type(cfg).__name__, model_cls, config=cfg, seq=1024, vlm=True)
     if model_cls is None:
         from transformers.models.auto import modeling_auto as ma
 

@@ -1,0 +1,86 @@
+"""Training samples for vision-language models built from their configs: one image (random pixels)
+and text tokens, the image's tokens placed as the model's processor places them, labels on the text.
+
+``vlm_sample(config, text_tokens)`` -> keyword arguments of ``*ForConditionalGeneration.forward``.
+Families: Qwen2-VL and Qwen2.5-VL (one image of 1,024 tokens after 2x2 merging: 4,096 patches),
+LLaVA (the tower's image size; one token per patch), Gemma 3 (``mm_tokens_per_image`` tokens between
+its begin/end tokens, attending to each other), PaliGemma (image, prefix, then the suffix with the
+loss). Others raise ValueError naming these.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["VLM_TYPES", "is_vlm_config", "vlm_sample"]
+
+VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "paligemma")
+QWEN_IMAGE_TOKENS = 1024  # one image of this many tokens after merging
+
+
+def is_vlm_config(config) -> bool:
+    """Whether ``config`` is a vision-language model's (a vision and a text sub-config)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
+
+
+def _text(g: torch.Generator, n: int, vocab: int, specials: set) -> torch.Tensor:
+    top = max(min(vocab, min(specials)) if specials else vocab, 2)
+    return torch.randint(0, top, (n,), generator=g)
+
+
+def _image_id(config) -> int:
+    for name in ("image_token_id", "image_token_index"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    raise ValueError(f"{type(config).__name__} names no image token (image_token_id)")
+
+
+def vlm_sample(config, text_tokens: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict:
+    """One training sample for the vision-language ``config`` (module doc); floating inputs in ``dtype``."""
+    kind = getattr(config, "model_type", None)
+    if kind not in VLM_TYPES:
+        raise ValueError(f"vision-language model type {kind!r}: leanact makes image batches for "
+                         f"{', '.join(VLM_TYPES)}")
+    g = torch.Generator().manual_seed(seed)
+    vision, text = config.vision_config, config.text_config
+    image = _image_id(config)
+    vocab = int(text.vocab_size)
+    half = text_tokens // 2
+    extra: dict = {}
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        merge, patch, frames = int(vision.spatial_merge_size), int(vision.patch_size), int(vision.temporal_patch_size)
+        side = merge * int(QWEN_IMAGE_TOKENS ** 0.5)
+        start = int(config.vision_start_token_id)
+        end = int(getattr(config, "vision_end_token_id", None) or start + 1)
+        specials = {image, start, end, int(getattr(config, "video_token_id", image))}
+        body = [start] + [image] * QWEN_IMAGE_TOKENS + [end]
+        channels = int(getattr(vision, "in_channels", 3))
+        extra = dict(pixel_values=torch.randn(side * side, channels * frames * patch * patch, generator=g),
+                     image_grid_thw=torch.tensor([[1, side, side]]))
+    elif kind == "llava":
+        n = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        if getattr(config, "vision_feature_select_strategy", "default") == "full":
+            n += 1
+        specials, body = {image}, [image] * n
+        extra = dict(pixel_values=torch.randn(1, 3, vision.image_size, vision.image_size, generator=g))
+    elif kind == "gemma3":
+        boi, eoi = int(config.boi_token_index), int(config.eoi_token_index)
+        specials, body = {image, boi, eoi}, [boi] + [image] * int(config.mm_tokens_per_image) + [eoi]
+        extra = dict(pixel_values=torch.randn(1, 3, vision.image_size, vision.image_size, generator=g))
+    else:  # paligemma: the image first, then a prefix (bidirectional), then the suffix (causal, with the loss)
+        n = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        ids = torch.cat([torch.full((n,), image), _text(g, text_tokens, vocab, {image})])[None]
+        kinds = torch.zeros_like(ids)
+        kinds[:, n + half:] = 1
+        return dict(input_ids=ids, labels=ids.masked_fill(kinds == 0, -100), token_type_ids=kinds,
+                    pixel_values=torch.randn(1, 3, vision.image_size, vision.image_size, generator=g).to(dtype))
+    words = _text(g, text_tokens, vocab, specials)
+    ids = torch.cat([words[:half], torch.tensor(body), words[half:]])[None]
+    is_text = torch.zeros(ids.shape[1], dtype=torch.bool)
+    is_text[:half], is_text[half + len(body):] = True, True
+    out = dict(input_ids=ids, labels=ids.masked_fill(~is_text[None], -100))
+    out.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in extra.items()})
+    if kind == "gemma3":
+        out["token_type_ids"] = (ids == image).long()
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        out["mm_token_type_ids"] = (ids == image).long()
+    return out
