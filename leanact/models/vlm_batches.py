@@ -34,8 +34,10 @@ def _image_id(config) -> int:
     raise ValueError(f"{type(config).__name__} names no image token (image_token_id)")
 
 
-def vlm_sample(config, text_tokens: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict:
-    """One training sample for the vision-language ``config`` (module doc); floating inputs in ``dtype``."""
+def vlm_sample(config, text_tokens: int, dtype: torch.dtype = torch.float32, seed: int = 1,
+               image_tokens: int = QWEN_IMAGE_TOKENS) -> dict:
+    """One training sample for the vision-language ``config`` (module doc); floating inputs in ``dtype``;
+    ``image_tokens``: Qwen's image size in tokens after merging (a square number)."""
     kind = getattr(config, "model_type", None)
     if kind not in VLM_TYPES:
         raise ValueError(f"vision-language model type {kind!r}: leanact makes image batches for "
@@ -48,11 +50,14 @@ def vlm_sample(config, text_tokens: int, dtype: torch.dtype = torch.float32, see
     extra: dict = {}
     if kind in ("qwen2_vl", "qwen2_5_vl"):
         merge, patch, frames = int(vision.spatial_merge_size), int(vision.patch_size), int(vision.temporal_patch_size)
-        side = merge * int(QWEN_IMAGE_TOKENS ** 0.5)
+        per_side = round(image_tokens ** 0.5)
+        if per_side * per_side != image_tokens:
+            raise ValueError(f"image_tokens must be a square number (tokens per side squared), got {image_tokens}")
+        side = merge * per_side
         start = int(config.vision_start_token_id)
         end = int(getattr(config, "vision_end_token_id", None) or start + 1)
         specials = {image, start, end, int(getattr(config, "video_token_id", image))}
-        body = [start] + [image] * QWEN_IMAGE_TOKENS + [end]
+        body = [start] + [image] * image_tokens + [end]
         channels = int(getattr(vision, "in_channels", 3))
         extra = dict(pixel_values=torch.randn(side * side, channels * frames * patch * patch, generator=g),
                      image_grid_thw=torch.tensor([[1, side, side]]))

@@ -250,10 +250,12 @@ def _extent(t: torch.Tensor) -> int:
 
 def _own_storages(q, k, v):
     """q, k, v as kept for backward: one that spans less than its storage, which neither of the other two
-    shares (the value third of a fused QKV projection whose query and key went through RoPE: Qwen2-VL's
-    vision blocks, Phi-3, GPT-NeoX), is copied to a storage of its own, so the kernel does not keep the
-    whole projection output alive for it (2/3 of it dead); views of one shared buffer (a fused QKV kept
-    whole) stay as they are. The copy keeps the (b, s, H, d) layout where the view had it."""
+    shares (the value third of a fused QKV projection whose query and key went through RoPE, as in
+    Qwen2-VL's and Qwen2.5-VL's vision blocks), is copied to a storage of its own, so the kernel does not
+    keep the whole projection output alive for it (2/3 of it dead); views of one shared buffer (a fused
+    QKV kept whole) stay as they are. The copy keeps the (b, s, H, d) layout where the view had it. (A
+    storage something else keeps alive anyway costs the copy's bytes more; the values and gradients
+    are the same either way.)"""
     ts = [q, k, v]
     if any(type(t) is not torch.Tensor and not is_fake(t) for t in ts):  # (subclasses: their own storages)
         return q, k, v
