@@ -81,7 +81,9 @@ def data(kind: str, tokens: int, vocab: int):
 class _LiveBytes(TorchDispatchMode):
     """The most bytes of tensor storage made inside the region and alive at once (each storage
     counted once, from its creation until it is freed); weights and what existed before are not
-    counted."""
+    counted, nor their views. Like every tracker that sees each op's outputs (``MemTracker``), it holds
+    them long enough that autograd sums the two gradients of a tied embedding out of place: one
+    vocabulary × hidden buffer more, at the embedding's backward, than an untracked run, on both sides."""
 
     def __init__(self):
         super().__init__()
@@ -93,12 +95,14 @@ class _LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
-                if key and key not in self.seen:
+                if key and key not in self.seen and key not in inputs:  # (views and in-place ops make nothing)
                     self.seen.add(key)
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)

@@ -161,12 +161,14 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
 
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
          mode, optimizer: Any, loss_fn: Callable | None, autocast: torch.dtype | None = None,
-         keep_output: bool = False, context_parallel: int | None = None, real_integers: bool = False) -> Estimate:
+         keep_output: bool = False, context_parallel: int | None = None, real_integers: bool = False,
+         forward: Callable | None = None, externals: tuple[nn.Module, ...] = (), around: Any = None) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
     fake_model.train()
-    fake_rules.warm(fake_model, dtype)
-    if autocast is not None and autocast != dtype:  # the lean ops then also see autocast's dtype
-        fake_rules.warm(fake_model, autocast)
+    for m in (fake_model, *externals):
+        fake_rules.warm(m, dtype)
+        if autocast is not None and autocast != dtype:  # the lean ops then also see autocast's dtype
+            fake_rules.warm(m, autocast)
     own_pool = getattr(plan, "pool", None)
     if own_pool is not None:  # the estimate's host buffers in a pool of its own, never the user's
         plan.pool = type(own_pool)(own_pool.limit)
@@ -191,10 +193,10 @@ def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch
         with prefetch, fake_rules.rules(run), causal_skip_on_fake(), kernels, \
                 caches_off(fake_model, fake_in) as fake_in, mode, \
                 (RealIntegerOps() if real_integers else contextlib.nullcontext()), \
-                (blas if cuda else contextlib.nullcontext()):
+                (blas if cuda else contextlib.nullcontext()), (around or contextlib.nullcontext()):
             mem = run_step(fake_model, fake_in, optimizer=optimizer, loss_fn=loss_fn,
                            block=CUDA_BLOCK if cuda else 1, foreach=True if cuda else None,
-                           autocast=autocast, keep_output=keep_output)
+                           autocast=autocast, keep_output=keep_output, forward=forward, externals=externals)
     finally:
         if plan is not None:
             plan.remove(fake_model)

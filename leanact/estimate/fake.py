@@ -171,13 +171,31 @@ def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, 
     return torch.utils._pytree.tree_map(conv, inputs)
 
 
+def _real_mask(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.bool and not is_fake(t)
+
+
+def _mask_positions(indices: list) -> list:
+    """Indices with each real bool mask replaced by the positions it selects (one long tensor per
+    dimension it covers): a fake tensor indexed by a real mask gets its size from the mask's values."""
+    out = []
+    for i in indices:
+        if _real_mask(i):
+            with _disable_current_modes():
+                out.extend(i.nonzero(as_tuple=True))
+        else:
+            out.append(i)
+    return out
+
+
 class RealIntegerOps(TorchDispatchMode):
     """Inside a fake trace (entered above the ``FakeTensorMode``): an op whose tensor arguments are
     all real runs for real, so what a model computes from the values of its integer inputs (the
     image-token positions in ``input_ids``, M-RoPE positions, an image grid's patch counts) has
     values, and ``.item()`` / ``.tolist()`` on it work; so do factories (no tensor argument) of
     integer or bool tensors of at most :attr:`LIMIT` elements (the ``arange`` of an image grid's
-    positions). Ops that touch a fake tensor, float factories and ``empty`` ones stay fake."""
+    positions). Ops that touch a fake tensor, float factories and ``empty`` ones stay fake; a fake
+    tensor indexed by a real bool mask (``logps[mask]``) takes the mask's positions."""
 
     LIMIT = 1 << 22
     #: factories whose values are undefined: real, they would give garbage values (indices, sizes)
@@ -189,6 +207,8 @@ class RealIntegerOps(TorchDispatchMode):
         if tensors and not any(is_fake(t) for t in tensors):
             with _disable_current_modes():
                 return func(*args, **kwargs)
+        if func is torch.ops.aten.index.Tensor and any(_real_mask(i) for i in args[1]):
+            return func(args[0], _mask_positions(args[1]), *args[2:], **kwargs)
         out = func(*args, **kwargs)
         if (not tensors and func not in self.UNFILLED and isinstance(out, torch.Tensor) and is_fake(out)
                 and not out.is_floating_point() and not out.is_complex() and out.numel() <= self.LIMIT):

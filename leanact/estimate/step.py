@@ -55,6 +55,15 @@ class RoundingMemTracker(MemTracker):
         super().__init__()
         self.block = block
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        """As ``MemTracker``'s, and a model called again at the top level within the step (a trainer's
+        second forward, KTO's KL term) is tracked on: its module statistics keep the first call's."""
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            if module not in self.memory_tracking:
+                raise
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # a tensor's device (asked by C++ code: autograd, foreach): nothing to track
             return func(*args, **(kwargs or {}))
@@ -192,12 +201,15 @@ def _init_optimizer(opt, params: list[nn.Parameter], optimizer: Any = None) -> N
 
 def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn: Callable | None = None,
              block: int = 1, foreach: bool | None = None, autocast: torch.dtype | None = None,
-             keep_output: bool = False) -> StepMemory:
+             keep_output: bool = False, forward: Callable[[nn.Module, Any], Any] | None = None,
+             externals: tuple[nn.Module, ...] = ()) -> StepMemory:
     """Run one training step of ``model`` on ``inputs`` (real or fake tensors) under the tracker.
     ``autocast``: run the forward and the loss under ``torch.autocast`` of that dtype, for the
     device of the model's parameters (backward and the optimizer step outside it, as usual); None:
     the forward runs with autocast off, even when the call is inside ``torch.autocast``.
-    ``keep_output``: hold the model output through backward (default: released before it)."""
+    ``keep_output``: hold the model output through backward (default: released before it).
+    ``forward(model, inputs)``: what the forward runs (default: ``model(**inputs)``); ``externals``:
+    other modules it uses (a reference model), whose weights count as parameters, not as made."""
     loss_fn = loss_fn or default_loss
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, params, foreach=foreach)
@@ -206,7 +218,7 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
     for p in params:
         p.grad = None
     tracker = RoundingMemTracker(block)
-    tracker.track_external(model, *_tensors(inputs), *([opt] if opt is not None else []))
+    tracker.track_external(model, *externals, *_tensors(inputs), *([opt] if opt is not None else []))
     start = _total(tracker.get_tracker_snapshot())
     meter = SavedTensorMeter(model, exclude=_tensors(inputs))
     device_type = next((p.device.type for p in model.parameters()), "cpu")
@@ -215,7 +227,7 @@ def run_step(model: nn.Module, inputs: Any, *, optimizer: Any = "adamw", loss_fn
         warnings.filterwarnings("ignore", message="Module is None")
         with tracker:
             with meter, amp:
-                out = _call(model, inputs)
+                out = (forward or _call)(model, inputs)
                 loss = loss_fn(out, inputs)
             if not keep_output:
                 del out

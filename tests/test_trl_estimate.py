@@ -1,0 +1,121 @@
+"""``leanact.estimate_trainer``: one step of TRL's trainers (policy and reference) predicted on fake
+tensors, against the same step measured on real tensors (``measure_trainer``), for SFT, DPO, KTO,
+GRPO and RLOO, unpatched and with ``leanact.patch``; the trainer is left as it was."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+from test_trl import TRAINERS, base_model, dataset, reward_length, tokenizer  # noqa: E402
+
+import leanact  # noqa: E402
+from leanact.estimate import estimate_trainer, measure_trainer  # noqa: E402
+from leanact.estimate.trainer import first_batch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def make(name, patched):
+    trainer_cls, config_cls, kind, takes_ref = TRAINERS[name]
+    model, ref = base_model(), base_model() if takes_ref else None
+    if patched:
+        model = leanact.patch(model)
+        ref = leanact.patch(ref) if ref is not None else None
+    config = dict(output_dir="out", per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+                  save_strategy="no", bf16=False, seed=0)
+    extra = dict(ref_model=ref) if takes_ref else {}
+    if name in ("grpo", "rloo"):
+        config.update(num_generations=2, max_completion_length=6, beta=0.0)
+        extra["reward_funcs"] = reward_length
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return getattr(trl, trainer_cls)(model=model, args=getattr(trl, config_cls)(**config),
+                                         train_dataset=dataset(kind), processing_class=tokenizer(), **extra)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_estimate_equals_the_measured_step(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved = {}
+    for patched in (False, True):
+        trainer = make(name, patched)
+        held = {k: v for k, v in vars(trainer).items() if isinstance(v, torch.nn.Module)}
+        weights = {k: [p.detach().clone() for p in m.parameters()] for k, m in held.items()}
+        torch.manual_seed(0)
+        batch = first_batch(trainer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = estimate_trainer(trainer, batch)
+            got = measure_trainer(trainer, batch)
+        assert est.saved == got.saved  # what autograd keeps: to the byte
+        assert abs(est.peak - got.peak) <= 0.03 * got.peak, (est.peak, got.peak)  # (measured: equal to the byte)
+        assert est.params == got.params and est.grads == got.grads
+        # the trainer holds its own models again, unchanged
+        assert {k: v for k, v in vars(trainer).items() if isinstance(v, torch.nn.Module)} == held
+        assert trainer.model_wrapped is trainer.model
+        for k, m in held.items():
+            assert all(torch.equal(a, b) for a, b in zip(weights[k], m.parameters()))
+        saved[patched] = est.saved
+    assert saved[True] < saved[False]
+
+
+def test_reference_model_is_counted(tmp_path, monkeypatch):
+    """DPO with a reference: its weights are parameters of the step; its forward runs (no gradients)."""
+    monkeypatch.chdir(tmp_path)
+    trainer = make("dpo", True)
+    batch = first_batch(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = estimate_trainer(trainer, batch)
+    own = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    ref = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters())
+    assert est.params == own + ref
+    assert est.grads == own
+
+
+def test_models_restored_after_an_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = make("dpo", False)
+    batch = first_batch(trainer)
+    model, ref = trainer.model, trainer.ref_model
+
+    def fails(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "compute_loss", fails)
+    with pytest.raises(KeyboardInterrupt):
+        estimate_trainer(trainer, batch)
+    assert trainer.model is model and trainer.ref_model is ref and trainer.model_wrapped is model
+    assert "current_gradient_accumulation_steps" not in vars(trainer)
+
+
+def test_bad_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="takes a transformers.Trainer"):
+        estimate_trainer(base_model())
+    trainer = make("sft", False)
+    trainer.model_wrapped = torch.nn.Sequential(trainer.model)
+    with pytest.raises(ValueError, match="wrapped"):
+        estimate_trainer(trainer)
+
+
+def test_cuda_prediction_runs_trl_head_without_fallback_temporaries(tmp_path, monkeypatch):
+    """For a GPU, TRL's head is traced with its per-tile torch folds allocation-free (its Triton kernels'
+    case): the step's peak is at most the CPU trace's (block rounding aside), and the note says so."""
+    monkeypatch.chdir(tmp_path)
+    trainer = make("dpo", True)
+    batch = first_batch(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cuda = estimate_trainer(trainer, batch, device="cuda")
+        cpu = estimate_trainer(trainer, batch)
+    assert cuda.device == "cuda" and any("Triton" in n for n in cuda.notes)
+    assert cuda.saved == cpu.saved
+    from trl.kernels import chunked_logprob
+
+    assert chunked_logprob._forward_tile.__name__ == "_forward_tile"  # restored
