@@ -1,7 +1,7 @@
 """One TRL post-training step (DPO, GRPO) on the Llama-3.2-1B geometry: TRL alone against leanact + TRL.
 
     python benchmarks/trl_step.py [--layers 2] [--tokens 1024] [--trainers dpo grpo] [--dtype fp32]
-                                  [--no-checkpointing] [--markdown]
+                                  [--no-checkpointing] [--markdown] [--predict cpu|cuda]
 
 The model: the Llama-3.2-1B geometry (h=2048, 32/8 heads, SwiGLU 8192, its 128,256-token vocabulary, tied
 embeddings) at ``--layers`` layers, ``--dtype`` weights (bf16 by default; fp32 on CPUs without native
@@ -164,6 +164,37 @@ def run(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype,
     return measured.peak, measured.kept, time.perf_counter() - t0
 
 
+def predict(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype, device: str,
+            checkpointing: bool = True) -> tuple[int, int, int]:
+    """``leanact.estimate_trainer`` of one step (fake tensors: no matmul runs; the models are built in
+    fp32, the estimate casts them to ``dtype``): (whole step's peak, that peak less the weights and
+    the optimizer's state, bytes kept for backward)."""
+    import trl
+
+    from leanact.estimate import estimate_trainer
+    from leanact.estimate.trainer import first_batch
+
+    model = build(layers, patched, torch.float32)
+    vocab = model.config.vocab_size
+    common = dict(output_dir="trl_step_out", per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True,
+                  save_strategy="no", bf16=False, seed=0, gradient_checkpointing=checkpointing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "dpo":
+            trainer = trl.DPOTrainer(model=model, ref_model=build(layers, patched, torch.float32),
+                                     args=trl.DPOConfig(max_length=None, **common),
+                                     train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
+        else:
+            common["per_device_train_batch_size"] = 4
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_length,
+                                      args=trl.GRPOConfig(num_generations=2, max_completion_length=16, beta=0.0,
+                                                          **common),
+                                      train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
+        torch.manual_seed(0)
+        est = estimate_trainer(trainer, first_batch(trainer), device=device, dtype=dtype)
+    return est.peak, est.peak - est.params - est.buffers - est.optimizer_state, est.saved
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -172,7 +203,20 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--no-checkpointing", action="store_true", help="turn TRL's default gradient checkpointing off")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--predict", choices=["cpu", "cuda"],
+                    help="predict the step with leanact.estimate_trainer for this device instead of running it")
     args = ap.parse_args(argv)
+    if args.predict:
+        print(f"| predicted step ({args.layers} layers, {args.tokens} tokens per sequence, {args.dtype}, "
+              f"{args.predict}) | TRL: peak MiB | above weights and AdamW state | kept | leanact + TRL: peak | "
+              "above weights and AdamW state | kept |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for kind in args.trainers:
+            a, b = (predict(kind, args.layers, args.tokens, patched, DTYPES[args.dtype], args.predict,
+                            not args.no_checkpointing) for patched in (False, True))
+            print(f"| {kind.upper()} | {a[0] / MIB:.0f} | {a[1] / MIB:.0f} | {a[2] / MIB:.0f} | {b[0] / MIB:.0f} | "
+                  f"{b[1] / MIB:.0f} ({b[1] / a[1]:.2f}x) | {b[2] / MIB:.0f} ({b[2] / a[2]:.2f}x) |", flush=True)
+        return
     rows = []
     for kind in args.trainers:
         trl_alone = run(kind, args.layers, args.tokens, False, DTYPES[args.dtype], not args.no_checkpointing)

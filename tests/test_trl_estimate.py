@@ -20,14 +20,14 @@ from leanact.estimate.trainer import first_batch  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def make(name, patched):
+def make(name, patched, **options):
     trainer_cls, config_cls, kind, takes_ref = TRAINERS[name]
     model, ref = base_model(), base_model() if takes_ref else None
     if patched:
         model = leanact.patch(model)
         ref = leanact.patch(ref) if ref is not None else None
     config = dict(output_dir="out", per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
-                  save_strategy="no", bf16=False, seed=0)
+                  save_strategy="no", bf16=False, seed=0, **options)
     extra = dict(ref_model=ref) if takes_ref else {}
     if name in ("grpo", "rloo"):
         config.update(num_generations=2, max_completion_length=6, beta=0.0)
@@ -119,3 +119,20 @@ def test_cuda_prediction_runs_trl_head_without_fallback_temporaries(tmp_path, mo
     from trl.kernels import chunked_logprob
 
     assert chunked_logprob._forward_tile.__name__ == "_forward_tile"  # restored
+
+
+def test_checkpointing_where_train_turns_it_on(tmp_path, monkeypatch):
+    """TRL's configs turn gradient checkpointing on, and ``trainer.train()`` applies it: the estimate
+    does as train() does, on its copy (the trainer's model is not changed)."""
+    monkeypatch.chdir(tmp_path)
+    kept = {}
+    for on in (True, False):
+        trainer = make("dpo", False, gradient_checkpointing=on)
+        before = trainer.model.is_gradient_checkpointing
+        batch = first_batch(trainer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kept[on] = estimate_trainer(trainer, batch).saved
+            assert measure_trainer(trainer, batch).saved == kept[on]
+        assert trainer.model.is_gradient_checkpointing == before
+    assert kept[True] < kept[False] / 2

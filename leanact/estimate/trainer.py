@@ -117,6 +117,26 @@ def _as_in_training(trainer) -> Iterator[None]:
             trainer.__dict__.pop(name, None)
 
 
+def _checkpointing_as_in_train(trainer, model: nn.Module) -> None:
+    """Turn on ``model``'s gradient checkpointing where ``trainer.train()`` would (TRL's configs turn it
+    on by default): ``args.activation_checkpointing`` (``gradient_checkpointing`` before transformers
+    5.x renamed it) with its keyword arguments."""
+    args = trainer.args
+    on = getattr(args, "activation_checkpointing", None)
+    if on is None:
+        on = getattr(args, "gradient_checkpointing", False)
+    if not on:
+        return
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    if hasattr(model, "activation_checkpointing_enable"):
+        every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every,
+                                              offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
 def _compute_loss(trainer):
     def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
         with trainer.compute_loss_context_manager():
@@ -166,8 +186,9 @@ def estimate_trainer(trainer, inputs: Any = None, device: Any = None, *, dtype: 
     generates completions with the real model, and the reference's log-probabilities are computed
     there (not in this step). Integer inputs stay real (trainers read them); floating ones are fake.
     ``device``: "cuda" predicts a GPU step (:data:`leanact.estimate.CUDA_NOTES`); ``dtype`` casts the
-    models' weights. Hugging Face's gradient checkpointing, TRL's fused head and ``leanact.patch``
-    are traced as they run. Models with the trainer under DDP, FSDP or DeepSpeed are refused.
+    models' weights. Gradient checkpointing is on where ``trainer.train()`` turns it on (TRL's
+    configs do by default); TRL's fused head and ``leanact.patch`` are traced as they run. A trainer
+    whose model is already wrapped (DDP, FSDP, DeepSpeed) is refused.
     """
     held = _held_models(trainer)
     if inputs is None:
@@ -183,6 +204,7 @@ def estimate_trainer(trainer, inputs: Any = None, device: Any = None, *, dtype: 
             real_of.update(reals)
         fake_in = fake_inputs(inputs, mode, real_integers=True)
         policy = fakes["model"]
+        _checkpointing_as_in_train(trainer, policy)
         others = tuple(m for name, m in fakes.items() if name != "model")
         with _swapped(trainer, fakes), _as_in_training(trainer):
             est = _run(policy, fake_in, None, kind, dtype or _dtype_of(policy), real_of, mode, optimizer, _returned,
@@ -210,6 +232,7 @@ def measure_trainer(trainer, inputs: Any = None, *, optimizer: Any = "adamw") ->
         inputs = first_batch(trainer)
     copies = copy.deepcopy(held)
     policy = copies["model"]
+    _checkpointing_as_in_train(trainer, policy)
     policy.train()
     with _swapped(trainer, copies), _as_in_training(trainer):
         mem = run_step(policy, inputs, optimizer=optimizer, loss_fn=_returned, forward=_compute_loss(trainer),
