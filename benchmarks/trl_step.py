@@ -137,8 +137,8 @@ def reward_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def run(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype,
-        checkpointing: bool = True) -> tuple[int, int, float]:
+def trainer_for(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype, checkpointing: bool):
+    """TRL's DPO (with the reference model) or GRPO trainer on the model :func:`build` makes."""
     import trl
 
     model = build(layers, patched, dtype)
@@ -150,16 +150,21 @@ def run(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype,
         warnings.simplefilter("ignore")
         if kind == "dpo":
             ref = build(layers, patched, dtype)
-            trainer = trl.DPOTrainer(model=model, ref_model=ref, args=trl.DPOConfig(max_length=None, **common),
-                                     train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
-        else:
-            common["per_device_train_batch_size"] = 4
-            trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_length,
-                                      args=trl.GRPOConfig(num_generations=2, max_completion_length=16, beta=0.0,
-                                                          **common),
-                                      train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
-        measured = _Measured(trainer)
-        t0 = time.perf_counter()
+            return trl.DPOTrainer(model=model, ref_model=ref, args=trl.DPOConfig(max_length=None, **common),
+                                  train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
+        common["per_device_train_batch_size"] = 4
+        return trl.GRPOTrainer(model=model, reward_funcs=reward_length,
+                               args=trl.GRPOConfig(num_generations=2, max_completion_length=16, beta=0.0, **common),
+                               train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
+
+
+def run(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype,
+        checkpointing: bool = True) -> tuple[int, int, float]:
+    trainer = trainer_for(kind, layers, tokens, patched, dtype, checkpointing)
+    measured = _Measured(trainer)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         trainer.train()
     return measured.peak, measured.kept, time.perf_counter() - t0
 
@@ -169,27 +174,12 @@ def predict(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dty
     """``leanact.estimate_trainer`` of one step (fake tensors: no matmul runs; the models are built in
     fp32, the estimate casts them to ``dtype``): (whole step's peak, that peak less the weights and
     the optimizer's state, bytes kept for backward)."""
-    import trl
-
     from leanact.estimate import estimate_trainer
     from leanact.estimate.trainer import first_batch
 
-    model = build(layers, patched, torch.float32)
-    vocab = model.config.vocab_size
-    common = dict(output_dir="trl_step_out", per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True,
-                  save_strategy="no", bf16=False, seed=0, gradient_checkpointing=checkpointing)
+    trainer = trainer_for(kind, layers, tokens, patched, torch.float32, checkpointing)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if kind == "dpo":
-            trainer = trl.DPOTrainer(model=model, ref_model=build(layers, patched, torch.float32),
-                                     args=trl.DPOConfig(max_length=None, **common),
-                                     train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
-        else:
-            common["per_device_train_batch_size"] = 4
-            trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_length,
-                                      args=trl.GRPOConfig(num_generations=2, max_completion_length=16, beta=0.0,
-                                                          **common),
-                                      train_dataset=data(kind, tokens, vocab), processing_class=tokenizer(vocab))
         torch.manual_seed(0)
         est = estimate_trainer(trainer, first_batch(trainer), device=device, dtype=dtype)
     return est.peak, est.peak - est.params - est.buffers - est.optimizer_state, est.saved
