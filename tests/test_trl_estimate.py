@@ -104,9 +104,10 @@ def test_bad_arguments(tmp_path, monkeypatch):
         estimate_trainer(trainer)
 
 
-def test_cuda_prediction_runs_trl_head_without_fallback_temporaries(tmp_path, monkeypatch):
+def test_cuda_prediction_with_trl_head(tmp_path, monkeypatch):
     """For a GPU, TRL's head is traced with its per-tile torch folds allocation-free (its Triton kernels'
-    case): the step's peak is at most the CPU trace's (block rounding aside), and the note says so."""
+    case): the prediction runs, keeps what the CPU trace keeps, says so in its notes, and TRL's
+    module gets its own folds back."""
     monkeypatch.chdir(tmp_path)
     trainer = make("dpo", True)
     batch = first_batch(trainer)
