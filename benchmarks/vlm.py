@@ -19,7 +19,9 @@ tensors). fp32 on the CPU (bf16 matrix products are too slow without AVX512-BF16
 ``--predict [GEOMETRY ...]``: instead, ``leanact.estimate_config`` of whole models at full depth in
 bf16 for a CUDA device, on fake tensors (Qwen's token ids and image grid stay real: the model reads
 them), HF sdpa vs leanact: bytes kept for backward and the step's peak (AdamW), for Qwen2.5-VL-7B,
-Qwen2-VL-7B, LLaVA-1.5-7B, Gemma 3 4B and PaliGemma 3B geometries (the sizes are in the builders).
+Qwen2-VL-7B, LLaVA-1.5-7B, Gemma 3 4B, PaliGemma 3B, Llama 3.2 11B Vision and Idefics3-8B geometries (the sizes are
+in the builders); then the bytes kept per block of the vision tower and of the language model over
+tokens × width (B/sbh, averaged over the blocks: ``Estimate.saved_under``).
 """
 from __future__ import annotations
 
@@ -131,25 +133,79 @@ def _paligemma_3b():
     return cfg, T.PaliGemmaForConditionalGeneration
 
 
-#: name -> (what the geometry is, a builder () -> (config, model class)); the sample: vlm_sample(config, ...)
+def _llama_3_2_11b_vision():
+    import transformers as T
+
+    vision = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
+                  attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4, vision_output_dim=7680,
+                  intermediate_layers_indices=[3, 7, 15, 23, 30], num_channels=3,
+                  supported_aspect_ratios=[[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]])
+    text = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
+                rope_theta=500000.0, max_position_embeddings=131072, pad_token_id=128004, bos_token_id=128000,
+                eos_token_id=128001, rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+    cfg = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=128256)
+    return cfg, T.MllamaForConditionalGeneration
+
+
+def _idefics3_8b():
+    import transformers as T
+
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  image_size=364, patch_size=14)
+    text = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128259, rope_theta=500000.0,
+                max_position_embeddings=10240, rms_norm_eps=1e-5)
+    cfg = T.Idefics3Config(vision_config=vision, text_config=text, image_token_id=128257, scale_factor=2)
+    return cfg, T.Idefics3ForConditionalGeneration
+
+
+#: name -> (what the geometry is, a builder () -> (config, model class), tokens the vision tower runs on);
+#: the sample: vlm_sample(config, ...)
 GEOMETRIES = {
-    "qwen2.5-vl-7b": ("Qwen2.5-VL-7B, one 1,024-token image (4,096 patches in the tower)", _qwen2_5_vl_7b),
-    "qwen2-vl-7b": ("Qwen2-VL-7B, one 1,024-token image (4,096 patches)", _qwen2_vl_7b),
-    "llava-1.5-7b": ("LLaVA-1.5-7B, one 336-pixel image (576 tokens)", _llava_1_5_7b),
-    "gemma-3-4b": ("Gemma 3 4B, one 896-pixel image (4,096 patches, 256 tokens)", _gemma3_4b),
-    "paligemma-3b": ("PaliGemma 3B, one 224-pixel image (256 tokens)", _paligemma_3b),
+    "qwen2.5-vl-7b": ("Qwen2.5-VL-7B, one 1,024-token image (4,096 patches in the tower)", _qwen2_5_vl_7b, 4096),
+    "qwen2-vl-7b": ("Qwen2-VL-7B, one 1,024-token image (4,096 patches)", _qwen2_vl_7b, 4096),
+    "llava-1.5-7b": ("LLaVA-1.5-7B, one 336-pixel image (576 tokens)", _llava_1_5_7b, 577),
+    "gemma-3-4b": ("Gemma 3 4B, one 896-pixel image (4,096 patches, 256 tokens)", _gemma3_4b, 4096),
+    "paligemma-3b": ("PaliGemma 3B, one 224-pixel image (256 tokens)", _paligemma_3b, 256),
+    "llama-3.2-11b-vision": ("Llama 3.2 11B Vision, one image as 4 tiles of 560 pixels (4 × 1,601 patches)",
+                             _llama_3_2_11b_vision, 4 * 1608),
+    "idefics3-8b": ("Idefics3-8B (SmolVLM's architecture), one image as 4 × 4 tiles + the whole (17 × 169 tokens)",
+                    _idefics3_8b, 17 * 676),
 }
+#: model_type -> (the vision tower's path, the language model's path)
+PARTS = {"qwen2_vl": ("model.visual", "model.language_model"), "qwen2_5_vl": ("model.visual", "model.language_model"),
+         "llava": ("model.vision_tower", "model.language_model"),
+         "gemma3": ("model.vision_tower", "model.language_model"),
+         "paligemma": ("model.vision_tower", "model.language_model"),
+         "mllama": ("model.vision_model", "model.language_model"),
+         "idefics3": ("model.vision_model", "model.text_model")}
+
+
+def blocks_under(model, prefix: str) -> list[str]:
+    """Names of the repeated blocks under ``prefix``: the entries of its ModuleLists named ``layers`` or
+    ``blocks`` (Mllama's tower has two: local and global layers)."""
+    return [f"{name}.{i}" for name, mod in model.named_modules()
+            if name.startswith(prefix + ".") and name.rsplit(".", 1)[-1] in ("layers", "blocks")
+            and isinstance(mod, torch.nn.ModuleList) for i in range(len(mod))]
+
+
+def per_block(est, blocks: list[str], tokens: int, width: int) -> float:
+    """Bytes kept per block over tokens × width (B/sbh), averaged over the blocks."""
+    return sum(est.saved_under(b) for b in blocks) / (len(blocks) * tokens * width)
 
 
 def predict(names: list[str], text_tokens: int, markdown: bool) -> None:
     from leanact.estimate import estimate_config
 
+    parts = []
     if markdown:
         print(f"| geometry, + {text_tokens:,} text tokens, bf16, predicted for CUDA | HF sdpa kept | leanact kept | "
               "step peak (AdamW), HF → leanact |")
         print("|---|---:|---:|---:|")
     for name in names:
-        label, make = GEOMETRIES[name]
+        label, make, tower_tokens = GEOMETRIES[name]
         cfg, cls = make()
         batch = vlm_sample(cfg, text_tokens)
         cfg._attn_implementation = "sdpa"
@@ -164,6 +220,28 @@ def predict(names: list[str], text_tokens: int, markdown: bool) -> None:
         cells = (f"{hf.saved / MIB:,.0f} MiB", f"**{lean.saved / MIB:,.0f} MiB ({lean.saved / hf.saved:.3f}x)**",
                  f"{hf.peak / 2**30:.2f} → {lean.peak / 2**30:.2f} GiB")
         print(f"| {label} | " + " | ".join(cells) + " |" if markdown else f"{label}: " + ", ".join(cells), flush=True)
+        parts.append(_part_cells(label, cfg, cls, tower_tokens, int(batch["input_ids"].shape[1]), hf, lean))
+    print("\n| geometry, bf16, predicted for CUDA | vision tower: blocks × tokens × width | tower B/sbh, HF → leanact "
+          "| language model: layers × tokens × width | language model B/sbh, HF → leanact |")
+    print("|---|---|---:|---|---:|")
+    for row in parts:
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+def _part_cells(label: str, cfg, cls, tower_tokens: int, text_tokens: int, hf, lean) -> tuple[str, ...]:
+    """The per-block B/sbh of the vision tower and of the language model (names from a meta-device build)."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cls(cfg)
+    vision, text = cfg.vision_config, cfg.text_config
+    tower, lm = PARTS[cfg.model_type]
+    cells = [label.split(",")[0]]
+    for prefix, tokens, width in ((tower, tower_tokens, getattr(vision, "embed_dim", None) or vision.hidden_size),
+                                  (lm, text_tokens, text.hidden_size)):
+        blocks = blocks_under(model, prefix)
+        a, b = per_block(hf, blocks, tokens, width), per_block(lean, blocks, tokens, width)
+        cells += [f"{len(blocks)} × {tokens:,} × {width:,}", f"{a:.1f} → **{b:.1f}** ({b / a:.2f}x)"]
+    return tuple(cells)
 
 
 def main(argv=None) -> None:

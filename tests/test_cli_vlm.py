@@ -30,10 +30,21 @@ def _configs():
                                              num_attention_heads=4, image_size=16, patch_size=4),
             text_config=T.LlamaConfig(**TEXT), image_token_id=199, vision_feature_layer=-1,
             architectures=["LlavaForConditionalGeneration"]),
+        "mllama": T.MllamaConfig(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=4, image_size=16, patch_size=4, max_num_tiles=4,
+                               intermediate_layers_indices=[0], vision_output_dim=64, num_channels=3),
+            text_config=dict(TEXT, cross_attention_layers=[1], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            image_token_index=200, architectures=["MllamaForConditionalGeneration"]),
+        "idefics3": T.Idefics3Config(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               image_size=16, patch_size=8),
+            text_config=dict(model_type="llama", **TEXT), image_token_id=199, scale_factor=2,
+            architectures=["Idefics3ForConditionalGeneration"]),
     }
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "mllama", "idefics3"])
 def test_profile_predicts_the_whole_step(family, tmp_path, capsys):
     config = _configs()[family]
     config.save_pretrained(tmp_path)
@@ -51,16 +62,38 @@ def test_profile_predicts_the_whole_step(family, tmp_path, capsys):
     assert "kept for backward" in capsys.readouterr().out
 
 
+def test_mllama_sample_is_laid_out_as_its_processor_lays_it_out():
+    """One image of the most tiles (the squarest such aspect ratio), its token first; the cross-attention
+    mask is the one Mllama's processor builds from the token ids and the tile count."""
+    from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
+                                                              get_cross_attention_token_mask)
+
+    cfg = _configs()["mllama"]
+    sample = vlm_sample(cfg, 24)
+    ratios = cfg.vision_config.supported_aspect_ratios
+    assert ratios[int(sample["aspect_ratio_ids"]) - 1] == [2, 2]
+    ids = sample["input_ids"][0].tolist()
+    assert ids[0] == cfg.image_token_index and cfg.image_token_index not in ids[1:] and len(ids) == 25
+    dense = convert_sparse_cross_attention_mask_to_dense([get_cross_attention_token_mask(ids, cfg.image_token_index)],
+                                                         [[4]], max_num_tiles=4, length=25)
+    assert torch.equal(sample["cross_attention_mask"], torch.as_tensor(dense))
+    assert sample["aspect_ratio_mask"].tolist() == [[[1, 1, 1, 1]]]
+    assert sample["pixel_values"].shape == (1, 1, 4, 3, 16, 16)
+    assert (sample["labels"] == -100).sum() == 1
+    model = transformers.MllamaForConditionalGeneration(cfg)
+    assert torch.isfinite(model(**sample).loss)
+
+
 def test_profile_refuses_text_options_and_unknown_families(tmp_path, capsys):
     _configs()["llava"].save_pretrained(tmp_path)
     with pytest.raises(SystemExit):
         main(["profile", "--model", str(tmp_path / "config.json"), "--budget", "8GiB"])
     assert "--budget are for text and image models" in capsys.readouterr().err
-    idefics = transformers.Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=16, patch_size=8),
-        text_config=dict(model_type="llama", **TEXT), architectures=["Idefics3ForConditionalGeneration"])
-    idefics.save_pretrained(tmp_path / "idefics")
+    other = transformers.LlavaNextConfig(
+        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=4, image_size=16, patch_size=4),
+        text_config=transformers.LlamaConfig(**TEXT), architectures=["LlavaNextForConditionalGeneration"])
+    other.save_pretrained(tmp_path / "other")
     with pytest.raises(SystemExit):
-        main(["profile", "--model", str(tmp_path / "idefics" / "config.json")])
+        main(["profile", "--model", str(tmp_path / "other" / "config.json")])
     assert "leanact makes image batches for qwen2_vl" in capsys.readouterr().err

@@ -91,6 +91,20 @@ def test_per_layer_equals_measure_layer_cost():
     assert est.per_layer["model.layers.1"] == est.per_layer["model.layers.2"] == cost.bytes
 
 
+def test_saved_by_module_as_measured():
+    """Estimate.saved_by_module: the kept bytes of each module, as a measured step finds them; a part's
+    bytes (saved_under) add up to the whole, and a layer's are its per_layer entry."""
+    model = leanact.patch(_build("llama", layers=2, h=64))
+    x = _inputs(2, 32)
+    est, real = estimate(model, x), measure(model, x)
+    assert est.saved_by_module == real.saved_by_module and len(est.saved_by_module) > 4
+    assert est.saved_under("") == est.saved == sum(est.saved_by_module.values())
+    parts = {name.split(".")[0].split("/")[0] for name in est.saved_by_module}
+    assert sum(est.saved_under(p) for p in parts) == est.saved
+    assert all(est.saved_under(name + ".") == n for name, n in est.per_layer.items())
+    assert est.saved_under("model.layers.1") > 0 == est.saved_under("model.layers.9")
+
+
 @pytest.mark.slow
 def test_batch_seq_dtype_scaling():
     model = _build("llama", layers=2, h=64)

@@ -241,16 +241,27 @@ def test_lora_gradients_exact(family):
     assert_grads_close(r_grads, l_grads)
 
 
+def _idefics3_with_a_padding_image(attn):
+    """Idefics3's batch with two images in the first sample and, in the second, one and an all-zero
+    (padding) one, which the model drops by reading the pixels."""
+    model, batch = MODELS["idefics3"](attn)
+    batch["input_ids"][0, 10:14] = IMAGE_TOKEN
+    pixels = torch.randn(2, 2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    pixels[1, 1] = 0
+    return model, dict(batch, pixel_values=pixels)
+
+
 @pytest.mark.parametrize("patched", [False, True])
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "mllama"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "mllama", "idefics3"])
 def test_estimate_equals_a_measured_step(family, patched):
     """leanact.estimate on fake tensors: what the step keeps to the byte, its peak within 5% of a
     measured one. Qwen2-VL and Qwen2.5-VL read the values of their token ids and image grid (M-RoPE
     positions, the tower's windows): the estimate keeps their integer inputs real and computes what
-    comes from them for real."""
+    comes from them for real. Idefics3 reads its pixels (padding images are dropped): the estimate
+    keeps them real too, and says so."""
     from leanact.estimate import estimate, measure
 
-    model, batch = MODELS[family]("sdpa")
+    model, batch = _idefics3_with_a_padding_image("sdpa") if family == "idefics3" else MODELS[family]("sdpa")
     batch = _with_labels(batch, True)
     if patched:
         leanact.patch(model)
@@ -259,15 +270,25 @@ def test_estimate_equals_a_measured_step(family, patched):
         predicted, real = estimate(model, batch), measure(model, batch)
     assert predicted.saved == real.saved
     assert abs(predicted.peak - real.peak) <= 0.05 * real.peak
+    reads_pixels = any("reads the values of its floating-point inputs" in n for n in predicted.notes)
+    assert reads_pixels == (family == "idefics3")
 
 
-def test_estimate_of_a_model_reading_its_pixels_says_so():
-    """Idefics3 drops all-zero (padding) images by reading the pixels: a clear error, not a wrong number."""
+def test_estimate_of_a_model_reading_its_weights_says_so():
+    """A model whose control flow reads its weights' values cannot be traced on fake tensors: a clear
+    error naming the fix, not a wrong number."""
     from leanact.estimate import estimate
 
-    model, batch = MODELS["idefics3"]("sdpa")
-    with pytest.raises(ValueError, match="reads the values of its floating-point inputs"):
-        estimate(model, _with_labels(batch, False))
+    class Reads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) if self.lin.weight.sum() > 0 else -self.lin(x)
+
+    with pytest.raises(ValueError, match="measure a real step instead"):
+        estimate(Reads(), (torch.randn(2, 8),), loss_fn=lambda out, *_: out.sum())
 
 
 def test_estimate_config_where_an_initialiser_reads_the_weights():

@@ -25,6 +25,11 @@ __all__ = ["estimate", "estimate_config", "CUDA_NOTES"]
 #: tensors (:attr:`leanact.ops.fake_rules.FakeRun.fewer_iterations`); the tests compare with all
 _FEWER_ITERATIONS = True
 
+REAL_FLOATS_NOTE = ("the model reads the values of its floating-point inputs (Idefics3's check for all-zero "
+                    "padding images): those that need no gradient were kept real, and what the model computes "
+                    "from them alone ran for real: counted where kept for backward, not in the peak's "
+                    "temporaries (for one image's pixels: tens of MiB)")
+
 CUDA_NOTES = [
     "cuda predicted from a CPU trace: a CPU-only torch can create fake cuda tensors but aborts the process "
     "(c10::Error, no device guard) when autograd records one, so the trace runs on fake CPU tensors",
@@ -150,7 +155,7 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
                                                     "Workspace"))
     return Estimate(
         device=kind, dtype=str(dtype).replace("torch.", ""),
-        per_layer=group_by_layer(mem.saved_by_module, layers),
+        per_layer=group_by_layer(mem.saved_by_module, layers), saved_by_module=dict(mem.saved_by_module),
         per_layer_alive=group_by_layer(mem.alive_by_module, layers, exact_only=True),
         activations=act, saved=mem.saved, params=mem.params, buffers=mem.buffers, grads=mem.grads,
         optimizer_state=mem.optimizer_state, temporaries=mem.peak - accounted, peak=mem.peak,
@@ -162,8 +167,11 @@ def _result(mem: StepMemory, model: nn.Module, kind: str, dtype: torch.dtype, no
 def _run(fake_model: nn.Module, fake_in: Any, plan: Any, kind: str, dtype: torch.dtype, real_of: dict,
          mode, optimizer: Any, loss_fn: Callable | None, autocast: torch.dtype | None = None,
          keep_output: bool = False, context_parallel: int | None = None, real_integers: bool = False,
-         forward: Callable | None = None, externals: tuple[nn.Module, ...] = (), around: Any = None) -> Estimate:
+         forward: Callable | None = None, externals: tuple[nn.Module, ...] = (), around: Any = None,
+         real_floats: bool = False) -> Estimate:
     notes = list(CUDA_NOTES) if kind == "cuda" else []
+    if real_floats:
+        notes.append(REAL_FLOATS_NOTE)
     fake_model.train()
     for m in (fake_model, *externals):
         fake_rules.warm(m, dtype)
@@ -253,30 +261,34 @@ def estimate(model: nn.Module, sample_inputs: Any, strategy_or_plan: Any = None,
     _ranks_arg(context_parallel)
     kind = _device_kind(device, model)
 
-    def run(real_integers: bool) -> Estimate:
+    def run(real_integers: bool, real_floats: bool) -> Estimate:
         mode = new_mode()
         fake_model, real_of = fake_copy(model, mode, dtype)
-        fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype, real_integers=real_integers)
+        fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype, real_integers=real_integers,
+                              real_floats=real_floats)
         plan = _resolve_plan(fake_model, strategy_or_plan)
         return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), real_of, mode, optimizer,
-                    loss_fn, autocast, keep_output, context_parallel, real_integers)
+                    loss_fn, autocast, keep_output, context_parallel, real_integers, real_floats=real_floats)
 
     return _with_real_integers_if_read(run)
 
 
-def _with_real_integers_if_read(run: Callable[[bool], Estimate]) -> Estimate:
-    """``run(False)``; where the model reads the values of its inputs (a vision-language model's token
-    ids and image grid), again with the integer inputs real (:class:`~.fake.RealIntegerOps`)."""
+def _with_real_integers_if_read(run: Callable[[bool, bool], Estimate]) -> Estimate:
+    """``run(False, False)``; where the model reads the values of its inputs (a vision-language model's
+    token ids and image grid), again with the integer inputs real (:class:`~.fake.RealIntegerOps`); where
+    it reads its floating inputs too (Idefics3's check for all-zero padding images), with every input
+    that needs no gradient real."""
+    for real_integers, real_floats in ((False, False), (True, False)):
+        try:
+            return run(real_integers, real_floats)
+        except DATA_DEPENDENT:
+            pass
     try:
-        return run(False)
-    except DATA_DEPENDENT:
-        pass
-    try:
-        return run(True)
+        return run(True, True)
     except DATA_DEPENDENT as e:
-        raise ValueError("leanact.estimate: the model reads the values of its floating-point inputs or weights "
-                         f"({e.func if hasattr(e, 'func') else e}: e.g. Idefics3 drops all-zero images), which a "
-                         "fake trace does not have; measure a real step instead (leanact.estimate.measure)") from e
+        raise ValueError("leanact.estimate: the model reads values computed from its weights or from inputs that "
+                         f"need a gradient ({e.func if hasattr(e, 'func') else e}), which a fake trace does not "
+                         "have; measure a real step instead (leanact.estimate.measure)") from e
 
 
 def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, strategy_or_plan: Any = None,
@@ -307,10 +319,11 @@ def estimate_config(build: Callable[[], nn.Module] | Any, sample_inputs: Any, st
 
         patch_model(fake_model, attention="recompute" if patch is True else patch)
 
-    def run(real_integers: bool) -> Estimate:
-        fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype, real_integers=real_integers)
+    def run(real_integers: bool, real_floats: bool) -> Estimate:
+        fake_in = fake_inputs(sample_inputs, mode, batch=batch, seq=seq, dtype=dtype, real_integers=real_integers,
+                              real_floats=real_floats)
         plan = _resolve_plan(fake_model, strategy_or_plan)
         return _run(fake_model, fake_in, plan, kind, dtype or _dtype_of(fake_model), {}, mode, optimizer, loss_fn,
-                    autocast, keep_output, context_parallel, real_integers)
+                    autocast, keep_output, context_parallel, real_integers, real_floats=real_floats)
 
     return _with_real_integers_if_read(run)

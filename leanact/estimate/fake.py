@@ -137,12 +137,13 @@ def _resize(t: torch.Tensor, batch: int | None, seq: int | None, b0: int | None,
 
 
 def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, seq: int | None = None,
-                dtype: torch.dtype | None = None, real_integers: bool = False) -> Any:
+                dtype: torch.dtype | None = None, real_integers: bool = False, real_floats: bool = False) -> Any:
     """Fake versions of the tensors in ``inputs`` (dict, tuple or list). ``batch``/``seq`` resize
     every tensor whose dim 0 / dim 1 equals the sample's batch / sequence (those of the first
     tensor with at least two dimensions); floating tensors are cast to ``dtype`` if given.
     ``real_integers``: integer and bool tensors stay real (CPU copies; for :class:`RealIntegerOps`),
-    which needs them at their own sizes."""
+    which needs them at their own sizes. ``real_floats``: so do floating tensors that need no gradient
+    (pixels a model reads: Idefics3 drops all-zero images), cast to ``dtype`` if given."""
     leaves = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     ref = next((t for t in leaves if t.dim() >= 2), None)
     if (batch is not None or seq is not None) and ref is None:
@@ -153,12 +154,13 @@ def fake_inputs(inputs: Any, mode: FakeTensorMode, *, batch: int | None = None, 
         if not isinstance(t, torch.Tensor):
             return t
         shape = _resize(t, batch, seq, b0, s0)
-        if real_integers and not t.is_floating_point() and not is_fake(t):
+        floating = t.is_floating_point()
+        if not is_fake(t) and ((real_integers and not floating) or (real_floats and floating and not t.requires_grad)):
             if shape != tuple(t.shape):
-                raise ValueError("this model reads the values of its integer inputs (token ids, image grids): "
+                raise ValueError("this model reads the values of its inputs (token ids, image grids, pixels): "
                                  "estimate it at the sample's own sizes (no batch=/seq=), with the sample "
                                  f"made at the size wanted; {tuple(t.shape)} would need new values at {shape}")
-            return t.detach().to("cpu", copy=True)
+            return t.detach().to("cpu", dtype=dtype if floating and dtype is not None else t.dtype, copy=True)
         if shape == tuple(t.shape):
             f = _to_fake(mode, t, dtype)
         else:

@@ -18,7 +18,9 @@ class Estimate:
     per_layer: per repeated block, bytes kept for backward (as :class:`leanact.memory.SavedTensorMeter`
         counts them: distinct storages, parameters excluded). per_layer_alive: activation bytes
         the block's forward left alive (includes its output; counts layer inputs kept by a full
-        recompute, which the meter does not see).
+        recompute, which the meter does not see). saved_by_module: bytes kept for backward by each
+        module that saved them (the meter's ``by_module``: qualified names, ``name/fn`` for functional
+        calls inside a module; every byte of ``saved`` once), for the bytes of a part of the model.
     activations: activation bytes alive at the end of the forward (incl. the loss computation):
         all that is kept for backward plus the outputs. saved: the meter's total.
     weight_copies: of ``saved``, autocast's 16-bit copies of fp32 weights (batch-independent; 0
@@ -54,6 +56,16 @@ class Estimate:
     workspaces: int = 0
     workspace_items: dict[str, int] = field(default_factory=dict)
     host: int = 0
+    saved_by_module: dict[str, int] = field(default_factory=dict)
+
+    def saved_under(self, prefix: str) -> int:
+        """Bytes kept for backward by the module named ``prefix`` and its submodules (a vision tower:
+        ``"model.visual"``; ``""``: the whole model, ``saved``)."""
+        prefix = prefix.rstrip(".")
+        if not prefix:
+            return sum(self.saved_by_module.values())
+        return sum(n for name, n in self.saved_by_module.items()
+                   if name == prefix or name.startswith(prefix + ".") or name.startswith(prefix + "/"))
 
     def to_dict(self) -> dict:
         return asdict(self)
