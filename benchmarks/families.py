@@ -13,6 +13,7 @@ decoder layer together (both run over s tokens). Modes: HF ``eager``, HF ``sdpa`
 ``leanact.patch(model)`` (attention "recompute") and ``leanact.patch(model, attention="tempo")``.
 The "patched" / "left" columns come from ``leanact.summary`` of the patched 1-layer model (RoPE
 tables, which keep nothing, are not listed). Memory only: the numbers do not depend on the device.
+``--predict``: the same difference on fake tensors (``leanact.estimate_config``, nothing computed).
 Decoders run at a shortened sequence by default (``--seq`` overrides): with sdpa and no dropout
 nothing kept grows faster than s, so B/sbh does not depend on s.
 """
@@ -193,7 +194,8 @@ def _build(family, n, mode, dtype):
     builder, _, _, kind, _ = FAMILIES[family]
     torch.manual_seed(0)
     attn = "eager" if mode == "eager" or family in EAGER_ONLY else "sdpa"
-    m = builder(n, attn).to(dtype).train()
+    m = builder(n, attn)
+    m = (m if dtype is None else m.to(dtype)).train()  # None: estimate_config casts its fake model
     if mode in ("recompute", "tempo"):
         leanact.patch(m, attention=mode)
     return _Call(m, kind) if kind in ("seq2seq", "speech") else m
@@ -206,6 +208,27 @@ def measure(family: str, mode: str, s: int, b: int, dtype: torch.dtype) -> float
     _, h, _, kind, _ = FAMILIES[family]
     return measure_layer_cost(lambda n: _build(family, n, mode, dtype), lambda: _inputs(kind, b, s, dtype),
                               s, b, h).per_sbh
+
+
+def _sum(out, _inputs):
+    return (out if isinstance(out, torch.Tensor) else out.last_hidden_state).sum()
+
+
+def predict(family: str, mode: str, s: int, b: int, dtype: torch.dtype) -> float:
+    """:func:`measure` on fake tensors (``leanact.estimate_config``, CPU kernels): the same 2-layer minus
+    1-layer difference of the bytes kept for backward, without running the model."""
+    from leanact.estimate import estimate_config
+
+    _, h, _, kind, _ = FAMILIES[family]
+    patch = mode if mode in ("recompute", "tempo") else False
+
+    def kept(n: int) -> int:
+        def build():
+            return _build(family, n, "eager" if mode == "eager" else "sdpa", None)
+        return estimate_config(build, _inputs(kind, b, s, dtype), None, "cpu", patch=patch, dtype=dtype,
+                               optimizer=None, loss_fn=_sum).saved
+
+    return (kept(2) - kept(1)) / (s * b * h)
 
 
 def patched_and_left(family: str, dtype: torch.dtype) -> tuple[str, str]:
@@ -231,6 +254,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=["sdpa", "recompute"])
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--predict", action="store_true", help="predict on fake tensors (leanact.estimate_config) "
+                    "instead of measuring: the same bytes, without the bf16 matrix products a CPU without "
+                    "AVX512-BF16 takes minutes for")
     args = ap.parse_args()
     torch.set_grad_enabled(True)
     dtype = DTYPES[args.dtype]
@@ -240,13 +266,20 @@ def main() -> None:
     for fam in args.families:
         _, _, s_default, kind, _ = FAMILIES[fam]
         s = s_default if (args.seq is None or kind == "pixels") else args.seq
-        res = {m: measure(fam, m, s, args.batch, dtype) for m in args.modes}
+        try:
+            res = {m: (predict if args.predict else measure)(fam, m, s, args.batch, dtype) for m in args.modes}
+        except ValueError as e:  # --predict: a model whose routing reads values (MoE) needs a measured step
+            if not args.predict:
+                raise
+            print(f"{fam}: not predicted ({e}); run it without --predict", flush=True)
+            continue
         ratio = [f"{res['recompute'] / res[m]:.3f}x" if {m, "recompute"} <= res.keys() else ""
                  for m in ("sdpa", "eager")[:1 + ("eager" in args.modes)]]
         patched, left = patched_and_left(fam, dtype) if set(args.modes) - {"eager", "sdpa"} else ("", "")
         rows.append([fam, str(s), *(f"{res[m]:.2f}" for m in args.modes), *ratio, patched, left])
         print(" | ".join(rows[-1]), flush=True)
-    title = f"bytes kept per layer / (s·b·h), {args.dtype}, b={args.batch}, 2-layer minus 1-layer models"
+    title = (f"bytes kept per layer / (s·b·h), {args.dtype}, b={args.batch}, 2-layer minus 1-layer models"
+             + (", predicted on fake tensors" if args.predict else ""))
     legend = [f"{fam}: {FAMILIES[fam][4]}" + (" (HF has no sdpa path: eager)" if fam in EAGER_ONLY else "")
               for fam in args.families]
     if args.markdown:

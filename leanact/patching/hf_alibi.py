@@ -44,6 +44,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.attention import attention as _lean_attention
@@ -115,7 +116,12 @@ _DEAD_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _dead_rows(bias: torch.Tensor):
-    """The causal rows (b, 1|H, s) of a per-key bias (b, 1|H, 1, s) that see no allowed key, or None."""
+    """The causal rows (b, 1|H, s) of a per-key bias (b, 1|H, 1, s) that see no allowed key, or None.
+    None for a fake bias (``leanact.estimate``: no values to tell), so an estimate does not count what
+    left padding's rows that see no key keep (:class:`EagerMaskedRows`: their bool mask; for Falcon's
+    ALiBi layers also q, k and v, which its core does not keep)."""
+    if is_fake(bias):
+        return None
     valid = bias.isfinite().squeeze(2)  # (b, 1|H, s)
     dead = valid.cumsum(-1) == 0  # row i: no allowed key among 0..i
     return dead if bool(dead.any()) else None
@@ -123,7 +129,9 @@ def _dead_rows(bias: torch.Tensor):
 
 def _key_bias(mask: torch.Tensor) -> tuple[bool, torch.Tensor] | None:
     """(causal, bias (b, 1|H, 1, s) with -inf on masked keys) if ``mask`` (b, 1|H, s, s), bool or
-    additive float, is the causal triangle over that per-key row; None if it is anything else."""
+    additive float, is the causal triangle over that per-key row; None if it is anything else. A fake
+    mask (``leanact.estimate``: no values to compare) is taken as the causal triangle over its last
+    row, which is what Hugging Face builds from a 2-D ``attention_mask``."""
     hit = _CHECKED[0]
     if hit is not None and hit[0]() is mask:
         return hit[1]
@@ -134,7 +142,7 @@ def _key_bias(mask: torch.Tensor) -> tuple[bool, torch.Tensor] | None:
         masked_value = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
         allowed = last if mask.dtype == torch.bool else last != masked_value
         ok = True
-        for i0 in range(0, s, ROWS):
+        for i0 in range(0, 0 if is_fake(mask) else s, ROWS):
             i1 = min(s, i0 + ROWS)
             tri = torch.arange(s, device=mask.device) <= torch.arange(i0, i1, device=mask.device).unsqueeze(1)
             expect = torch.where(tri & allowed, last, torch.full((), masked_value, dtype=mask.dtype,
