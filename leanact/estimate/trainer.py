@@ -24,7 +24,8 @@ _NOTE = ("a trainer step: trainer.compute_loss (every model the trainer holds: t
          "from floating-point results (its logged metrics) are taken as 0 on fake tensors")
 _TRL_CUDA_NOTE = ("TRL's fused LM head: on fake tensors its torch fallback runs with its per-tile folds made "
                   "allocation-free, as its Triton kernels are on a GPU (which also score only the positions "
-                  "with labels: a copy of their hidden states, not counted)")
+                  "with labels: a copy of their hidden states, not counted), and its fp32 accumulation of the "
+                  "gradient products without upcast copies, as addmm with out_dtype does on CUDA")
 
 
 class HostReads(TorchDispatchMode):
@@ -151,13 +152,16 @@ def _returned(out: Any, inputs: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def _trl_head_as_on_gpu() -> Iterator[None]:
     """TRL's fused head (``trl.kernels.chunked_logprob``) with its per-tile torch folds replaced by
-    allocation-free ones, as its Triton kernels are on a GPU (values do not matter on fake tensors)."""
+    allocation-free ones, as its Triton kernels are on a GPU, and its fp32 ``acc += a @ b`` too where
+    CUDA does it with ``addmm(out_dtype=float32)`` (no fp32 copies of a and b; values do not matter on
+    fake tensors)."""
     try:
         from trl.kernels import chunked_logprob as head
     except ImportError:
         yield
         return
-    saved = {name: getattr(head, name) for name in ("_forward_tile", "_backward_tile") if hasattr(head, name)}
+    names = ("_forward_tile", "_backward_tile") + (("_addmm_fp32",) if getattr(head, "_MM_OUT_DTYPE", False) else ())
+    saved = {name: getattr(head, name) for name in names if hasattr(head, name)}
     try:
         for name in saved:
             setattr(head, name, lambda *args, **kwargs: None)
