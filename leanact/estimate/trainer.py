@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -163,8 +164,8 @@ def _trl_head_as_on_gpu() -> Iterator[None]:
     names = ("_forward_tile", "_backward_tile") + (("_addmm_fp32",) if getattr(head, "_MM_OUT_DTYPE", False) else ())
     saved = {name: getattr(head, name) for name in names if hasattr(head, name)}
     try:
-        for name in saved:
-            setattr(head, name, lambda *args, **kwargs: None)
+        for name, fn in saved.items():  # (wrapped: their signatures stay TRL's, which leanact's head checks)
+            setattr(head, name, functools.wraps(fn)(lambda *args, **kwargs: None))
         yield
     finally:
         for name, fn in saved.items():

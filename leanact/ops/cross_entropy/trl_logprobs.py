@@ -1,0 +1,118 @@
+"""TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``: per-token log-probabilities, entropy and
+statistics of ``hidden @ weightᵀ`` in tiles, no logits) with a backward that holds no fp32 copy of
+the weight's gradient.
+
+TRL's backward walks token chunks, and inside each the vocabulary in tiles, summing every tile's
+weight gradient into one fp32 buffer of the weight's size, cast to the weight's dtype at the end:
+for a 16-bit weight the step's peak then holds V·H·4 bytes of accumulator and the V·H·2 bytes of
+the cast together (1.5 GiB at Llama-3.2-1B's vocabulary and width), which is the whole step's peak
+under TRL's own gradient checkpointing. :class:`LeanChunkedLogProb` keeps TRL's forward (what it
+keeps for backward is TRL's: the hidden states, the weight, the targets and an fp32 log-sum-exp per
+token) and runs the same tiles, kernels and fp32 products in the other order: the vocabulary outer,
+each tile's rows of the weight gradient summed in fp32 over the token chunks in a buffer of one
+tile's rows, then written once in the weight's dtype. Every sum runs over the same terms in the
+same order as TRL's, so the gradients are TRL's bit for bit; the transient is one tile's rows of
+fp32 (chunk_size · H · 4 bytes) instead of the weight's size.
+
+Which TRL it serves: :func:`compatible` checks that ``trl.kernels.chunked_logprob`` has the
+functions and the tile signature this backward calls; a ctx that lacks what TRL's forward stores
+runs TRL's own backward.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["compatible", "lean_class"]
+
+#: the per-tile fold's parameters, in the order TRL's backward passes them
+_TILE_PARAMS = ("tile", "tile_stride", "targets", "log_z", "entropy", "grad_logprobs", "grad_entropy",
+                "vocab_start", "n_cols", "logit_scale", "softcap", "inv_t", "HAS_SOFTCAP", "HAS_LOGPROB_GRAD",
+                "HAS_ENTROPY_GRAD", "BLOCK_SIZE")
+_NAMES = ("ChunkedLogProbFunction", "TOKEN_CHUNK_SIZE", "_BLOCK_SIZE", "_backward_kernel", "_backward_tile",
+          "_addmm_fp32", "_use_triton")
+_CLASS: dict[int, type] = {}
+
+
+def compatible(module: Any) -> str | None:
+    """None if ``module`` (``trl.kernels.chunked_logprob``) is what this backward is written for, else why not."""
+    missing = [n for n in _NAMES if not hasattr(module, n)]
+    if missing:
+        return f"trl.kernels.chunked_logprob has no {', '.join(missing)}"
+    try:
+        params = tuple(inspect.signature(module._backward_tile).parameters)
+    except (TypeError, ValueError):
+        return "the signature of TRL's tile fold cannot be read"
+    if params != _TILE_PARAMS:
+        return f"TRL's tile fold takes {params}, not {_TILE_PARAMS}"
+    return None
+
+
+def lean_class(module: Any) -> type:
+    """The subclass of ``module.ChunkedLogProbFunction`` with the backward above (one per module)."""
+    if id(module) not in _CLASS:
+        def backward(ctx, *grads):
+            return _backward(module, ctx, *grads)
+
+        _CLASS[id(module)] = type("LeanChunkedLogProb", (module.ChunkedLogProbFunction,), {
+            "__doc__": __doc__.split("\n\n")[0], "__module__": __name__, "backward": staticmethod(backward)})
+    return _CLASS[id(module)]
+
+
+def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
+    """TRL's gradients, vocabulary tiles outer (module doc)."""
+    if not all(hasattr(ctx, a) for a in ("compute_dtype", "chunk_size", "kernel_args")):
+        return trl.ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy, *rest)
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+    cdtype, chunk = ctx.compute_dtype, ctx.chunk_size
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    n_tok, rows = hidden.shape[0], trl.TOKEN_CHUNK_SIZE
+    with maybe_gather_lm_head_ctx(weight, bias):
+        vocab = weight.shape[0]
+        f32 = torch.float32
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=f32) if need_h else None
+        # In the weight's dtype from the start; fp32 accumulation per tile's rows below (fp32 weights: in place)
+        grad_weight = torch.empty(weight.shape, device=weight.device, dtype=weight.dtype) if need_w else None
+        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=f32) if need_b else None
+        buf = torch.empty((min(n_tok, rows), chunk), device=hidden.device, dtype=cdtype)
+        acc_buf = (torch.empty((min(vocab, chunk), weight.shape[1]), device=weight.device, dtype=f32)
+                   if need_w and weight.dtype != f32 else None)
+        g_lp = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
+        g_ent = grad_entropy.float().contiguous() if grad_entropy is not None else None
+        use_triton = trl._use_triton(hidden.device)
+        block = trl._BLOCK_SIZE
+        for start in range(0, vocab, chunk):
+            end = min(start + chunk, vocab)
+            width = end - start
+            w_tile = weight[start:end].to(cdtype)
+            acc = None
+            if need_w:
+                acc = grad_weight[start:end] if acc_buf is None else acc_buf[:width]
+                acc.zero_()
+            for t0 in range(0, n_tok, rows):
+                t1 = min(t0 + rows, n_tok)
+                h_chunk = hidden[t0:t1].to(cdtype)
+                tile = buf[: t1 - t0, :width]
+                torch.mm(h_chunk, w_tile.t(), out=tile)
+                if bias is not None:
+                    tile.add_(bias[start:end].to(cdtype))
+                fold = trl._backward_kernel[(t1 - t0, -(-width // block))] if use_triton else trl._backward_tile
+                fold(tile, tile.stride(0), targets[t0:t1], log_z[t0:t1], entropy[t0:t1],
+                     g_lp[t0:t1] if g_lp is not None else log_z, g_ent[t0:t1] if g_ent is not None else log_z,
+                     start, width, HAS_LOGPROB_GRAD=g_lp is not None, HAS_ENTROPY_GRAD=g_ent is not None,
+                     BLOCK_SIZE=block, **ctx.kernel_args)
+                if need_h:
+                    trl._addmm_fp32(grad_hidden[t0:t1], tile, w_tile)
+                if need_w:
+                    trl._addmm_fp32(acc, tile.t(), h_chunk)
+                if need_b:
+                    grad_bias[start:end] += tile.sum(dim=0, dtype=f32)
+            if acc_buf is not None:
+                grad_weight[start:end].copy_(acc)
+    return (grad_hidden.to(hidden.dtype) if need_h else None, grad_weight,
+            grad_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
+

@@ -1,0 +1,205 @@
+"""TRL's fused LM head with leanact's backward (leanact.ops.cross_entropy.trl_logprobs, installed for a
+patched model's ``fused_lm_head=True`` calls by leanact.patching.trl_head): TRL's gradients bit for
+bit, the step's peak without the fp32 buffer of the weight's size, TRL's function back after every
+call."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+from trl.kernels import chunked_logprob as kernels  # noqa: E402
+from trl.trainer import utils as trl_utils  # noqa: E402
+
+import leanact  # noqa: E402
+from leanact.ops.cross_entropy.trl_logprobs import compatible, lean_class  # noqa: E402
+
+N, V, H, CHUNK = 300, 1000, 64, 256  # 300 tokens in chunks of 128 (monkeypatched), 4 vocabulary tiles
+OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
+
+
+def _inputs(dtype, bias, frozen_weight=False):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    w = (0.1 * torch.randn(V, H, generator=g)).to(dtype).requires_grad_(not frozen_weight)
+    b = (0.1 * torch.randn(V, generator=g)).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    return h, w, b, t
+
+
+def _grads(fn, h, w, b, t, softcap, entropy_grad=True):
+    """Per-token outputs and the gradients of Σ g1·log p + Σ g2·entropy."""
+    g = torch.Generator().manual_seed(1)
+    g1, g2 = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    out = fn.apply(h, w, b, t, 0.7, CHUNK, softcap, 1.3, OUTPUTS)
+    loss = (out[0] * g1).sum() + ((out[1] * g2).sum() if entropy_grad else 0)
+    params = [p for p in (h, w, b) if p is not None and p.requires_grad]
+    return [o for o in out if o is not None], torch.autograd.grad(loss, params)
+
+
+@pytest.fixture
+def small_token_chunks(monkeypatch):
+    monkeypatch.setattr(kernels, "TOKEN_CHUNK_SIZE", 128)
+
+
+#: a TRL release whose head changed gets TRL's own head (the last test); the tests of leanact's backward skip
+written_for = pytest.mark.skipif(compatible(kernels) is not None,
+                                 reason=f"leanact's backward is not for this TRL: {compatible(kernels)}")
+
+
+@written_for
+def test_one_subclass_of_trls_function():
+    lean = lean_class(kernels)
+    assert issubclass(lean, kernels.ChunkedLogProbFunction) and lean is lean_class(kernels)
+
+
+@written_for
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_gradients_are_trls_bit_for_bit(dtype, bias, softcap, frozen_weight, small_token_chunks):
+    """Token chunks × vocabulary tiles summed in the same order as TRL's backward: equal bits, with and
+    without bias, softcap, entropy's gradient, a frozen weight (LoRA), in fp32 and bf16."""
+    for entropy_grad in (True, False):
+        trl_out, trl_grads = _grads(kernels.ChunkedLogProbFunction, *_inputs(dtype, bias, frozen_weight), softcap,
+                                    entropy_grad)
+        out, grads = _grads(lean_class(kernels), *_inputs(dtype, bias, frozen_weight), softcap, entropy_grad)
+        assert all(torch.equal(a, b) for a, b in zip(trl_out, out))
+        assert len(grads) == len(trl_grads) == 2 + bias - frozen_weight
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(trl_grads, grads))
+
+
+@written_for
+def test_gradients_against_float64_truth(small_token_chunks):
+    """Against autograd of the composite in float64 (log-softmax of the scaled, soft-capped logits over
+    the temperature): TRL's forward folds every tile in fp32 whatever the inputs' dtype, so a float64
+    gradcheck cannot resolve its finite differences; the bound is fp32's, relative to each gradient's
+    norm."""
+    h, w, b, t = _inputs(torch.float64, True)
+    g = torch.Generator().manual_seed(1)
+    g1 = torch.randn(N, generator=g, dtype=torch.float64)
+    lp = lean_class(kernels).apply(h, w, b, t, 0.7, CHUNK, 30.0, 1.3, ("log_probs",))[0]
+    got = torch.autograd.grad((lp * g1).sum(), (h, w, b))
+    z = 30.0 * torch.tanh((h @ w.t() + b) * 1.3 / 30.0) / 0.7
+    ref_lp = torch.log_softmax(z, -1).gather(-1, t[:, None])[:, 0]
+    want = torch.autograd.grad((ref_lp * g1).sum(), (h, w, b))
+    assert (lp - ref_lp).abs().max() <= 1e-5 * ref_lp.abs().max()
+    for a, r in zip(got, want):
+        assert (a - r).norm() <= 1e-5 * r.norm()
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, fn, weight, targets):
+        super().__init__()
+        self.weight, self.t, self.fn = torch.nn.Parameter(weight), targets, fn
+
+    def forward(self, h):
+        return self.fn.apply(h, self.weight, None, self.t, 1.0, CHUNK, None, 1.0, ("log_probs",))[0].sum()
+
+
+@written_for
+def test_backward_peak_has_no_fp32_buffer_of_the_weights_size():
+    """bf16 weight, a vocabulary of 32,768: TRL's backward holds an fp32 (V, H) accumulator and its bf16
+    cast together (V·H·6 bytes); leanact's holds the bf16 gradient (V·H·2) and one tile's rows of fp32
+    and the tile's temporaries (under 1 MiB here). What the forward keeps is TRL's, to the byte."""
+    from leanact.estimate import measure
+
+    v, n = 32768, 64
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (0.1 * torch.randn(v, H, generator=g)).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), generator=g)
+    got = {name: measure(_Head(fn, w.clone(), t), (h,), optimizer=None, loss_fn=lambda out, _: out)
+           for name, fn in (("trl", kernels.ChunkedLogProbFunction), ("lean", lean_class(kernels)))}
+    assert got["trl"].saved == got["lean"].saved
+    above = {k: e.peak - e.params for k, e in got.items()}
+    assert above["trl"] >= v * H * 6 and above["lean"] <= v * H * 2 + 2**20
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=V, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+
+
+@contextlib.contextmanager
+def _functions_used():
+    """The names of the head functions TRL's forward applies inside the block."""
+    seen = []
+    original = kernels.ChunkedLogProbFunction.apply.__func__
+
+    def spy(cls, *args):
+        seen.append(cls.__name__)
+        return original(cls, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels.ChunkedLogProbFunction, "apply", classmethod(spy))
+        yield seen
+
+
+def _step(model, lean_head: bool):
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    with _functions_used() as seen:
+        if not lean_head:
+            leanact.patching.trl_head.remove(model)
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert trl_utils._ChunkedLogProbFunction is kernels.ChunkedLogProbFunction  # TRL's back after the call
+    return seen, {n: p.grad for n, p in model.named_parameters()}
+
+
+@written_for
+def test_patched_model_runs_it_for_fused_lm_head_calls_only():
+    """A patched causal LM under TRL's ``add_fused_lm_head``: calls with ``fused_lm_head=True`` run the lean
+    backward (TRL's gradients bit for bit), TRL's function is back after each call; a plain call and
+    an unpatched model run TRL's head; the summary says so."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = leanact.patch(_model())
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    seen, grads = _step(model, True)
+    seen_trl, want = _step(twin, False)
+    assert seen == ["LeanChunkedLogProb"] and seen_trl == ["ChunkedLogProbFunction"]
+    assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in grads)
+    assert any("TRL's fused LM head" in n for n in leanact.summary(model).notes)
+    assert model(input_ids=torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, V)  # a plain call: HF's head
+    assert trl_utils._ChunkedLogProbFunction is kernels.ChunkedLogProbFunction
+    leanact.unpatch(model)
+    assert not leanact.patching.trl_head.installed(model)
+
+
+@written_for
+def test_trls_function_is_back_when_the_call_raises():
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = leanact.patch(_model())
+    add_fused_lm_head(model)
+    with pytest.raises(IndexError):
+        model(input_ids=torch.tensor([[3, V + 5]]), labels=torch.tensor([[3, 4]]), fused_lm_head=True)
+    assert trl_utils._ChunkedLogProbFunction is kernels.ChunkedLogProbFunction
+
+
+def test_a_trl_it_was_not_written_for_runs_trls_head_and_says_why(monkeypatch):
+    from trl.trainer.utils import add_fused_lm_head
+
+    monkeypatch.setattr(kernels, "_backward_tile", lambda tile, targets: None)
+    monkeypatch.setattr(leanact.patching.trl_head, "_WARNED", set())
+    model = leanact.patch(_model())
+    add_fused_lm_head(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with pytest.warns(UserWarning, match="TRL's fused LM head runs as it is .*tile fold takes"), \
+            _functions_used() as seen:
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert seen == ["ChunkedLogProbFunction"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
