@@ -203,3 +203,24 @@ def test_a_trl_it_was_not_written_for_runs_trls_head_and_says_why(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
+@written_for
+def test_triton_kernels_under_the_interpreter(monkeypatch):
+    """The backward's launches of TRL's Triton tile kernel (what runs on a GPU), under Triton's
+    interpreter on CPU tensors: TRL's gradients bit for bit."""
+    if type(kernels._backward_kernel).__name__ != "InterpretedFunction":
+        pytest.skip("TRL's kernels were not built under Triton's interpreter in this process")
+    monkeypatch.setattr(kernels, "_use_triton", lambda device: True)
+    monkeypatch.setattr(kernels, "TOKEN_CHUNK_SIZE", 16)
+    g = torch.Generator().manual_seed(0)
+    n, v, h = 40, 300, 16
+    base = (torch.randn(n, h, generator=g), 0.1 * torch.randn(v, h, generator=g),
+            torch.randint(0, v, (n,), generator=g))
+    g1 = torch.randn(n, generator=g)
+    got = []
+    for fn in (kernels.ChunkedLogProbFunction, lean_class(kernels)):
+        x, w = (t.clone().requires_grad_() for t in base[:2])
+        lp, ent, *_ = fn.apply(x, w, None, base[2], 0.9, 128, None, 1.0, ("log_probs", "entropy"))
+        got.append(torch.autograd.grad((lp * g1).sum() + ent.sum(), (x, w)))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
