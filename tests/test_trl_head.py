@@ -225,37 +225,3 @@ def test_triton_kernels_under_the_interpreter(monkeypatch):
         got.append(torch.autograd.grad((lp * g1).sum() + ent.sum(), (x, w)))
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
-
-_RSS = r'''
-import resource, sys, torch, torch.nn.functional as F
-from trl.kernels import chunked_logprob as K
-from leanact.ops.cross_entropy.trl_logprobs import lean_class
-V, H, N = 50000, 1024, 64
-torch.manual_seed(0)
-w = torch.nn.Parameter(torch.randn(V, H))
-head = torch.nn.Parameter(torch.randn(V, H)) if sys.argv[1] == "untied" else w
-ids = torch.randint(0, V, (N,))
-h = F.embedding(ids, w) * 1.0
-lp = lean_class(K).apply(h, head, None, ids, 1.0, 4096, None, 1.0, ("log_probs",))[0]
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-lp.sum().backward()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
-'''
-
-
-@pytest.mark.slow
-@written_for
-def test_a_tied_embedding_adds_into_the_heads_gradient_in_place():
-    """Without a dispatch mode, autograd adds a tied embedding's gradient into the head's in place:
-    the backward's peak RSS is the untied model's (each process starts from the same state; the
-    allocator returns every large block to the system: MALLOC_MMAP_THRESHOLD_). Under the estimate's
-    modes the sum is out of place (one V·H more: docs/post_training.md)."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TRITON_INTERPRET="0")
-    rss = {kind: int(subprocess.run([sys.executable, "-c", _RSS, kind], env=env, capture_output=True, text=True,
-                                    check=True, timeout=300).stdout.split()[-1]) for kind in ("tied", "untied")}
-    vh = 50000 * 1024 * 4
-    assert abs(rss["tied"] - rss["untied"]) < 0.25 * vh, rss
