@@ -1,7 +1,7 @@
 """One TRL post-training step (DPO, GRPO) on the Llama-3.2-1B geometry: TRL alone against leanact + TRL.
 
     python benchmarks/trl_step.py [--layers 2] [--tokens 1024] [--trainers dpo grpo] [--dtype fp32]
-                                  [--no-checkpointing] [--markdown] [--predict cpu|cuda]
+                                  [--no-checkpointing] [--markdown] [--predict cpu|cuda] [--rss]
 
 The model: the Llama-3.2-1B geometry (h=2048, 32/8 heads, SwiGLU 8192, its 128,256-token vocabulary, tied
 embeddings) at ``--layers`` layers, ``--dtype`` weights (bf16 by default; fp32 on CPUs without native
@@ -17,6 +17,12 @@ checkpointing (every layer recomputed in backward) unless ``--no-checkpointing``
   the optimizer's state, made after it, are not in it);
 * ``kept``: the bytes autograd keeps at the end of the forward (``SavedTensorMeter``: storages
   counted once, parameters excluded).
+
+``--rss`` runs each side's step (with and without TRL's checkpointing) in a fresh process with no
+tracker at all (a tracker is a ``TorchDispatchMode``, under which autograd adds a tied embedding's
+gradient out of place) and reports the peak RSS during ``trainer.train()`` above the RSS at its
+start (Linux): the whole step, the AdamW state it creates included, with TRL's CPU fallback for its
+head's tiles (fp32 temporaries that its Triton kernels on a GPU do not make).
 """
 from __future__ import annotations
 
@@ -185,6 +191,40 @@ def predict(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dty
     return est.peak, est.peak - est.params - est.buffers - est.optimizer_state, est.saved
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def rss_child(kind: str, layers: int, tokens: int, patched: bool, dtype: torch.dtype, checkpointing: bool) -> None:
+    """One ``trainer.train()`` step in this (fresh) process, without any tracker: prints the peak RSS
+    above the RSS at its start (Linux: /proc/self/status VmHWM, reset by /proc/self/clear_refs) and
+    the seconds it took."""
+    trainer = trainer_for(kind, layers, tokens, patched, dtype, checkpointing)
+    start = _status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS restarts from now
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    print("RSS", _status("VmHWM:") - start, time.perf_counter() - t0)
+
+
+def rss(kind: str, layers: int, tokens: int, patched: bool, dtype: str, checkpointing: bool) -> tuple[int, float]:
+    """(peak RSS above the step's start, seconds) of :func:`rss_child` in a fresh process whose allocator
+    returns every block over 64 KiB to the system when freed (``MALLOC_MMAP_THRESHOLD_``)."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--rss-child", kind, str(int(patched)), str(int(checkpointing)),
+           "--layers", str(layers), "--tokens", str(tokens), "--dtype", dtype]
+    out = subprocess.run(cmd, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"), capture_output=True, text=True,
+                         check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("RSS "))
+    return int(line.split()[1]), float(line.split()[2])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -195,7 +235,27 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--predict", choices=["cpu", "cuda"],
                     help="predict the step with leanact.estimate_trainer for this device instead of running it")
+    ap.add_argument("--rss", action="store_true",
+                    help="run each step in a fresh process without any tracker and report its peak RSS above the "
+                         "step's start (Linux), with and without TRL's checkpointing")
+    ap.add_argument("--rss-child", nargs=3, metavar=("KIND", "PATCHED", "CHECKPOINTING"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rss_child:
+        kind, patched, ckpt = args.rss_child
+        rss_child(kind, args.layers, args.tokens, patched == "1", DTYPES[args.dtype], ckpt == "1")
+        return
+    if args.rss:
+        print(f"| step, peak RSS above its start ({args.layers} layers, {args.tokens} tokens per sequence, "
+              f"{args.dtype}, CPU) | TRL | leanact + TRL | TRL s | leanact + TRL s |")
+        print("|---|---:|---:|---:|---:|")
+        for kind in args.trainers:
+            for ckpt in (True, False):
+                (a, ta), (b, tb) = (rss(kind, args.layers, args.tokens, patched, args.dtype, ckpt)
+                                    for patched in (False, True))
+                label = f"{kind.upper()}, {'TRL' if ckpt else 'no'} checkpointing"
+                print(f"| {label} | {a / MIB:.0f} MiB | {b / MIB:.0f} MiB ({b / a:.2f}x) | {ta:.0f} | {tb:.0f} |",
+                      flush=True)
+        return
     if args.predict:
         print(f"| predicted step ({args.layers} layers, {args.tokens} tokens per sequence, {args.dtype}, "
               f"{args.predict}) | TRL: peak MiB | above weights and AdamW state | kept | leanact + TRL: peak | "
