@@ -3,13 +3,13 @@
 TRL's trainers (1.16 and later) put their own fused head on the policy and the reference
 (``trl.trainer.utils.add_fused_lm_head``) and call the model with ``fused_lm_head=True``; that
 forward computes per-token log-probabilities with ``trl.kernels.ChunkedLogProbFunction``. A forward
-pre-hook on a patched model puts :class:`leanact.ops.cross_entropy.trl_logprobs` 's subclass in its
-place for the duration of such a call, and a forward hook that runs even when the call raises
+pre-hook on a patched model puts the subclass :mod:`leanact.ops.cross_entropy.trl_logprobs` makes in
+its place for the duration of such a call, and a forward hook that runs even when the call raises
 puts TRL's back: the forward is TRL's, the backward gives TRL's gradients bit for bit without an
 fp32 buffer of the weight's size (the step's peak under TRL's checkpointing: 1.5 GiB less at
-Llama-3.2-1B's vocabulary and width in bf16). Other calls, and models leanact did not patch, run
-TRL's head as it is. A TRL whose head differs from the one this backward is written for is left as
-it is, with one warning naming why.
+Llama-3.2-1B's vocabulary and width in bf16). Other calls, calls under ``torch.compile`` and models
+leanact did not patch run TRL's head as it is. A TRL whose head differs from the one this backward
+is written for is left as it is, with one warning naming why.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import sys
 import warnings
 from weakref import WeakKeyDictionary
 
+import torch
 from torch import nn
 
 from ..ops.cross_entropy.trl_logprobs import compatible, lean_class
@@ -30,6 +31,8 @@ _WARNED: set[str] = set()
 
 
 def _lean_head_in(module: nn.Module, args, kwargs):
+    if torch.compiler.is_compiling():  # (compiled: TRL's head as it is, and nothing here for dynamo to guard on)
+        return None
     utils = sys.modules.get("trl.trainer.utils")
     kernels = sys.modules.get("trl.kernels.chunked_logprob")
     calls = _SWAPPED.setdefault(module, [])
@@ -52,6 +55,8 @@ def _lean_head_in(module: nn.Module, args, kwargs):
 
 
 def _lean_head_out(module: nn.Module, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        return None
     calls = _SWAPPED.get(module)
     swapped = calls.pop() if calls else None  # (none: an earlier pre-hook raised before this one ran)
     if swapped is not None:
