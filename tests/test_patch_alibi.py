@@ -230,6 +230,20 @@ def test_estimate_equals_a_measured_step(case, pad):
     assert abs(predicted.peak - real.peak) <= 0.01 * real.peak
 
 
+def test_a_fake_mask_is_taken_as_causal_only_inside_an_estimate():
+    """Outside leanact.estimate's trace (another fake-tensor trace, which may be run for real later) a
+    fake mask is not assumed to be causal: HF's forward; inside, it is (memory only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # (as leanact.estimate's)
+        mask = torch.zeros(1, 1, 4, 4)
+        hf_alibi._CHECKED[0] = None
+        assert hf_alibi._key_bias(mask) is None
+        with hf_alibi._estimating(None):
+            assert hf_alibi._key_bias(mask)[0] is True
+    hf_alibi._CHECKED[0] = None
+
+
 def test_summary_and_unpatch():
     model = _model("bloom")
     lean = _patched(model)

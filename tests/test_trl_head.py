@@ -188,6 +188,41 @@ def test_trls_function_is_back_when_the_call_raises():
     assert trl_utils._ChunkedLogProbFunction is kernels.ChunkedLogProbFunction
 
 
+@written_for
+def test_under_torch_compile_trls_head_runs_as_it_is(monkeypatch):
+    """While dynamo traces (is_compiling), the hooks neither swap TRL's function nor keep any state."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = leanact.patch(_model())
+    add_fused_lm_head(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with _functions_used() as seen:
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert seen == ["ChunkedLogProbFunction"] and not leanact.patching.trl_head._SWAPPED.get(model)
+
+
+@written_for
+def test_a_forward_it_does_not_read_gets_trls_backward(monkeypatch):
+    """A ctx without what TRL's forward keeps (another TRL's forward), or a gradient reaching an output
+    other than the log-probabilities and the entropy: TRL's own backward answers."""
+    import types
+
+    from leanact.ops.cross_entropy.trl_logprobs import _backward
+
+    calls = []
+    monkeypatch.setattr(kernels.ChunkedLogProbFunction, "backward",
+                        staticmethod(lambda ctx, *grads: calls.append(len(grads)) or "trl"))
+    bare = types.SimpleNamespace(saved_tensors=(torch.zeros(1),) * 6)
+    assert _backward(kernels, bare, torch.ones(2), None) == "trl"
+    full = types.SimpleNamespace(saved_tensors=(torch.zeros(1),) * 6, compute_dtype=torch.float32, chunk_size=4,
+                                 kernel_args={})
+    assert _backward(kernels, full, torch.ones(2), None, torch.ones(2)) == "trl"
+    assert _backward(kernels, types.SimpleNamespace(**{**vars(full), "saved_tensors": (torch.zeros(1),) * 7}),
+                     torch.ones(2), None) == "trl"
+    assert calls == [2, 3, 2]
+
+
 def test_a_trl_it_was_not_written_for_runs_trls_head_and_says_why(monkeypatch):
     from trl.trainer.utils import add_fused_lm_head
 

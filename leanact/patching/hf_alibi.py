@@ -37,6 +37,7 @@ is at least as close to the float64 result (tests: within 2x HF's own error).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import weakref
@@ -47,6 +48,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..ops import fake_rules
 from ..ops.attention import attention as _lean_attention
 from ..ops.transforms import functorch_active
 from ..ops.attention.masked_rows import EagerMaskedRows
@@ -115,6 +117,22 @@ _CHECKED: list = [None]
 _DEAD_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+#: inside a leanact.estimate trace (its fake-tensor rule in force): fake masks are taken as built from a 2-D mask
+_ESTIMATING = [0]
+
+
+@contextlib.contextmanager
+def _estimating(run):
+    _ESTIMATING[0] += 1
+    try:
+        yield
+    finally:
+        _ESTIMATING[0] -= 1
+
+
+fake_rules.register("hf_alibi_mask", rule=_estimating)
+
+
 def _dead_rows(bias: torch.Tensor):
     """The causal rows (b, 1|H, s) of a per-key bias (b, 1|H, 1, s) that see no allowed key, or None.
     None for a fake bias (``leanact.estimate``: no values to tell), so an estimate does not count what
@@ -130,12 +148,15 @@ def _dead_rows(bias: torch.Tensor):
 def _key_bias(mask: torch.Tensor) -> tuple[bool, torch.Tensor] | None:
     """(causal, bias (b, 1|H, 1, s) with -inf on masked keys) if ``mask`` (b, 1|H, s, s), bool or
     additive float, is the causal triangle over that per-key row; None if it is anything else. A fake
-    mask (``leanact.estimate``: no values to compare) is taken as the causal triangle over its last
-    row, which is what Hugging Face builds from a 2-D ``attention_mask``."""
+    mask has no values to compare: inside ``leanact.estimate`` it is taken as the causal triangle over
+    its last row, which is what Hugging Face builds from a 2-D ``attention_mask`` (a memory estimate,
+    no gradient depends on it); in any other fake trace it is None (Hugging Face's forward)."""
     hit = _CHECKED[0]
     if hit is not None and hit[0]() is mask:
         return hit[1]
     found = None
+    if is_fake(mask) and not _ESTIMATING[0]:
+        return None
     if mask.dim() == 4 and mask.size(-1) == mask.size(-2):
         s = mask.size(-1)
         last = mask[:, :, -1:, :]

@@ -6,10 +6,11 @@ forward computes per-token log-probabilities with ``trl.kernels.ChunkedLogProbFu
 pre-hook on a patched model puts the subclass :mod:`leanact.ops.cross_entropy.trl_logprobs` makes in
 its place for the duration of such a call, and a forward hook that runs even when the call raises
 puts TRL's back: the forward is TRL's, the backward gives TRL's gradients bit for bit without an
-fp32 buffer of the weight's size (the step's peak under TRL's checkpointing: 1.5 GiB less at
-Llama-3.2-1B's vocabulary and width in bf16). Other calls, calls under ``torch.compile`` and models
-leanact did not patch run TRL's head as it is. A TRL whose head differs from the one this backward
-is written for is left as it is, with one warning naming why.
+fp32 buffer of the weight's size (TRL's head then no longer holds the step's peak under TRL's
+checkpointing: predicted 1.2 GiB less in it at Llama-3.2-1B's vocabulary and width in bf16, before the
+peak moves to the tied embedding's backward; docs/post_training.md). Other calls, calls under
+``torch.compile`` and models leanact did not patch run TRL's head as it is. A TRL whose head differs
+from the one this backward is written for is left as it is, with one warning naming why.
 """
 from __future__ import annotations
 

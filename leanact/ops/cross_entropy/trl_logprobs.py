@@ -62,8 +62,12 @@ def lean_class(module: Any) -> type:
 
 
 def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
-    """TRL's gradients, vocabulary tiles outer (module doc)."""
-    if not all(hasattr(ctx, a) for a in ("compute_dtype", "chunk_size", "kernel_args")):
+    """TRL's gradients, vocabulary tiles outer (module doc). TRL's own backward runs where its forward
+    kept something else than what this one reads, or where an output other than the log-probabilities
+    and the entropy receives a gradient (TRL marks them non-differentiable; a TRL that did not would
+    need its own backward's terms)."""
+    if (not all(hasattr(ctx, a) for a in ("compute_dtype", "chunk_size", "kernel_args"))
+            or len(ctx.saved_tensors) != 6 or any(g is not None for g in rest)):
         return trl.ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy, *rest)
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
