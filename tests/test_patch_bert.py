@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import leanact.nn as lnn  # noqa: E402
-from leanact.patching import patch, summary, unpatch  # noqa: E402
+from leanact.patching import patch, summary, tied_embedding, unpatch  # noqa: E402
 from leanact.patching.modules import PatchedGELU  # noqa: E402
 
 BertConfig, BertForMaskedLM, BertModel = transformers.BertConfig, transformers.BertForMaskedLM, transformers.BertModel
@@ -53,8 +53,9 @@ def test_patch_replaces_modules_and_records_summary():
     assert lean.config._attn_implementation == "leanact"
     s = summary(lean)
     # LayerNorms (embeddings, head), Dropouts (embeddings, attention), GELUActivations, and the
-    # sub-layer ends holding the other 4 LayerNorms and 4 Dropouts
-    assert len(s.replaced) == 2 + 3 + 3 + 4
+    # sub-layer ends holding the other 4 LayerNorms and 4 Dropouts, the word embedding (tied to the decoder)
+    assert len(s.replaced) == 2 + 3 + 3 + 4 + 1
+    assert ("bert.embeddings.word_embeddings", "Embedding", tied_embedding.LABEL) in s.replaced
     assert sorted(new for _, was, new in s.replaced if was in ("BertOutput", "BertSelfOutput")) == (
         ["leanact.patching.LeanBertOutput"] * 2 + ["leanact.patching.LeanBertSelfOutput"] * 2)
     assert s.attention == [("", "sdpa", "leanact (recompute)")]

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import leanact.nn as lnn  # noqa: E402
-from leanact.patching import patch, summary  # noqa: E402
+from leanact.patching import patch, summary, tied_embedding  # noqa: E402
 
 
 def _no_dropout(cfg):
@@ -113,7 +113,8 @@ def test_patch_replaces_modules(family):
     fused = {f"leanact.patching.Lean{was}" for _, was, _ in s.replaced if was.endswith("Output")}  # dropout+add+norm
     assert fused == ({"leanact.patching.LeanRobertaOutput", "leanact.patching.LeanRobertaSelfOutput"}
                      if family == "roberta" else set()), fused
-    assert kinds == {"leanact.nn.LayerNorm", "leanact.nn.Dropout", gelu} | fused, kinds
+    tied = {tied_embedding.LABEL} if family != "vit" else set()  # (the word embedding: tied to the head)
+    assert kinds == {"leanact.nn.LayerNorm", "leanact.nn.Dropout", gelu} | fused | tied, kinds
     for m in lean.modules():
         assert type(m) not in (torch.nn.LayerNorm, torch.nn.Dropout)
         assert type(m).__module__ != "transformers.activations"

@@ -63,9 +63,15 @@ def test_one_subclass_of_trls_function():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("frozen_weight", [False, True])
-def test_gradients_are_trls_bit_for_bit(dtype, bias, softcap, frozen_weight, small_token_chunks):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_gradients_are_trls_bit_for_bit(dtype, bias, softcap, frozen_weight, sliced, small_token_chunks, monkeypatch):
     """Token chunks × vocabulary tiles summed in the same order as TRL's backward: equal bits, with and
-    without bias, softcap, entropy's gradient, a frozen weight (LoRA), in fp32 and bf16."""
+    without bias, softcap, entropy's gradient, a frozen weight (LoRA), in fp32 and bf16; with TRL's torch
+    fold run on slices of 5 rows (what bounds its temporaries on a CPU) too."""
+    from leanact.ops.cross_entropy import trl_logprobs
+
+    if sliced:
+        monkeypatch.setattr(trl_logprobs, "_FOLD_ELEMENTS", 5 * CHUNK)
     for entropy_grad in (True, False):
         trl_out, trl_grads = _grads(kernels.ChunkedLogProbFunction, *_inputs(dtype, bias, frozen_weight), softcap,
                                     entropy_grad)
@@ -122,10 +128,11 @@ def test_backward_peak_has_no_fp32_buffer_of_the_weights_size():
     assert above["trl"] >= v * H * 6 and above["lean"] <= v * H * 2 + 2**20
 
 
-def _model():
+def _model(tied=False):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=V, attn_implementation="sdpa")
+                                   num_key_value_heads=2, vocab_size=V, attn_implementation="sdpa",
+                                   tie_word_embeddings=tied)
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).train()
 
 
@@ -175,6 +182,51 @@ def test_patched_model_runs_it_for_fused_lm_head_calls_only():
     assert trl_utils._ChunkedLogProbFunction is kernels.ChunkedLogProbFunction
     leanact.unpatch(model)
     assert not leanact.patching.trl_head.installed(model)
+
+
+@written_for
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (gradient_checkpointing_enable: renamed in transformers 5.24)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tied_weight_gradient_made_once(checkpointing, monkeypatch):
+    """Tied embeddings (Llama 3.2 1B's): the lean head hands its dW to the embedding's node
+    (leanact.ops.embedding), which adds its token rows into it: W's gradient is made once and equals,
+    bit for bit, what autograd makes from TRL's head and torch's embedding. Under gradient
+    checkpointing the head computes dW late, inside the embedding's backward (the same tiles), so
+    that it is not held while the layers' backward runs."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from leanact.ops.cross_entropy import trl_logprobs
+    from leanact.ops.embedding import TiedEmbeddingFunction, handed_off
+
+    model = leanact.patch(_model(tied=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    calls, inside = [], [False]
+    tiles, backward = trl_logprobs._tiles, TiedEmbeddingFunction.backward
+
+    def spy_tiles(*args):
+        calls.append((args[-2], inside[0]))  # (need_w, in the embedding's backward)
+        return tiles(*args)
+
+    def spy_backward(ctx, grad):
+        inside[0] = True
+        try:
+            return backward(ctx, grad)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(trl_logprobs, "_tiles", spy_tiles)
+    monkeypatch.setattr(TiedEmbeddingFunction, "backward", staticmethod(spy_backward))
+    before = handed_off()
+    seen, grads = _step(model, True)
+    assert handed_off() - before == 1 and seen == ["LeanChunkedLogProb"]
+    assert calls == ([(False, False), (True, True)] if checkpointing else [(True, False)])
+    _, want = _step(twin, False)  # TRL's head: autograd adds its dW and the embedding's
+    assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in grads)
 
 
 @written_for

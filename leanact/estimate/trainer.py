@@ -18,7 +18,7 @@ from .api import _device_kind, _dtype_arg, _dtype_of, _result, _run
 from .fake import DATA_DEPENDENT, fake_copy, fake_inputs, new_mode
 from .result import Estimate
 
-__all__ = ["estimate_trainer", "measure_trainer"]
+__all__ = ["estimate_trainer", "measure_trainer", "trainer_optimizer"]
 
 _NOTE = ("a trainer step: trainer.compute_loss (every model the trainer holds: the reference's forward is "
          "counted where the trainer runs it), backward, the optimizer's step; values the trainer reads on the host "
@@ -178,11 +178,32 @@ def _around(kind: str) -> Iterator[None]:
         yield
 
 
+def trainer_optimizer(trainer) -> Any:
+    """``params -> optimizer``: the optimizer ``trainer`` steps with -- the one it holds, else the class and
+    arguments ``trainer.create_optimizer`` would use (``args.optim``: ``adamw_torch_fused`` by default, a
+    fused AdamW whose step makes no temporaries of the parameters' size)."""
+    held = getattr(trainer, "optimizer", None)
+    if held is not None:
+        cls, kwargs = type(held), dict(held.defaults)
+    else:
+        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, getattr(trainer, "model", None))
+    return functools.partial(_optimizer, cls, kwargs)
+
+
+def _optimizer(cls, kwargs, params):
+    return cls(params, **kwargs)
+
+
+def _optimizer_arg(trainer, optimizer: Any) -> Any:
+    return trainer_optimizer(trainer) if optimizer == "trainer" else optimizer
+
+
 def estimate_trainer(trainer, inputs: Any = None, device: Any = None, *, dtype: Any = None,
-                     optimizer: Any = "adamw") -> Estimate:
+                     optimizer: Any = "trainer") -> Estimate:
     """Predict the memory of one step of ``trainer`` (a ``transformers.Trainer``, TRL's included)
     without running it: ``trainer.compute_loss`` on ``inputs``, backward, then ``optimizer``'s step
-    (as :func:`leanact.estimate`), on fake copies of every model the trainer holds -- its ``model``
+    (``"trainer"``: the trainer's own, :func:`trainer_optimizer`; or as :func:`leanact.estimate` takes
+    it), on fake copies of every model the trainer holds -- its ``model``
     and any other module attribute, such as a DPO or GRPO ``ref_model`` (whose weights count as
     parameters; its forward's memory where the trainer runs it). The trainer is left as it was.
 
@@ -196,6 +217,7 @@ def estimate_trainer(trainer, inputs: Any = None, device: Any = None, *, dtype: 
     whose model is already wrapped (DDP, FSDP, DeepSpeed) is refused.
     """
     held = _held_models(trainer)
+    optimizer = _optimizer_arg(trainer, optimizer)
     if inputs is None:
         inputs = first_batch(trainer)
     dtype = _dtype_arg(dtype)
@@ -227,12 +249,13 @@ def estimate_trainer(trainer, inputs: Any = None, device: Any = None, *, dtype: 
                          "(leanact.estimate.measure_trainer)") from e
 
 
-def measure_trainer(trainer, inputs: Any = None, *, optimizer: Any = "adamw") -> Estimate:
+def measure_trainer(trainer, inputs: Any = None, *, optimizer: Any = "trainer") -> Estimate:
     """The measured counterpart of :func:`estimate_trainer`: one real step (CPU) with the same
     protocol, on deep copies of the trainer's models (the trainer's own are not updated)."""
     from .step import run_step
 
     held = _held_models(trainer)
+    optimizer = _optimizer_arg(trainer, optimizer)
     if inputs is None:
         inputs = first_batch(trainer)
     copies = copy.deepcopy(held)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from torch import nn
 
 from . import (amp, attention_config, functional_dropout, generic, hf_alibi, hf_fc_mlp, hf_head, hf_moe,
-               hf_moe_clamped, hf_residual_norm, hf_rms_norm, hf_rotary, hf_swiglu, peft_lora, training_cache,
-               trl_head)
+               hf_moe_clamped, hf_residual_norm, hf_rms_norm, hf_rotary, hf_swiglu, peft_lora, tied_embedding,
+               training_cache, trl_head)
 from .adapter import ModelStep, ModuleAdapter, PatchRun
 
 __all__ = ["MODULE_ADAPTERS", "MODEL_STEPS", "FAMILIES"]
@@ -43,6 +43,7 @@ MODEL_STEPS: tuple[ModelStep, ...] = (
     functional_dropout.STEP,
     training_cache.STEP,
     trl_head.STEP,
+    tied_embedding.STEP,
     hf_rotary.STEP,
     amp.STEP,  # (last: its forward wrapper is the outermost)
 )

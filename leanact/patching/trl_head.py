@@ -42,7 +42,8 @@ def _lean_head_in(module: nn.Module, args, kwargs):
         return None
     current = getattr(utils, "_ChunkedLogProbFunction", None)
     why = compatible(kernels)
-    if why is None and current is not kernels.ChunkedLogProbFunction and current is not lean_class(kernels):
+    if why is None and current is not kernels.ChunkedLogProbFunction and current not in (
+            lean_class(kernels), lean_class(kernels, True)):
         why = f"trl.trainer.utils._ChunkedLogProbFunction is {current!r}, not TRL's ChunkedLogProbFunction"
     if why is not None:
         if why not in _WARNED:
@@ -51,8 +52,17 @@ def _lean_head_in(module: nn.Module, args, kwargs):
         calls.append(None)
         return None
     calls.append((utils, current))
-    utils._ChunkedLogProbFunction = lean_class(kernels)
+    utils._ChunkedLogProbFunction = lean_class(kernels, late_weight_grad=_checkpointed(module))
     return None
+
+
+def _checkpointed(model: nn.Module) -> bool:
+    """Whether the model recomputes its layers in backward (Hugging Face's gradient checkpointing,
+    TRL's default): the head's weight gradient is then computed late (module doc)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # (transformers >= 5.24, before)
+        if isinstance(getattr(type(model), name, None), property):
+            return bool(getattr(model, name))
+    return False
 
 
 def _lean_head_out(module: nn.Module, args, kwargs, output):

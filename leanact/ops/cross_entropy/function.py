@@ -73,6 +73,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import fake_rules
 from ..amp import autocast_dtype, autocast_off, no_autocast_backward
+from ..embedding.tied_grad import hand_off
 from ..backward import _raising
 from ..cpu_gemm import native_16bit_gemm as _native_16bit_gemm
 from ..transforms import functorch_active
@@ -478,7 +479,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g):
         if torch.is_grad_enabled():  # create_graph=True
             return _backward_with_graph(ctx, g)
-        return _backward(ctx, g)
+        dx, dw, *rest = _backward(ctx, g)
+        return dx, hand_off(ctx, 1, dw), *rest  # (a tied embedding may take dW: leanact.ops.embedding)
 
 
 _NONES = (None,) * 11  # the gradients of target, the options and the anchors

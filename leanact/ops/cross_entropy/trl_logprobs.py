@@ -20,10 +20,13 @@ runs TRL's own backward.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
+
+from ..embedding.tied_grad import give, hand_off, receiver
 
 __all__ = ["compatible", "lean_class"]
 
@@ -33,7 +36,9 @@ _TILE_PARAMS = ("tile", "tile_stride", "targets", "log_z", "entropy", "grad_logp
                 "HAS_ENTROPY_GRAD", "BLOCK_SIZE")
 _NAMES = ("ChunkedLogProbFunction", "TOKEN_CHUNK_SIZE", "_BLOCK_SIZE", "_backward_kernel", "_backward_tile",
           "_addmm_fp32", "_use_triton")
-_CLASS: dict[int, type] = {}
+_CLASS: dict[tuple[int, bool], type] = {}
+#: elements of one call of TRL's torch fold (16 MiB per fp32 temporary)
+_FOLD_ELEMENTS = 2**22
 
 
 def compatible(module: Any) -> str | None:
@@ -50,18 +55,20 @@ def compatible(module: Any) -> str | None:
     return None
 
 
-def lean_class(module: Any) -> type:
-    """The subclass of ``module.ChunkedLogProbFunction`` with the backward above (one per module)."""
-    if id(module) not in _CLASS:
+def lean_class(module: Any, late_weight_grad: bool = False) -> type:
+    """The subclass of ``module.ChunkedLogProbFunction`` with the backward above (one per module and
+    ``late_weight_grad``: the weight's gradient computed in a tied embedding's backward, module doc)."""
+    key = (id(module), late_weight_grad)
+    if key not in _CLASS:
         def backward(ctx, *grads):
-            return _backward(module, ctx, *grads)
+            return _backward(module, ctx, *grads, late=late_weight_grad)
 
-        _CLASS[id(module)] = type("LeanChunkedLogProb", (module.ChunkedLogProbFunction,), {
+        _CLASS[key] = type("LeanChunkedLogProb", (module.ChunkedLogProbFunction,), {
             "__doc__": __doc__.split("\n\n")[0], "__module__": __name__, "backward": staticmethod(backward)})
-    return _CLASS[id(module)]
+    return _CLASS[key]
 
 
-def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
+def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest, late=False):
     """TRL's gradients, vocabulary tiles outer (module doc). TRL's own backward runs where its forward
     kept something else than what this one reads, or where an output other than the log-probabilities
     and the entropy receives a gradient (TRL marks them non-differentiable; a TRL that did not would
@@ -69,11 +76,30 @@ def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
     if (not all(hasattr(ctx, a) for a in ("compute_dtype", "chunk_size", "kernel_args"))
             or len(ctx.saved_tensors) != 6 or any(g is not None for g in rest)):
         return trl.ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy, *rest)
+    hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    g_lp = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
+    g_ent = grad_entropy.float().contiguous() if grad_entropy is not None else None
+    tiles = functools.partial(_tiles, trl, hidden, weight, bias, targets, log_z, entropy, g_lp, g_ent,
+                              ctx.compute_dtype, ctx.chunk_size, ctx.kernel_args)
+    node = receiver(ctx, 1) if late and need_w else None
+    if node is not None and tuple(weight.shape) == tuple(node.leanact_weight_shape):
+        grad_hidden, _, grad_bias = tiles(need_h, False, need_b) if need_h or need_b else (None, None, None)
+        give(node, lambda: tiles(False, True, False)[1])  # (the same tiles, sums and order: the same bits)
+        grad_weight = None
+    else:
+        grad_hidden, grad_weight, grad_bias = tiles(need_h, need_w, need_b)
+        grad_weight = hand_off(ctx, 1, grad_weight)
+    return (grad_hidden.to(hidden.dtype) if need_h else None, grad_weight,
+            grad_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
+
+
+def _tiles(trl, hidden, weight, bias, targets, log_z, entropy, g_lp, g_ent, cdtype, chunk, kernel_args,
+           need_h, need_w, need_b):
+    """(fp32 dx, dW in the weight's dtype, fp32 db), each None where not asked: the vocabulary tiles
+    outer, the token chunks inner."""
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-    hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
-    cdtype, chunk = ctx.compute_dtype, ctx.chunk_size
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
     n_tok, rows = hidden.shape[0], trl.TOKEN_CHUNK_SIZE
     with maybe_gather_lm_head_ctx(weight, bias):
         vocab = weight.shape[0]
@@ -85,8 +111,6 @@ def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
         buf = torch.empty((min(n_tok, rows), chunk), device=hidden.device, dtype=cdtype)
         acc_buf = (torch.empty((min(vocab, chunk), weight.shape[1]), device=weight.device, dtype=f32)
                    if need_w and weight.dtype != f32 else None)
-        g_lp = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
-        g_ent = grad_entropy.float().contiguous() if grad_entropy is not None else None
         use_triton = trl._use_triton(hidden.device)
         block = trl._BLOCK_SIZE
         for start in range(0, vocab, chunk):
@@ -104,11 +128,17 @@ def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
                 torch.mm(h_chunk, w_tile.t(), out=tile)
                 if bias is not None:
                     tile.add_(bias[start:end].to(cdtype))
-                fold = trl._backward_kernel[(t1 - t0, -(-width // block))] if use_triton else trl._backward_tile
-                fold(tile, tile.stride(0), targets[t0:t1], log_z[t0:t1], entropy[t0:t1],
-                     g_lp[t0:t1] if g_lp is not None else log_z, g_ent[t0:t1] if g_ent is not None else log_z,
-                     start, width, HAS_LOGPROB_GRAD=g_lp is not None, HAS_ENTROPY_GRAD=g_ent is not None,
-                     BLOCK_SIZE=block, **ctx.kernel_args)
+                # TRL's torch fold (no Triton: CPUs) makes several fp32 temporaries of the tile's size (3.5 GiB
+                # at 4096 tokens × 32768 columns): run it on slices of rows (it is elementwise: the same bits)
+                step = (t1 - t0) if use_triton else max(1, _FOLD_ELEMENTS // width)
+                for r0 in range(t0, t1, step):
+                    r1 = min(r0 + step, t1)
+                    part = tile[r0 - t0:r1 - t0]
+                    fold = trl._backward_kernel[(r1 - r0, -(-width // block))] if use_triton else trl._backward_tile
+                    fold(part, part.stride(0), targets[r0:r1], log_z[r0:r1], entropy[r0:r1],
+                         g_lp[r0:r1] if g_lp is not None else log_z, g_ent[r0:r1] if g_ent is not None else log_z,
+                         start, width, HAS_LOGPROB_GRAD=g_lp is not None, HAS_ENTROPY_GRAD=g_ent is not None,
+                         BLOCK_SIZE=block, **kernel_args)
                 if need_h:
                     trl._addmm_fp32(grad_hidden[t0:t1], tile, w_tile)
                 if need_w:
@@ -117,6 +147,4 @@ def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest):
                     grad_bias[start:end] += tile.sum(dim=0, dtype=f32)
             if acc_buf is not None:
                 grad_weight[start:end].copy_(acc)
-    return (grad_hidden.to(hidden.dtype) if need_h else None, grad_weight,
-            grad_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
-
+    return grad_hidden, grad_weight, grad_bias
