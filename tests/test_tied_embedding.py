@@ -271,3 +271,25 @@ def test_the_function_keeps_only_the_ids():
         out = TiedEmbeddingFunction.apply(w, ids, None)
     assert m.total_bytes == ids.numel() * ids.element_size()
     del out
+
+
+def test_estimate_predicts_the_hand_off():
+    """leanact.estimate traces the hand-off as it runs (fake tensors: every token taken as distinct, the
+    most rows the embedding's part can have): predicted and measured peaks agree within those rows."""
+    transformers = pytest.importorskip("transformers")
+    import leanact
+    from leanact.estimate import estimate, measure
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=4000, tie_word_embeddings=True,
+                                   attn_implementation="sdpa")
+    model = leanact.patch(transformers.LlamaForCausalLM(cfg))
+    ids = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))  # (repeated tokens)
+    x = dict(input_ids=ids, labels=ids)
+    before = handed_off()
+    pred = estimate(model, x)
+    assert handed_off() - before == 1
+    real = measure(model, x)
+    assert handed_off() - before >= 2
+    assert 0 <= pred.peak - real.peak <= (ids.numel() + 1) * 64 * 4 + 4096, (pred.peak, real.peak)

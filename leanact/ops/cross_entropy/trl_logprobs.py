@@ -12,7 +12,17 @@ token) and runs the same tiles, kernels and fp32 products in the other order: th
 each tile's rows of the weight gradient summed in fp32 over the token chunks in a buffer of one
 tile's rows, then written once in the weight's dtype. Every sum runs over the same terms in the
 same order as TRL's, so the gradients are TRL's bit for bit; the transient is one tile's rows of
-fp32 (chunk_size · H · 4 bytes) instead of the weight's size.
+fp32 (chunk_size · H · 4 bytes) instead of the weight's size. On a CPU, TRL's torch fold of a tile
+(several fp32 temporaries of the tile's size) runs on slices of rows: it is elementwise, the same bits.
+
+Tied weights (:mod:`leanact.ops.embedding`): the weight's gradient is handed to the embedding's node,
+which adds its token rows into it. With ``late_weight_grad`` (what :mod:`leanact.patching.trl_head`
+asks for under gradient checkpointing) the backward computes only the hidden states' gradient, and
+the weight's is computed inside the embedding's backward, at the end, so that it is not held while
+the layers' backward runs: one more pass of the logits over the vocabulary (one matmul of the
+head's size) in tiles of 4,096 vocabulary rows, whose buffers are 1/8 of TRL's. Its sums are
+TRL's; the smaller tiles can round the recomputed logits differently (fp32 products rounded to the
+compute dtype), so that gradient equals TRL's to the dtype's rounding, not bit for bit.
 
 Which TRL it serves: :func:`compatible` checks that ``trl.kernels.chunked_logprob`` has the
 functions and the tile signature this backward calls; a ctx that lacks what TRL's forward stores
@@ -39,6 +49,9 @@ _NAMES = ("ChunkedLogProbFunction", "TOKEN_CHUNK_SIZE", "_BLOCK_SIZE", "_backwar
 _CLASS: dict[tuple[int, bool], type] = {}
 #: elements of one call of TRL's torch fold (16 MiB per fp32 temporary)
 _FOLD_ELEMENTS = 2**22
+#: vocabulary rows per tile of the late weight gradient (module doc): its tile of logits and its fp32
+#: rows are then 32 MiB each at 4096 tokens and H = 2048, not 256 MiB each at TRL's 32768
+_LATE_TILE = 4096
 
 
 def compatible(module: Any) -> str | None:
@@ -85,7 +98,9 @@ def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest, late=False):
     node = receiver(ctx, 1) if late and need_w else None
     if node is not None and tuple(weight.shape) == tuple(node.leanact_weight_shape):
         grad_hidden, _, grad_bias = tiles(need_h, False, need_b) if need_h or need_b else (None, None, None)
-        give(node, lambda: tiles(False, True, False)[1])  # (the same tiles, sums and order: the same bits)
+        late = functools.partial(_tiles, trl, hidden, weight, bias, targets, log_z, entropy, g_lp, g_ent,
+                                 ctx.compute_dtype, min(ctx.chunk_size, _LATE_TILE), ctx.kernel_args)
+        give(node, lambda: late(False, True, False)[1])
         grad_weight = None
     else:
         grad_hidden, grad_weight, grad_bias = tiles(need_h, need_w, need_b)

@@ -18,7 +18,10 @@ torch's) and no head hands anything off.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from ..fake_rules import faking
 from .tied_grad import register_embedding, take
@@ -54,13 +57,15 @@ class TiedEmbeddingFunction(torch.autograd.Function):
             g = item() if callable(item) else item
             total = g if total is None else total.add_(g)
         flat = ids.reshape(-1)
-        if faking():  # (no values: every token taken as distinct, the most rows this can make)
+        if faking() and is_fake(flat):  # (no values: every token taken as distinct, the most rows there can be)
             distinct, inverse = flat, torch.arange(flat.numel(), device=flat.device)
-        else:
-            distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        n = distinct.numel()
-        if ctx.padding_idx >= 0:  # padding tokens to one extra row, which the kernel leaves at zero
-            inverse = torch.where(flat == ctx.padding_idx, n, inverse)
+            n = distinct.numel()
+        else:  # (leanact.estimate keeps integer inputs real: their values, outside the fake mode)
+            with unset_fake_temporarily() if faking() else contextlib.nullcontext():
+                distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+                n = distinct.numel()
+                if ctx.padding_idx >= 0:  # padding tokens to one extra row, which the kernel leaves at zero
+                    inverse = torch.where(flat == ctx.padding_idx, n, inverse)
         token_rows = _dense_backward(grad.reshape(flat.numel(), -1), inverse, n + 1, n, False)[:n]
         total.index_put_((distinct,), token_rows.to(total.dtype), accumulate=True)
         return total, None, None
