@@ -2,6 +2,7 @@
 
     python benchmarks/trl_step.py [--layers 2] [--tokens 1024] [--trainers dpo grpo] [--dtype fp32]
                                   [--no-checkpointing] [--markdown] [--predict cpu|cuda] [--rss]
+                                  [--late-head-grad auto|on|off] [--checkpointing-only]
 
 The model: the Llama-3.2-1B geometry (h=2048, 32/8 heads, SwiGLU 8192, its 128,256-token vocabulary, tied
 embeddings) at ``--layers`` layers, ``--dtype`` weights (bf16 by default; fp32 on CPUs without native
@@ -55,6 +56,8 @@ def tokenizer(vocab: int):
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LATES = {"auto": None, "on": True, "off": False}
+LATE_HEAD_GRAD = [None]  # leanact.patch's late_head_grad (--late-head-grad)
 
 
 def build(layers: int, patched: bool, dtype: torch.dtype):
@@ -65,7 +68,7 @@ def build(layers: int, patched: bool, dtype: torch.dtype):
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = 0, 1, 2
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
-    return leanact.patch(model) if patched else model
+    return leanact.patch(model, late_head_grad=LATE_HEAD_GRAD[0]) if patched else model
 
 
 def data(kind: str, tokens: int, vocab: int):
@@ -217,8 +220,9 @@ def rss(kind: str, layers: int, tokens: int, patched: bool, dtype: str, checkpoi
     import os
     import subprocess
 
+    late = next(k for k, v in LATES.items() if v is LATE_HEAD_GRAD[0])
     cmd = [sys.executable, __file__, "--rss-child", kind, str(int(patched)), str(int(checkpointing)),
-           "--layers", str(layers), "--tokens", str(tokens), "--dtype", dtype]
+           "--layers", str(layers), "--tokens", str(tokens), "--dtype", dtype, "--late-head-grad", late]
     out = subprocess.run(cmd, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"), capture_output=True, text=True,
                          check=True).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("RSS "))
@@ -238,8 +242,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rss", action="store_true",
                     help="run each step in a fresh process without any tracker and report its peak RSS above the "
                          "step's start (Linux), with and without TRL's checkpointing")
+    ap.add_argument("--late-head-grad", choices=list(LATES), default="auto",
+                    help="leanact.patch(late_head_grad=...): auto (under checkpointing), on, off")
+    ap.add_argument("--checkpointing-only", action="store_true", help="--rss: only the rows with TRL's checkpointing")
     ap.add_argument("--rss-child", nargs=3, metavar=("KIND", "PATCHED", "CHECKPOINTING"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    LATE_HEAD_GRAD[0] = LATES[args.late_head_grad]
     if args.rss_child:
         kind, patched, ckpt = args.rss_child
         rss_child(kind, args.layers, args.tokens, patched == "1", DTYPES[args.dtype], ckpt == "1")
@@ -249,7 +257,7 @@ def main(argv=None) -> None:
               f"{args.dtype}, CPU) | TRL | leanact + TRL | TRL s | leanact + TRL s |")
         print("|---|---:|---:|---:|---:|")
         for kind in args.trainers:
-            for ckpt in (True, False):
+            for ckpt in (True,) if args.checkpointing_only else (True, False):
                 (a, ta), (b, tb) = (rss(kind, args.layers, args.tokens, patched, args.dtype, ckpt)
                                     for patched in (False, True))
                 label = f"{kind.upper()}, {'TRL' if ckpt else 'no'} checkpointing"

@@ -137,3 +137,27 @@ def test_checkpointing_where_train_turns_it_on(tmp_path, monkeypatch):
             assert measure_trainer(trainer, batch).saved == kept[on]
         assert trainer.model.is_gradient_checkpointing == before
     assert kept[True] < kept[False] / 2
+
+
+def test_the_trainers_own_optimizer(tmp_path, monkeypatch):
+    """The step's optimizer is the trainer's: from ``args.optim`` before training (``adamw_torch_fused``
+    by default: a fused AdamW), the one it holds after (Accelerate's wrapper unwrapped); ``optimizer=``
+    still takes another."""
+    from leanact.estimate.trainer import trainer_optimizer
+
+    monkeypatch.chdir(tmp_path)
+    trainer = make("sft", True)
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = trainer_optimizer(trainer)(p)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] and opt.defaults["lr"] == trainer.args.learning_rate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW  # (in Accelerate's wrapper)
+    again = trainer_optimizer(trainer)(p)
+    assert type(again) is torch.optim.AdamW and again.defaults["fused"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = estimate_trainer(trainer, first_batch(trainer))
+        foreach = estimate_trainer(trainer, first_batch(trainer), optimizer="adamw")
+    assert fused.optimizer_state == foreach.optimizer_state and fused.peak <= foreach.peak

@@ -209,6 +209,8 @@ def test_patched_model_runs_it_for_fused_lm_head_calls_only():
     assert seen == ["LeanChunkedLogProb"] and seen_trl == ["ChunkedLogProbFunction"]
     assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in grads)
     assert any("TRL's fused LM head" in n for n in leanact.summary(model).notes)
+    with pytest.raises(TypeError, match="late_head_grad"):
+        leanact.patch(_model(), late_head_grad="yes")
     assert model(input_ids=torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, V)  # a plain call: HF's head
     assert trl_utils._ChunkedLogProbFunction is kernels.ChunkedLogProbFunction
     leanact.unpatch(model)
@@ -217,19 +219,20 @@ def test_patched_model_runs_it_for_fused_lm_head_calls_only():
 
 @written_for
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # (gradient_checkpointing_enable: renamed in transformers 5.24)
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_tied_weight_gradient_made_once(checkpointing, monkeypatch):
+@pytest.mark.parametrize("checkpointing,late_head_grad", [(False, None), (True, None), (True, False), (False, True)])
+def test_tied_weight_gradient_made_once(checkpointing, late_head_grad, monkeypatch):
     """Tied embeddings (Llama 3.2 1B's): the lean head hands its dW to the embedding's node
     (leanact.ops.embedding), which adds its token rows into it: W's gradient is made once and equals,
     bit for bit, what autograd makes from TRL's head and torch's embedding. Under gradient
-    checkpointing the head computes dW late, inside the embedding's backward (the same tiles), so
-    that it is not held while the layers' backward runs."""
+    checkpointing (or with ``late_head_grad=True``) the head computes dW late, inside the embedding's
+    backward, so that it is not held while the layers' backward runs."""
     from trl.trainer.utils import add_fused_lm_head
 
     from leanact.ops.cross_entropy import trl_logprobs
     from leanact.ops.embedding import TiedEmbeddingFunction, handed_off
 
-    model = leanact.patch(_model(tied=True))
+    model = leanact.patch(_model(tied=True), late_head_grad=late_head_grad)
+    late = checkpointing if late_head_grad is None else late_head_grad
     assert model.lm_head.weight is model.model.embed_tokens.weight
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -255,12 +258,12 @@ def test_tied_weight_gradient_made_once(checkpointing, monkeypatch):
     before = handed_off()
     seen, grads = _step(model, True)
     assert handed_off() - before == 1 and seen == ["LeanChunkedLogProb"]
-    assert calls == ([(False, False), (True, True)] if checkpointing else [(True, False)])
+    assert calls == ([(False, False), (True, True)] if late else [(True, False)])
     _, want = _step(twin, False)  # TRL's head: autograd adds its dW and the embedding's
     assert grads.keys() == want.keys()
     tied = "model.embed_tokens.weight"
-    assert all(torch.equal(grads[n], want[n]) for n in grads if n != tied or not checkpointing)
-    if checkpointing:  # (the late tiles' logits can round otherwise: bf16's rounding of W's gradient)
+    assert all(torch.equal(grads[n], want[n]) for n in grads if n != tied or not late)
+    if late:  # (the late tiles' logits can round otherwise: bf16's rounding of W's gradient)
         torch.testing.assert_close(grads[tied], want[tied], rtol=2**-7, atol=2**-7 * want[tied].abs().max().item())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -183,11 +184,22 @@ def trainer_optimizer(trainer) -> Any:
     arguments ``trainer.create_optimizer`` would use (``args.optim``: ``adamw_torch_fused`` by default, a
     fused AdamW whose step makes no temporaries of the parameters' size)."""
     held = getattr(trainer, "optimizer", None)
-    if held is not None:
+    while isinstance(getattr(held, "optimizer", None), torch.optim.Optimizer):  # (Accelerate's wrapper)
+        held = held.optimizer
+    if held is not None and _takes(type(held), held.defaults):
         cls, kwargs = type(held), dict(held.defaults)
     else:
         cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, getattr(trainer, "model", None))
     return functools.partial(_optimizer, cls, kwargs)
+
+
+def _takes(cls: type, kwargs: dict) -> bool:
+    """Whether ``cls(params, **kwargs)`` binds (an optimizer's ``defaults`` are usually its arguments)."""
+    try:
+        inspect.signature(cls).bind(None, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _optimizer(cls, kwargs, params):

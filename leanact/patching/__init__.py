@@ -101,7 +101,7 @@ def _check_not_inside_patched(model: nn.Module) -> None:
 
 def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: bool = False,
           lossy: str | dict | None = None, fused_loss: bool = True, recast_weights: bool = True,
-          cast_recipes: bool = True) -> nn.Module:
+          cast_recipes: bool = True, late_head_grad: bool | None = None) -> nn.Module:
     """Rewire ``model`` in place to use leanact's lean ops; returns ``model``.
 
     ``attention``: "recompute" (default; keeps q, k, v, output and one statistic per row),
@@ -122,17 +122,26 @@ def patch(model: nn.Module, *, attention: str | bool = "recompute", verbose: boo
     in backward (:mod:`leanact.patching.amp`); False = keep autocast's casts (2 bytes per element
     per source more, less host time per step: no saved-tensor hooks for them). With both False a
     patched model under autocast keeps what its lean ops keep and autocast's copies, as HF does.
+    ``late_head_grad``: where the head's weight is tied to the input embedding, TRL's fused head
+    (:mod:`leanact.patching.trl_head`) can compute that weight's gradient in the embedding's backward,
+    at the end, instead of holding it through the layers' backward: less peak memory, one more matmul
+    of the head's size per step. None (default) = when the model recomputes its layers (gradient
+    checkpointing, TRL's default); True = always; False = never (the gradient is still handed to the
+    embedding, not added by autograd).
     Patching an already patched model first unpatches it. Prints nothing unless ``verbose``.
     """
     _check_module("patch", model)
     if not isinstance(cast_recipes, bool):
         raise TypeError(f"leanact.patch(cast_recipes={cast_recipes!r}): use True (default) or False")
+    if late_head_grad is not None and not isinstance(late_head_grad, bool):
+        raise TypeError(f"leanact.patch(late_head_grad={late_head_grad!r}): use None (default: under gradient "
+                        "checkpointing), True or False")
     if attention not in (False, *_ATTENTION_MODES):
         raise ValueError(f"attention must be one of {_ATTENTION_MODES} or False, got {attention!r}")
     if getattr(model, ATTR, None) is not None:
         unpatch(model)
     _PATCHED.add(model)
-    run = PatchRun(attention, bool(fused_loss), cast_recipes)
+    run = PatchRun(attention, bool(fused_loss), cast_recipes, late_head_grad)
     object.__setattr__(model, ATTR, run)
     try:
         for step in MODEL_STEPS:

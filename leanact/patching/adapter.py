@@ -62,6 +62,7 @@ class PatchRun:
     attention: str | bool
     fused_loss: bool
     cast_recipes: bool
+    late_head_grad: bool | None = None  # (leanact.patch's argument)
     summary: PatchSummary = field(default_factory=PatchSummary)
     #: (step name, parent, attribute name, original child), in the order made
     swaps: list[tuple[str, nn.Module, str, nn.Module]] = field(default_factory=list)

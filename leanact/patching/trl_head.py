@@ -6,9 +6,10 @@ forward computes per-token log-probabilities with ``trl.kernels.ChunkedLogProbFu
 pre-hook on a patched model puts the subclass :mod:`leanact.ops.cross_entropy.trl_logprobs` makes in
 its place for the duration of such a call, and a forward hook that runs even when the call raises
 puts TRL's back: the forward is TRL's, the backward gives TRL's gradients bit for bit without an
-fp32 buffer of the weight's size (TRL's head then no longer holds the step's peak under TRL's
-checkpointing: predicted 1.2 GiB less in it at Llama-3.2-1B's vocabulary and width in bf16, before the
-peak moves to the tied embedding's backward; docs/post_training.md). Other calls, calls under
+fp32 buffer of the weight's size (1.2 GiB less at Llama-3.2-1B's vocabulary and width in bf16). With
+tied embeddings (:mod:`.tied_embedding`) the weight's gradient goes to the embedding's backward; where
+the model recomputes its layers (Hugging Face's gradient checkpointing, TRL's default) it is computed
+there, late, so that it is not held through the layers' backward (docs/post_training.md). Other calls, calls under
 ``torch.compile`` and models leanact did not patch run TRL's head as it is. A TRL whose head differs
 from the one this backward is written for is left as it is, with one warning naming why.
 """
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ..ops.cross_entropy.trl_logprobs import compatible, lean_class
-from .adapter import ModelStep, PatchRun
+from .adapter import ATTR, ModelStep, PatchRun
 
 __all__ = ["install", "remove", "installed", "STEP"]
 
@@ -52,8 +53,14 @@ def _lean_head_in(module: nn.Module, args, kwargs):
         calls.append(None)
         return None
     calls.append((utils, current))
-    utils._ChunkedLogProbFunction = lean_class(kernels, late_weight_grad=_checkpointed(module))
+    utils._ChunkedLogProbFunction = lean_class(kernels, late_weight_grad=_late(module))
     return None
+
+
+def _late(model: nn.Module) -> bool:
+    """Whether the head's weight gradient is computed late (``leanact.patch(late_head_grad=...)``)."""
+    late = getattr(getattr(model, ATTR, None), "late_head_grad", None)
+    return _checkpointed(model) if late is None else late
 
 
 def _checkpointed(model: nn.Module) -> bool:
@@ -103,8 +110,8 @@ def _install(model: nn.Module, run: PatchRun) -> None:
         return
     install(model)
     run.summary.notes.append("TRL's fused LM head (calls with fused_lm_head=True): its backward with the "
-                             "vocabulary outer, TRL's gradients bit for bit without an fp32 buffer of the "
-                             "weight's size")
+                             "vocabulary outer, TRL's gradients without an fp32 buffer of the weight's size; "
+                             "a tied weight's gradient made in the embedding's backward")
 
 
 STEP = ModelStep("trl_head", _install, lambda model, run: remove(model))
