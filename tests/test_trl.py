@@ -36,11 +36,12 @@ def tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0", eos_token="t1", bos_token="t2")
 
 
-def base_model():
+def base_model(tied=False):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=V, pad_token_id=0,
-                                      eos_token_id=1, bos_token_id=2, attn_implementation="sdpa")
+                                      eos_token_id=1, bos_token_id=2, attn_implementation="sdpa",
+                                      tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # non-trivial norm weights (HF initialises them to 1)
         for name, p in model.named_parameters():
@@ -94,11 +95,11 @@ TRAINERS = {  # name -> (trainer, config, dataset kind, takes a reference model)
 }
 
 
-def run(name, patched, *, lora=False, **options):
+def run(name, patched, *, lora=False, tied=False, **options):
     """(loss TRL logs, gradients) of one step of trainer ``name``; ``patched``: leanact.patch on the
     policy and the reference. Ranking trainers generate with the policy (sampling, seeded)."""
     trainer_cls, config_cls, kind, takes_ref = TRAINERS[name]
-    model, ref = base_model(), base_model() if takes_ref else None
+    model, ref = base_model(tied), base_model(tied) if takes_ref else None
     if options.get("beta") and name in ("grpo", "rloo"):  # TRL loads the reference from the policy's path
         base_model().save_pretrained("reference")
         model.config._name_or_path = "reference"
@@ -150,6 +151,21 @@ def test_sft_padding_free_and_gradient_accumulation(tmp_path, monkeypatch):
     micro-batches."""
     monkeypatch.chdir(tmp_path)
     check("sft", padding_free=True, max_length=None, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+
+
+@pytest.mark.parametrize("name,options", [("sft", dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+                                          ("dpo", {}), ("grpo", {}),
+                                          ("dpo", dict(gradient_checkpointing=False))])
+def test_tied_embeddings(name, options, tmp_path, monkeypatch):
+    """Tied input and output embeddings (Llama 3.2 1B's): the lean head hands its weight gradient to the
+    embedding (computed there, late, under TRL's default checkpointing), with accumulated micro-batches
+    too: the trainers' losses and gradients are the unpatched run's."""
+    from leanact.ops.embedding import handed_off
+
+    monkeypatch.chdir(tmp_path)
+    before = handed_off()
+    check(name, tied=True, **options)
+    assert handed_off() > before
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])
