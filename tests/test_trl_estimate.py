@@ -20,9 +20,9 @@ from leanact.estimate.trainer import first_batch  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def make(name, patched, **options):
+def make(name, patched, tied=False, **options):
     trainer_cls, config_cls, kind, takes_ref = TRAINERS[name]
-    model, ref = base_model(), base_model() if takes_ref else None
+    model, ref = base_model(tied), base_model(tied) if takes_ref else None
     if patched:
         model = leanact.patch(model)
         ref = leanact.patch(ref) if ref is not None else None
@@ -62,6 +62,27 @@ def test_estimate_equals_the_measured_step(name, tmp_path, monkeypatch):
             assert all(torch.equal(a, b) for a, b in zip(weights[k], m.parameters()))
         saved[patched] = est.saved
     assert saved[True] < saved[False]
+
+
+@pytest.mark.parametrize("name", ["dpo", "grpo"])
+def test_tied_embedding_estimated_as_measured(name, tmp_path, monkeypatch):
+    """Tied embeddings: the estimate traces the hand-off and the late weight gradient (TRL's
+    checkpointing) as the real step runs them, the ids real (the trainer's integer inputs)."""
+    from leanact.ops.embedding import handed_off
+
+    monkeypatch.chdir(tmp_path)
+    trainer = make(name, True, tied=True)
+    torch.manual_seed(0)
+    batch = first_batch(trainer)
+    before = handed_off()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = estimate_trainer(trainer, batch)
+        assert handed_off() - before == 1
+        got = measure_trainer(trainer, batch)
+    assert handed_off() - before >= 2
+    assert est.saved == got.saved
+    assert abs(est.peak - got.peak) <= 0.03 * got.peak, (est.peak, got.peak)
 
 
 def test_reference_model_is_counted(tmp_path, monkeypatch):

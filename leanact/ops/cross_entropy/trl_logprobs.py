@@ -96,7 +96,8 @@ def _backward(trl, ctx, grad_logprobs, grad_entropy, *rest, late=False):
     tiles = functools.partial(_tiles, trl, hidden, weight, bias, targets, log_z, entropy, g_lp, g_ent,
                               ctx.compute_dtype, ctx.chunk_size, ctx.kernel_args)
     node = receiver(ctx, 1) if late and need_w else None
-    if node is not None and tuple(weight.shape) == tuple(node.leanact_weight_shape):
+    if (node is not None and tuple(weight.shape) == tuple(node.leanact_weight_shape)
+            and weight.dtype == node.leanact_weight_dtype):
         grad_hidden, _, grad_bias = tiles(need_h, False, need_b) if need_h or need_b else (None, None, None)
         late = functools.partial(_tiles, trl, hidden, weight, bias, targets, log_z, entropy, g_lp, g_ent,
                                  ctx.compute_dtype, min(ctx.chunk_size, _LATE_TILE), ctx.kernel_args)

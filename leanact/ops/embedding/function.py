@@ -40,6 +40,7 @@ class TiedEmbeddingFunction(torch.autograd.Function):
         ctx.save_for_backward(ids)
         ctx.padding_idx = -1 if padding_idx is None else padding_idx
         ctx.leanact_weight_shape = tuple(weight.shape)
+        ctx.leanact_weight_dtype = weight.dtype
         register_embedding(ctx)
         return out
 

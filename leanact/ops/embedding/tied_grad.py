@@ -96,7 +96,7 @@ def hand_off(ctx, index: int, grad: torch.Tensor | None) -> torch.Tensor | None:
     if grad is None or grad.layout != torch.strided:
         return grad
     node = receiver(ctx, index)
-    if node is None or tuple(grad.shape) != tuple(node.leanact_weight_shape):
+    if node is None or tuple(grad.shape) != tuple(node.leanact_weight_shape) or grad.dtype != node.leanact_weight_dtype:
         return grad
     give(node, grad)
     return None
